@@ -1,0 +1,71 @@
+"""The canonical KV cache of a node: one contiguous block-major int8 tensor per group.
+
+`tensors[g][block]` is one contiguous page holding that block for every layer of group g. Per-layer K/V and
+conv/ssm views are reinterpretations of the same memory; the connector registers `tensors` as they are.
+Memory comes from numpy (large numpy allocations are advised onto huge pages, which UCX reads fastest).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    group_id: int
+    index_in_group: int
+
+
+class KVCacheStorage:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...]) -> None:
+        if len(groups) != len(num_blocks):
+            raise ValueError(f"{len(groups)} groups but {len(num_blocks)} block counts")
+        self.groups = groups
+        self.num_blocks = num_blocks
+        self.tensors: tuple[torch.Tensor, ...] = tuple(
+            torch.from_numpy(np.zeros((n, g.page_size_bytes), dtype=np.int8)) for g, n in zip(groups, num_blocks)
+        )
+        self._slots = {
+            layer: LayerSlot(gid, i) for gid, g in enumerate(groups) for i, layer in enumerate(g.layer_ids)
+        }
+
+    def slot(self, layer_id: int) -> LayerSlot:
+        return self._slots[layer_id]
+
+    def _layer_bytes(self, layer_id: int) -> torch.Tensor:
+        s = self._slots[layer_id]
+        page = self.groups[s.group_id].spec.page_size_bytes
+        return self.tensors[s.group_id][:, s.index_in_group * page : (s.index_in_group + 1) * page]
+
+    def attention_view(self, layer_id: int) -> torch.Tensor:
+        """(num_blocks, 2, block_size, num_kv_heads, head_size) view of one attention layer (0 = K, 1 = V)."""
+        spec = self.groups[self._slots[layer_id].group_id].spec
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"layer {layer_id} is not an attention layer")
+        raw = self._layer_bytes(layer_id)
+        n = raw.shape[0]
+        used = math.prod(spec.kv_shape) * torch.empty((), dtype=spec.dtype).element_size()
+        return raw[:, :used].view(spec.dtype).view(n, *spec.kv_shape)
+
+    def mamba_views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_blocks, *conv_state_shape) and (num_blocks, *ssm_state_shape) views of one Mamba layer."""
+        spec = self.groups[self._slots[layer_id].group_id].spec
+        if not isinstance(spec, MambaSpec):
+            raise TypeError(f"layer {layer_id} is not a Mamba layer")
+        raw = self._layer_bytes(layer_id)
+        n = raw.shape[0]
+        conv_dtype, ssm_dtype = spec.dtypes
+        conv_used = math.prod(spec.conv_state_shape) * torch.empty((), dtype=conv_dtype).element_size()
+        ssm_used = math.prod(spec.ssm_state_shape) * torch.empty((), dtype=ssm_dtype).element_size()
+        conv = raw[:, :conv_used].view(conv_dtype).view(n, *spec.conv_state_shape)
+        ssm = raw[:, spec.conv_bytes : spec.conv_bytes + ssm_used].view(ssm_dtype).view(n, *spec.ssm_state_shape)
+        return conv, ssm
+
+    def copy_block(self, group_id: int, src: int, dst: int) -> None:
+        self.tensors[group_id][dst].copy_(self.tensors[group_id][src])
