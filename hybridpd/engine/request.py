@@ -1,0 +1,60 @@
+"""What the engine takes in and gives back: frozen values, enums for states."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridpd.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"        # EOS or a stop string
+    LENGTH = "length"    # max_tokens or max_model_len
+    ABORT = "abort"      # client went away, or shutdown
+    ERROR = "error"      # a failure (see RequestOutput.error)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    # The parsed `kv_transfer_params` of the HTTP body (a connector dataclass), None for a colocated request.
+    kv_transfer: Any = None
+    cache_salt: bytes | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """One increment of a request's output; the last one has `finished=True`."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # For a request prefilled here for a remote decode node: the top-level `kv_transfer_params` to answer.
+    kv_transfer_params: dict[str, Any] | None = None
+    error: Exception | None = field(default=None, compare=False)
