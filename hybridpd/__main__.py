@@ -1,0 +1,5 @@
+import sys
+
+from hybridpd.cli import main
+
+sys.exit(main())

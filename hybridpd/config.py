@@ -1,0 +1,90 @@
+"""One frozen config per process, validated in `__post_init__`, passed explicitly."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class MambaCacheMode(enum.Enum):
+    ALIGN = "align"   # save a Mamba state every mamba_cache_interval tokens, so a later request can hit there
+    NONE = "none"     # no Mamba prefix hits (so no prefix hits at all in a model with Mamba layers)
+
+
+class KVLoadFailurePolicy(enum.Enum):
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None      # bytes for all groups together; None: use num_blocks or a default
+    num_blocks: int | None = None            # explicit block count per attention group
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    mamba_cache_interval: int | None = None  # None: the model's mamba_chunk_size rounded up to the block size
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"--num-blocks must be >= 2 (one is the null block), got {self.num_blocks}")
+        if self.mamba_cache_interval is not None and (
+            self.mamba_cache_interval < 1 or self.mamba_cache_interval % self.block_size
+        ):
+            raise ValueError(
+                f"--mamba-cache-interval must be a positive multiple of --block-size ({self.block_size}), "
+                f"got {self.mamba_cache_interval}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVTransferConfig:
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0                        # gRPC side channel; 0 = HTTP port + 1000
+    lease_seconds: float = 60.0
+    load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
+    decode_skip_mamba_align: bool = True
+    load_timeout_seconds: float = 30.0
+    cluster_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.lease_seconds <= 0:
+            raise ValueError(f"--kv-lease-seconds must be positive, got {self.lease_seconds}")
+        if self.load_timeout_seconds <= 0:
+            raise ValueError(f"--kv-load-timeout must be positive, got {self.load_timeout_seconds}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model_dir: Path
+    dtype: str = "float32"
+    threads: int = 1
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
