@@ -1,0 +1,115 @@
+"""`kv_transfer_params`, vLLM's wire shape, parsed into typed values where it enters a node.
+
+Request side (proxy -> prefill node): `do_remote_decode: true` asks this node to prefill for a remote decoder.
+Request side (proxy -> decode node): `do_remote_prefill: true` plus the `remote_*` fields that the prefill node
+answered with, asks this node to pull the prompt's KV from that node and decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpd.errors import InvalidRequestError
+
+_MAX_BLOCK_ID = 2**31 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteDecodeParams:
+    """Prefill here, hold the blocks under a lease, answer with `RemotePrefillParams` for the decoder."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemotePrefillParams:
+    """Where the prompt's KV lives: the prefill node's engine, request, blocks (per group) and side channel."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    remote_host: str
+    remote_port: int
+    remote_num_tokens: int
+    remote_lease_expiry: float | None = None
+
+    @property
+    def peer(self) -> str:
+        return f"{self.remote_host}:{self.remote_port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_request_id": self.remote_request_id,
+            "remote_block_ids": [list(ids) for ids in self.remote_block_ids],
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_num_tokens": self.remote_num_tokens,
+            "remote_lease_expiry": self.remote_lease_expiry,
+        }
+
+
+KVTransferParams = RemoteDecodeParams | RemotePrefillParams
+
+
+def _field(obj: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+    value = obj.get(name)
+    if value is None and optional:
+        return None
+    if value is None:
+        raise InvalidRequestError(f"kv_transfer_params.{name} is required", f"kv_transfer_params.{name}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidRequestError(f"kv_transfer_params.{name} must be an integer", f"kv_transfer_params.{name}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        raise InvalidRequestError(f"kv_transfer_params.{name} must be a finite number", f"kv_transfer_params.{name}")
+    if kind is str and not isinstance(value, str):
+        raise InvalidRequestError(f"kv_transfer_params.{name} must be a string", f"kv_transfer_params.{name}")
+    if kind is bool and not isinstance(value, bool):
+        raise InvalidRequestError(f"kv_transfer_params.{name} must be a boolean", f"kv_transfer_params.{name}")
+    return value
+
+
+def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
+    name = "kv_transfer_params.remote_block_ids"
+    if not isinstance(value, list) or not all(isinstance(group, list) for group in value):
+        raise InvalidRequestError(f"{name} must be a list of lists of block ids (one list per KV group)", name)
+    for group in value:
+        for block_id in group:
+            if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 <= block_id <= _MAX_BLOCK_ID:
+                raise InvalidRequestError(f"{name} holds an invalid block id: {block_id!r}", name)
+    return tuple(tuple(group) for group in value)
+
+
+def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
+    """None when the request is colocated; raises InvalidRequestError for a malformed value."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("kv_transfer_params must be an object", "kv_transfer_params")
+    remote_decode = bool(_field(raw, "do_remote_decode", bool, optional=True))
+    remote_prefill = bool(_field(raw, "do_remote_prefill", bool, optional=True))
+    if remote_decode and remote_prefill:
+        raise InvalidRequestError(
+            "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true", "kv_transfer_params"
+        )
+    if remote_decode:
+        return RemoteDecodeParams()
+    if not remote_prefill:
+        return None
+    port = _field(raw, "remote_port", int)
+    if not 0 < port < 65536:
+        raise InvalidRequestError(f"kv_transfer_params.remote_port is out of range: {port}", "kv_transfer_params")
+    num_tokens = _field(raw, "remote_num_tokens", int)
+    if num_tokens < 0:
+        raise InvalidRequestError("kv_transfer_params.remote_num_tokens must be >= 0", "kv_transfer_params")
+    return RemotePrefillParams(
+        remote_engine_id=_field(raw, "remote_engine_id", str),
+        remote_request_id=_field(raw, "remote_request_id", str),
+        remote_block_ids=_block_ids(_field(raw, "remote_block_ids", list)),
+        remote_host=_field(raw, "remote_host", str),
+        remote_port=port,
+        remote_num_tokens=num_tokens,
+        remote_lease_expiry=_field(raw, "remote_lease_expiry", float, optional=True),
+    )
