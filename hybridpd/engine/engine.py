@@ -1,0 +1,202 @@
+"""One node's engine: a model, its paged hybrid KV cache, a scheduler; `step()` is schedule -> run -> update.
+
+Single-threaded: only the engine thread (see async_engine.py) calls into it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridpd.config import EngineConfig, MambaCacheMode
+from hybridpd.engine.detokenizer import Detokenizer
+from hybridpd.engine.kv_cache.coordinator import KVCacheManager
+from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
+from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec, group_layers
+from hybridpd.engine.kv_cache.storage import KVCacheStorage
+from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.loader import load_model
+from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus, TokenLogprob
+from hybridpd.engine.runner import LogitsHook, ModelRunner
+from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler
+from hybridpd.engine.sequence import Sequence
+from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
+from hybridpd.errors import InvalidRequestError
+
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+
+# Called with a finished prefill-role sequence (its blocks still held); returns the top-level kv_transfer_params.
+HoldHandler = Callable[[Sequence], dict]
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: Detokenizer
+    sent_tokens: int = 0
+
+
+def mamba_interval(config: EngineConfig, model_config: HybridConfig) -> int:
+    """The Mamba cache interval: a multiple of both the block size and the scan chunk size."""
+    block, chunk = config.cache.block_size, model_config.mamba_chunk_size
+    interval = config.cache.mamba_cache_interval
+    if interval is None:
+        interval = math.lcm(block, chunk)
+    if interval % chunk:
+        raise ValueError(
+            f"--mamba-cache-interval ({interval}) must be a multiple of the model's mamba_chunk_size ({chunk}): "
+            "cached states are taken at scan chunk boundaries"
+        )
+    return interval
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, logits_hook: LogitsHook | None = None) -> None:
+        torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        self.model_config, self.model = load_model(config.model_dir, dtype)
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir, self.model_config.vocab_size)
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        has_mamba = any(kind == "mamba" for kind in self.model_config.layer_kinds)
+        self.mamba_interval = mamba_interval(config, self.model_config) if has_mamba else config.cache.block_size
+        self.groups: tuple[KVCacheGroup, ...] = group_layers(
+            self.model.kv_cache_specs(config.cache.block_size, self.mamba_interval)
+        )
+        self.num_blocks = self._block_counts()
+        self.storage = KVCacheStorage(self.groups, self.num_blocks)
+        self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache)
+        align = has_mamba and config.cache.mamba_cache_mode is MambaCacheMode.ALIGN
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            max_model_len=self.max_model_len,
+            eos_token_id=self.tokenizer.eos_token_id,
+            chunk_boundary=self.mamba_interval if align and config.cache.enable_prefix_caching else None,
+        )
+        self.runner = ModelRunner(self.model, self.storage, logits_hook)
+        self.hold_handler: HoldHandler | None = None
+        self.decode_skip_mamba_align = True
+        self._tracked: dict[str, _Tracked] = {}
+        self._order = itertools.count()
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    def _block_counts(self) -> tuple[int, ...]:
+        cache, seqs = self.config.cache, self.config.scheduler.max_num_seqs
+        if cache.num_blocks is not None:
+            return blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs)
+        return blocks_for_memory(self.groups, cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, max_num_seqs=seqs)
+
+    def set_remote(self, loader: RemoteKVLoader, hold_handler: HoldHandler, decode_skip_mamba_align: bool) -> None:
+        self.scheduler.loader = loader
+        self.hold_handler = hold_handler
+        self.decode_skip_mamba_align = decode_skip_mamba_align
+
+    @property
+    def has_mamba_groups(self) -> bool:
+        return any(isinstance(g.spec, MambaSpec) for g in self.groups)
+
+    # -- admission ----------------------------------------------------------------------------------------------
+    def validate(self, request: EngineRequest) -> None:
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        total = len(ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{len(ids)} prompt tokens + {request.sampling.max_tokens} max_tokens = {total}",
+                "max_tokens",
+            )
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.validate(request)
+        seq = Sequence.from_request(
+            request, arrival_order=next(self._order), decode_skip_mamba_align=self.decode_skip_mamba_align
+        )
+        self._tracked[seq.request_id] = _Tracked(seq, Detokenizer(self.tokenizer, request.sampling.stop))
+        self.num_prompt_tokens_total += len(seq.prompt_token_ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.seq, FinishReason.ABORT)
+        return self._output(tracked, "", (), finished=True)
+
+    def fail(self, request_id: str, error: Exception) -> RequestOutput | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.seq, FinishReason.ERROR, RequestStatus.FAILED)
+        return self._output(tracked, "", (), finished=True, error=error)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        out = self.runner.run(plan)
+        touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
+        return [self._emit(seq, out.sampled.get(seq.request_id)) for seq in touched]
+
+    def _emit(self, seq: Sequence, sampled) -> RequestOutput:
+        tracked = self._tracked[seq.request_id]
+        if seq.remote_decode:
+            return self._emit_held(tracked)
+        self.num_generation_tokens_total += 1
+        text_ids = seq.output_token_ids
+        if seq.finish_reason is FinishReason.STOP:  # ended by EOS, which is not part of the text
+            text_ids = text_ids[:-1]
+        new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished)
+        if stop is not None and not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP)
+            seq.stop_reason = stop
+        new_ids = tuple(seq.output_token_ids[tracked.sent_tokens :])
+        tracked.sent_tokens = len(seq.output_token_ids)
+        logprobs = (sampled.logprob,) if sampled is not None and sampled.logprob is not None else ()
+        if seq.is_finished:
+            self._tracked.pop(seq.request_id, None)
+        return self._output(tracked, new_text, new_ids, finished=seq.is_finished, logprobs=logprobs)
+
+    def _emit_held(self, tracked: _Tracked) -> RequestOutput:
+        """A prefill-role request computed its N-1 tokens: its blocks stay held under a lease, not freed."""
+        seq = tracked.seq
+        self.scheduler.detach(seq)
+        seq.finish_reason = FinishReason.LENGTH
+        self._tracked.pop(seq.request_id, None)
+        params = self.hold_handler(seq) if self.hold_handler is not None else None
+        if params is None:
+            self.kv.free(seq.request_id)
+        return self._output(tracked, "", (), finished=True, kv_transfer_params=params)
+
+    def _output(self, tracked: _Tracked, text: str, ids: tuple[int, ...], *, finished: bool,
+                logprobs: tuple[TokenLogprob, ...] = (), error: Exception | None = None,
+                kv_transfer_params: dict | None = None) -> RequestOutput:
+        seq = tracked.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=ids,
+            new_text=text,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs,
+            kv_transfer_params=kv_transfer_params,
+            error=error,
+        )

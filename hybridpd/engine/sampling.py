@@ -1,0 +1,64 @@
+"""Pick the next token of each sequence from its logits: greedy, temperature, top-k, top-p, per-request seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridpd.engine.request import TokenLogprob
+from hybridpd.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> SampledToken:
+    """`logits` is one sequence's [vocab] float32 row."""
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        filtered = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    logprob = None
+    if params.logprobs is not None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logprobs, params.logprobs) if params.logprobs > 0 else None
+        logprob = TokenLogprob(
+            token_id=token,
+            logprob=float(logprobs[token]),
+            top=tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (),
+        )
+    return SampledToken(token, logprob)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
+    """Rows of `logits` [S, vocab] in the order of `params`. Greedy rows without logprobs share one argmax."""
+    plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+    out: list[SampledToken | None] = [None] * len(params)
+    if plain_greedy:
+        tokens = torch.argmax(logits[plain_greedy], dim=-1).tolist()
+        for i, token in zip(plain_greedy, tokens):
+            out[i] = SampledToken(token, None)
+    for i, p in enumerate(params):
+        if out[i] is None:
+            out[i] = sample_one(logits[i], p, generators[i])
+    return out  # type: ignore[return-value]

@@ -1,0 +1,231 @@
+"""Continuous batching with chunked prefill, preemption by recompute, and requests that wait for remote KV.
+
+Each step: running requests first (decodes and unfinished prefills, in admission order), then waiting requests
+while the token budget, `max_num_seqs` and free blocks allow. When a running request cannot get blocks, the most
+recently admitted running request that is not yet scheduled this step is preempted (its blocks freed, its tokens
+recomputed later); if none is left, the request itself is. A request whose prompt was prefilled remotely gets its
+blocks allocated, is handed to the loader and leaves the queues until its KV has arrived: it never blocks others.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridpd.config import SchedulerConfig
+from hybridpd.engine.kv_cache.coordinator import KVCacheManager, StepBlocks
+from hybridpd.engine.request import FinishReason, RequestStatus
+from hybridpd.engine.sequence import Sequence
+
+
+class RemoteKVLoader(Protocol):
+    def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
+        """Begin pulling `seq`'s missing KV into `blocks.load`; completion comes back via `Scheduler.finish_load`."""
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    blocks: StepBlocks
+
+    @property
+    def samples(self) -> bool:
+        """This step brings the sequence level with its tokens, so its last row's logits pick the next token."""
+        seq = self.seq
+        return not seq.remote_decode and seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerPlan:
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        max_model_len: int,
+        eos_token_id: int | None,
+        chunk_boundary: int | None,
+        loader: RemoteKVLoader | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.chunk_boundary = chunk_boundary  # Mamba align mode: unfinished prefill chunks end on multiples of it
+        self.loader = loader
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}
+        self.loaded: deque[Sequence] = deque()
+
+    # -- queues -------------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loaded)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.loading) + len(self.loaded)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting, *self.loaded, *self.loading.values()):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """Take `seq` out of every queue and give its blocks back (a prefill-role hold is released elsewhere)."""
+        for queue in (self.running, self.waiting, self.loaded):
+            if seq in queue:
+                queue.remove(seq)
+        self.loading.pop(seq.request_id, None)
+        seq.status = status
+        seq.finish_reason = reason
+        self.kv.free(seq.request_id)
+
+    def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
+        """The loader is done with `request_id`: on success its prompt (but the last token) is in the cache."""
+        seq = self.loading.pop(request_id, None)
+        if seq is None:
+            return None
+        if ok:
+            seq.num_computed_tokens = seq.num_prompt_tokens - 1
+            self.kv.commit(seq, seq.num_computed_tokens)
+            # From here on the request is an ordinary local one: a preemption recomputes it here.
+            seq.remote_prefill = None
+            seq.skip_mamba_align = False
+            seq.status = RequestStatus.RUNNING
+            self.loaded.append(seq)
+        return seq
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a finished prefill-role `seq` out of the queues but keep its blocks (held under a lease)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = RequestStatus.FINISHED
+
+    def recompute_locally(self, seq: Sequence) -> None:
+        """Drop the remote prefill of `seq` (its load failed) and queue it to prefill here."""
+        self.kv.free(seq.request_id)
+        seq.remote_prefill = None
+        seq.skip_mamba_align = False
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        while self.loaded:
+            self.running.append(self.loaded.popleft())
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            blocks = self.kv.allocate_slots(seq, num_new)
+            while blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+                blocks = self.kv.allocate_slots(seq, num_new)
+            if blocks is None:
+                break
+            scheduled.append(ScheduledSeq(seq, num_new, blocks))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            hit = self.kv.get_computed_blocks(seq)
+            if seq.remote_prefill is not None and self.loader is not None:
+                external = seq.num_prompt_tokens - 1 - hit.num_tokens
+                blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external)
+                if blocks is None:
+                    break
+                self.waiting.popleft()
+                seq.num_cached_tokens = hit.num_tokens
+                seq.num_computed_tokens = hit.num_tokens
+                seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.loading[seq.request_id] = seq
+                self.loader.start_load(seq, hit.num_tokens, blocks)
+                continue
+            seq.num_computed_tokens = hit.num_tokens
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:  # a prefill-role request with a 1-token prompt: nothing to compute here
+                blocks = self.kv.allocate_slots(seq, 0, hit)
+                if blocks is None:
+                    break
+                self.waiting.popleft()
+                seq.status = RequestStatus.RUNNING
+                scheduled.append(ScheduledSeq(seq, 0, blocks))
+                self.running.append(seq)
+                continue
+            blocks = self.kv.allocate_slots(seq, num_new, hit)
+            if blocks is None:
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = hit.num_tokens
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new, blocks))
+            budget -= num_new
+        return SchedulerPlan(tuple(scheduled), tuple(preempted))
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.compute_target - seq.num_computed_tokens
+        num_new = min(remaining, budget)
+        if num_new < remaining and self.chunk_boundary:
+            end = (seq.num_computed_tokens + num_new) // self.chunk_boundary * self.chunk_boundary
+            if end > seq.num_computed_tokens:
+                num_new = end - seq.num_computed_tokens
+        return num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    def update(self, plan: SchedulerPlan, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance every scheduled sequence; returns those that produced a token or finished computing."""
+        touched = []
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(seq, seq.num_computed_tokens)
+            token = sampled.get(seq.request_id)
+            if token is not None:
+                seq.all_token_ids.append(token)
+                self._check_length_and_eos(seq)
+                touched.append(seq)
+            elif seq.remote_decode and seq.num_computed_tokens >= seq.compute_target:
+                touched.append(seq)
+        return touched
+
+    def _check_length_and_eos(self, seq: Sequence) -> None:
+        out = len(seq.output_token_ids)
+        if not seq.sampling.ignore_eos and seq.all_token_ids[-1] == self.eos_token_id:
+            self.finish(seq, FinishReason.STOP)
+        elif out >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, FinishReason.LENGTH)

@@ -1,0 +1,81 @@
+"""The engine's mutable view of one request as it moves through the scheduler.
+
+States: WAITING -> RUNNING -> FINISHED, with RUNNING -> PREEMPTED -> WAITING when blocks run out (recompute), and
+WAITING -> WAITING_FOR_REMOTE_KV -> RUNNING for a request whose prompt was prefilled on another node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridpd.connector.params import RemoteDecodeParams, RemotePrefillParams
+from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus
+from hybridpd.engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: bytes | None
+    remote_decode: bool                       # prefill role: compute N-1 tokens, hold blocks, answer params
+    remote_prefill: RemotePrefillParams | None  # decode role: pull the prompt's KV from that node
+    skip_mamba_align: bool
+    generator: torch.Generator | None
+    arrival_order: int
+    all_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0                # the local prefix hit at (first) admission
+    finish_reason: FinishReason | None = None
+    stop_reason: str | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_request(
+        cls, request: EngineRequest, *, arrival_order: int, decode_skip_mamba_align: bool
+    ) -> Sequence:
+        seed = request.sampling.seed
+        generator = None
+        if not request.sampling.greedy:
+            generator = torch.Generator()
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        remote_prefill = request.kv_transfer if isinstance(request.kv_transfer, RemotePrefillParams) else None
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+            remote_decode=isinstance(request.kv_transfer, RemoteDecodeParams),
+            remote_prefill=remote_prefill,
+            skip_mamba_align=remote_prefill is not None and decode_skip_mamba_align,
+            generator=generator,
+            arrival_order=arrival_order,
+            all_token_ids=list(request.prompt_token_ids),
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt length the prefix cache may hit below. A prefill-role request stops at N-1 tokens."""
+        n = len(self.prompt_token_ids)
+        return n - 1 if self.remote_decode else n
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def compute_target(self) -> int:
+        """Tokens that must be in the cache before this request is done computing (or samples next)."""
+        return self.num_prompt_tokens if self.remote_decode else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
