@@ -1,0 +1,175 @@
+"""The proxy's aiohttp app: each generation request is a prefill call, then a decode call.
+
+A request's path through the proxy:
+  RECEIVED -> PREFILLING (one node; on failure, once more on another node if there is one)
+           -> DECODING (one node; its bytes go to the client as they come) -> DONE
+  A 4xx from a node goes back to the client as it is; any other node failure becomes a 502
+  (504 on a timeout), or an error event when the stream to the client had already started.
+  A client that goes away cancels the handler (`handler_cancellation=True`), which closes the
+  upstream connection in flight, so the node aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hybridpd.proxy.bodies import decode_body, prefill_body, wants_stream
+from hybridpd.proxy.config import ProxyConfig, Role
+from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
+from hybridpd.proxy.health import check_all, health_body
+from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.responses import (
+    invalid_request, sse_error_event, upstream_failed, upstream_rejected,
+)
+from hybridpd.proxy.routing import Router
+from hybridpd.proxy.upstream import UpstreamClient
+
+logger = logging.getLogger(__name__)
+
+_MAX_PREFILL_ATTEMPTS = 2  # the first node, then one retry on another
+
+
+class Proxy:
+    """The handlers and the state they share: config, routers, metrics and the one ClientSession."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.routers = {
+            Role.PREFILL: Router(config.prefillers, config.routing),
+            Role.DECODE: Router(config.decoders, config.routing),
+        }
+        self._client: UpstreamClient | None = None
+
+    @property
+    def client(self) -> UpstreamClient:
+        if self._client is None:
+            raise RuntimeError("the proxy's client session is not open (the app is not running)")
+        return self._client
+
+    async def client_session(self, app: web.Application) -> AsyncIterator[None]:
+        """cleanup_ctx: the one ClientSession for every upstream call, closed on shutdown."""
+        connector = aiohttp.TCPConnector(limit=0)  # nodes do their own admission; don't queue here
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self._client = UpstreamClient(session, self.config, self.metrics)
+            yield
+            self._client = None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions")
+
+    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        response = await self._answer(request, path, request_id)
+        self.metrics.count_request(path, response.status)
+        return response
+
+    async def _answer(self, request: web.Request, path: str, request_id: str) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return invalid_request(f"request body is not valid JSON: {exc}", request_id)
+        if not isinstance(body, dict):
+            return invalid_request("request body must be a JSON object", request_id)
+        try:
+            kv_params = await self._prefill(path, body, request_id)
+            return await self._decode(request, path, decode_body(body, kv_params), request_id)
+        except UpstreamRejectedError as exc:
+            return upstream_rejected(exc, request_id)
+        except UpstreamError as exc:
+            logger.warning("request %s: %s", request_id, exc)
+            return upstream_failed(exc, request_id)
+
+    async def _prefill(self, path: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+        router = self.routers[Role.PREFILL]
+        attempts = min(_MAX_PREFILL_ATTEMPTS, len(router.upstreams))
+        failed: list[UpstreamError] = []
+        while True:
+            upstream = router.pick(exclude=[error.upstream for error in failed])
+            try:
+                params = await self.client.prefill(
+                    router, upstream, path, prefill_body(body), f"{request_id}-prefill"
+                )
+            except UpstreamError as exc:
+                failed.append(exc)
+                if len(failed) >= attempts:
+                    raise _combined(failed) from exc
+                logger.warning("request %s: %s; retrying on another prefill node", request_id, exc)
+                continue
+            if params is None:
+                logger.warning("request %s: %s answered without kv_transfer_params; "
+                               "the decode node computes the prompt itself", request_id, upstream.name)
+            return params
+
+    async def _decode(
+        self, request: web.Request, path: str, body: dict[str, Any], request_id: str
+    ) -> web.StreamResponse:
+        router = self.routers[Role.DECODE]
+        upstream = router.pick()
+        async with self.client.decode(router, upstream, path, body, request_id) as stream:
+            headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
+            if not wants_stream(body):
+                return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
+            out = web.StreamResponse(status=stream.status, headers=headers)
+            await out.prepare(request)
+            try:
+                async for chunk in stream.chunks():
+                    await out.write(chunk)
+            except UpstreamError as exc:
+                logger.warning("request %s: %s (after the stream started)", request_id, exc)
+                await out.write(sse_error_event(exc))
+            await out.write_eof()
+            return out
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        router = self.routers[Role.DECODE]
+        upstream = router.pick()
+        try:
+            status, data, content_type = await self.client.get(router, upstream, "/v1/models")
+        except UpstreamError as exc:
+            return upstream_failed(exc, request_id)
+        return web.Response(status=status, body=data, headers={"Content-Type": content_type})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        status, body = health_body(await check_all(self.client, self.config.upstreams))
+        return web.json_response(body, status=status)
+
+    async def prometheus(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _combined(failed: list[UpstreamError]) -> UpstreamError:
+    """The last failure, its message also naming the nodes tried before it."""
+    last = failed[-1]
+    if len(failed) == 1:
+        return last
+    before = "; ".join(str(error) for error in failed[:-1])
+    return UpstreamError(last.upstream, last.kind, f"{last.reason} (tried before: {before})")
+
+
+PROXY_KEY = web.AppKey("proxy", Proxy)
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    """The app factory. Run it with `handler_cancellation=True` so a client that leaves cancels its calls."""
+    proxy = Proxy(config)
+    app = web.Application()
+    app[PROXY_KEY] = proxy
+    app.cleanup_ctx.append(proxy.client_session)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.chat_completions)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.prometheus)
+    return app

@@ -1,0 +1,78 @@
+"""The proxy's one frozen config: its listen address, its upstreams, the routing policy and timeouts."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RoutingPolicy(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Upstream:
+    """One node the proxy talks to, in one role (the same node may appear in both roles)."""
+
+    role: Role
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError(f"{self.role.value} host must not be empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"{self.role.value} port out of range: {self.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """How logs, metrics and error messages name this upstream: `prefill node 127.0.0.1:8100`."""
+        return f"{self.role.value} node {self.address}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefillers: tuple[Upstream, ...]
+    decoders: tuple[Upstream, ...]
+    routing: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
+    prefill_timeout: float = 120.0   # seconds for the whole prefill call
+    decode_timeout: float = 120.0    # seconds without a byte from the decode node (idle gap, not total)
+    connect_timeout: float = 5.0     # seconds to open a connection to any node
+    health_timeout: float = 2.0      # seconds for one upstream's GET /health
+    cluster_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prefillers:
+            raise ValueError("at least one prefill node is required")
+        if not self.decoders:
+            raise ValueError("at least one decode node is required")
+        if any(u.role is not Role.PREFILL for u in self.prefillers):
+            raise ValueError("prefillers must all have Role.PREFILL")
+        if any(u.role is not Role.DECODE for u in self.decoders):
+            raise ValueError("decoders must all have Role.DECODE")
+        for name in ("prefill_timeout", "decode_timeout", "connect_timeout", "health_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.cluster_token is not None and not self.cluster_token:
+            raise ValueError("the cluster token must not be empty")
+
+    @property
+    def upstreams(self) -> tuple[Upstream, ...]:
+        return self.prefillers + self.decoders

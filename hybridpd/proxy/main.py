@@ -1,0 +1,97 @@
+"""`hybridpd proxy`: vLLM's toy proxy flags, plus routing, timeouts and the cluster token."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from hybridpd.proxy.app import build_app
+from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", default=["127.0.0.1"])
+    parser.add_argument("--prefiller-ports", "--prefiller-port", type=int, nargs="+", default=[8100])
+    parser.add_argument("--decoder-hosts", "--decoder-host", nargs="+", default=["127.0.0.1"])
+    parser.add_argument("--decoder-ports", "--decoder-port", type=int, nargs="+", default=[8200])
+    parser.add_argument(
+        "--routing", choices=[policy.value for policy in RoutingPolicy], default=RoutingPolicy.ROUND_ROBIN.value,
+        help="how a node of each role is picked per request",
+    )
+    parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")
+    parser.add_argument("--decode-timeout", type=float, default=120.0,
+                        help="seconds without a byte from the decode node before the call fails")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node")
+    parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for one node's GET /health")
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--cluster-token", default=None,
+                       help="sent to nodes as `Authorization: Bearer` on calls that carry kv_transfer_params")
+    token.add_argument("--cluster-token-file", type=Path, default=None, help="read the cluster token from a file")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _upstreams(role: Role, hosts: list[str], ports: list[int]) -> tuple[Upstream, ...]:
+    flag = "prefiller" if role is Role.PREFILL else "decoder"
+    if len(hosts) != len(ports):
+        raise ValueError(
+            f"--{flag}-hosts has {len(hosts)} entries but --{flag}-ports has {len(ports)}; they must match "
+            f"one to one (give a host for every port)"
+        )
+    return tuple(Upstream(role=role, host=host, port=port) for host, port in zip(hosts, ports))
+
+
+def _cluster_token(args: argparse.Namespace) -> str | None:
+    if args.cluster_token_file is None:
+        return args.cluster_token
+    try:
+        return args.cluster_token_file.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read --cluster-token-file {args.cluster_token_file}: {exc.strerror}") from exc
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """Raises ValueError with a message meant for the user."""
+    return ProxyConfig(
+        host=args.host,
+        port=args.port,
+        prefillers=_upstreams(Role.PREFILL, args.prefiller_hosts, args.prefiller_ports),
+        decoders=_upstreams(Role.DECODE, args.decoder_hosts, args.decoder_ports),
+        routing=RoutingPolicy(args.routing),
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        connect_timeout=args.connect_timeout,
+        health_timeout=args.health_timeout,
+        cluster_token=_cluster_token(args),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"hybridpd proxy: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info(
+        "proxy on %s:%d, prefill %s, decode %s, routing %s", config.host, config.port,
+        [u.address for u in config.prefillers], [u.address for u in config.decoders], config.routing.value,
+    )
+    web.run_app(
+        build_app(config), host=config.host, port=config.port, handler_cancellation=True,
+        access_log=None, print=lambda message: logger.info("%s", message.strip()),
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridpd proxy", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,52 @@
+"""The proxy's Prometheus metrics, in a registry of its own (one per app, so tests can run many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from hybridpd.proxy.config import Upstream
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "hybridpd_proxy_requests", "Client requests answered by the proxy",
+            ["endpoint", "status"], registry=self.registry,
+        )
+        self.upstream_requests = Counter(
+            "hybridpd_proxy_upstream_requests", "Calls from the proxy to a node",
+            ["role", "upstream"], registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            "hybridpd_proxy_upstream_errors", "Failed calls to a node, by failure kind (rejected = 4xx)",
+            ["role", "upstream", "kind"], registry=self.registry,
+        )
+        self.upstream_latency = Histogram(
+            "hybridpd_proxy_upstream_latency_seconds", "Duration of a call to a node (decode: until the stream ends)",
+            ["role", "upstream"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.upstream_outstanding = Gauge(
+            "hybridpd_proxy_upstream_outstanding", "Calls in flight to a node",
+            ["role", "upstream"], registry=self.registry,
+        )
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def count_call(self, upstream: Upstream) -> None:
+        self.upstream_requests.labels(role=upstream.role.value, upstream=upstream.address).inc()
+
+    def count_error(self, upstream: Upstream, kind: str) -> None:
+        self.upstream_errors.labels(role=upstream.role.value, upstream=upstream.address, kind=kind).inc()
+
+    def observe_latency(self, upstream: Upstream, seconds: float) -> None:
+        self.upstream_latency.labels(role=upstream.role.value, upstream=upstream.address).observe(seconds)
+
+    def set_outstanding(self, upstream: Upstream, count: int) -> None:
+        self.upstream_outstanding.labels(role=upstream.role.value, upstream=upstream.address).set(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

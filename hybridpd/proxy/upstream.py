@@ -1,0 +1,172 @@
+"""Calls from the proxy to one node over the app's one shared ClientSession.
+
+Every failure leaves as a typed error: `UpstreamRejectedError` for a 4xx (passes through to the client),
+`UpstreamError` for everything else (a 5xx, no connection, a timeout, an unusable answer).
+Every call is counted as outstanding on its router while it runs, and timed in the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from hybridpd.proxy.config import ProxyConfig, Upstream
+from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
+from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.routing import Router
+
+_ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
+
+
+def _failure(upstream: Upstream, exc: BaseException) -> UpstreamError:
+    """Classifies a transport-level exception; a connect timeout means the node is unreachable."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return UpstreamError(upstream, FailureKind.UNREACHABLE, "connect timed out")
+    if isinstance(exc, TimeoutError):
+        return UpstreamError(upstream, FailureKind.TIMEOUT, "no answer within the timeout")
+    return UpstreamError(upstream, FailureKind.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+
+
+class DecodeStream:
+    """An open 2xx answer of a decode node: its status and content type, and its bytes as they come."""
+
+    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+        self.upstream = upstream
+        self.status = response.status
+        self.content_type = response.headers.get("Content-Type", "application/json")
+        self._response = response
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _failure(self.upstream, exc) from exc
+
+    async def read_all(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _failure(self.upstream, exc) from exc
+
+
+class UpstreamClient:
+    def __init__(self, session: aiohttp.ClientSession, config: ProxyConfig, metrics: ProxyMetrics) -> None:
+        self._session = session
+        self._config = config
+        self._metrics = metrics
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            total=config.prefill_timeout, sock_connect=config.connect_timeout
+        )
+        self._decode_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout, sock_read=config.decode_timeout
+        )
+        self._health_timeout = aiohttp.ClientTimeout(
+            total=config.health_timeout, sock_connect=min(config.connect_timeout, config.health_timeout)
+        )
+
+    def _headers(self, request_id: str, body: dict[str, Any]) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        if self._config.cluster_token is not None and "kv_transfer_params" in body:
+            headers["Authorization"] = f"Bearer {self._config.cluster_token}"
+        return headers
+
+    @contextlib.asynccontextmanager
+    async def _call(self, router: Router, upstream: Upstream) -> AsyncIterator[None]:
+        """Counts, times and tracks one call; records its failure kind if it raises."""
+        self._metrics.count_call(upstream)
+        start = time.perf_counter()
+        try:
+            with router.in_flight(upstream):
+                self._metrics.set_outstanding(upstream, router.outstanding(upstream))
+                yield
+        except UpstreamError as exc:
+            self._metrics.count_error(upstream, exc.kind.value)
+            raise
+        except UpstreamRejectedError:
+            self._metrics.count_error(upstream, "rejected")
+            raise
+        finally:
+            self._metrics.observe_latency(upstream, time.perf_counter() - start)
+            self._metrics.set_outstanding(upstream, router.outstanding(upstream))
+
+    async def _raise_for_status(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+        if response.status < 400:
+            return
+        body = await response.read()
+        if response.status < 500:
+            raise UpstreamRejectedError(
+                upstream, response.status, body, response.headers.get("Content-Type", "application/json")
+            )
+        snippet = body.decode("utf-8", "replace")[:_ERROR_SNIPPET]
+        raise UpstreamError(upstream, FailureKind.SERVER_ERROR, f"HTTP {response.status}: {snippet}")
+
+    async def prefill(
+        self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str
+    ) -> dict[str, Any] | None:
+        """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent)."""
+        async with self._call(router, upstream):
+            try:
+                async with self._session.post(
+                    upstream.base_url + path, json=body, headers=self._headers(request_id, body),
+                    timeout=self._prefill_timeout,
+                ) as response:
+                    await self._raise_for_status(upstream, response)
+                    raw = await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _failure(upstream, exc) from exc
+            try:
+                answer = json.loads(raw)
+            except ValueError as exc:
+                raise UpstreamError(upstream, FailureKind.BAD_ANSWER, "answer is not JSON") from exc
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if params is not None and not isinstance(params, dict):
+                raise UpstreamError(upstream, FailureKind.BAD_ANSWER, "kv_transfer_params is not an object")
+            return params
+
+    @contextlib.asynccontextmanager
+    async def decode(
+        self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str
+    ) -> AsyncIterator[DecodeStream]:
+        """Opens the decode call; the connection closes (and the node sees it) when the block exits.
+
+        Only opening the call is guarded here: an error raised by the block itself (the client went
+        away while we wrote to it) is not the node's failure and passes through untouched.
+        """
+        async with self._call(router, upstream), contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(self._session.post(
+                    upstream.base_url + path, json=body, headers=self._headers(request_id, body),
+                    timeout=self._decode_timeout,
+                ))
+                await self._raise_for_status(upstream, response)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _failure(upstream, exc) from exc
+            yield DecodeStream(upstream, response)
+
+    async def get(self, router: Router, upstream: Upstream, path: str) -> tuple[int, bytes, str]:
+        """A GET (models); a 4xx comes back as it is, a 5xx or no answer raises UpstreamError."""
+        async with self._call(router, upstream):
+            try:
+                async with self._session.get(upstream.base_url + path, timeout=self._health_timeout) as response:
+                    if response.status >= 500:
+                        await self._raise_for_status(upstream, response)
+                    return response.status, await response.read(), response.headers.get(
+                        "Content-Type", "application/json"
+                    )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _failure(upstream, exc) from exc
+
+    async def probe(self, upstream: Upstream) -> tuple[int | None, str]:
+        """GET /health without counting it as a call: (status or None, a short detail)."""
+        try:
+            async with self._session.get(upstream.base_url + "/health", timeout=self._health_timeout) as response:
+                await response.read()
+                return response.status, f"HTTP {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return None, _failure(upstream, exc).reason
