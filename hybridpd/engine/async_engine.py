@@ -49,7 +49,7 @@ class AsyncEngine:
         while self._queues and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for request_id in list(self._queues):
-            self.call_soon(lambda rid=request_id: self._deliver_one(self.engine.abort(rid)))
+            self.call_soon(lambda rid=request_id: self.engine.abort(rid))
         self._inbox.put(_STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
@@ -86,7 +86,7 @@ class AsyncEngine:
                 self.call_soon(lambda: self.engine.abort(rid))
 
     def call_soon(self, fn: Callable[[], object]) -> None:
-        """Run `fn` on the engine thread between two steps."""
+        """Run `fn` on the engine thread between two steps; a RequestOutput it returns goes to its request."""
         self._inbox.put(fn)
 
     # -- engine thread ------------------------------------------------------------------------------------------
@@ -94,11 +94,11 @@ class AsyncEngine:
         try:
             self.engine.add_request(request)
         except Exception as exc:  # validated already; a failure here is the request's own
-            self._deliver_one(
+            self._deliver([
                 RequestOutput(request_id=request.request_id, new_token_ids=(), new_text="", num_prompt_tokens=0,
                               num_cached_tokens=0, num_output_tokens=0, finished=True,
                               finish_reason=FinishReason.ERROR, error=exc)
-            )
+            ])
 
     def _run(self) -> None:
         try:
@@ -107,7 +107,9 @@ class AsyncEngine:
                 while item is not None:
                     if item is _STOP:
                         return
-                    item()
+                    result = item()
+                    if isinstance(result, RequestOutput):
+                        self._deliver([result])
                     item = self._poll_inbox()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
@@ -126,10 +128,6 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if outputs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._put_all, outputs)
-
-    def _deliver_one(self, output: RequestOutput | None) -> None:
-        if output is not None:
-            self._deliver([output])
 
     # -- event loop side ----------------------------------------------------------------------------------------
     def _put_all(self, outputs: list[RequestOutput]) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.config import EngineConfig, MambaCacheMode
+from hybridpd.connector.params import RemotePrefillParams
+from hybridpd.connector.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
@@ -111,6 +113,8 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        if isinstance(request.kv_transfer, RemotePrefillParams):
+            self._validate_remote(request.kv_transfer, len(ids))
         total = len(ids) + request.sampling.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -118,6 +122,24 @@ class LLMEngine:
                 f"{len(ids)} prompt tokens + {request.sampling.max_tokens} max_tokens = {total}",
                 "max_tokens",
             )
+
+    def _validate_remote(self, params: RemotePrefillParams, num_prompt_tokens: int) -> None:
+        """The remote prefill must cover exactly this prompt but its last token, in this node's group layout."""
+        field = "kv_transfer_params"
+        if params.remote_num_tokens != num_prompt_tokens - 1:
+            raise InvalidRequestError(
+                f"kv_transfer_params.remote_num_tokens is {params.remote_num_tokens}, but this prompt needs "
+                f"{num_prompt_tokens - 1} (its length minus one)", field)
+        if len(params.remote_block_ids) != len(self.groups):
+            raise InvalidRequestError(
+                f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} groups, this model has "
+                f"{len(self.groups)}", field)
+        for g, (group, ids) in enumerate(zip(self.groups, params.remote_block_ids)):
+            start, end = needed_span(group.spec, params.remote_num_tokens)
+            if len(ids) != end - start:
+                raise InvalidRequestError(
+                    f"kv_transfer_params.remote_block_ids[{g}] has {len(ids)} blocks, a {group.spec.kind} group "
+                    f"needs {end - start} for {params.remote_num_tokens} tokens", field)
 
     def add_request(self, request: EngineRequest) -> None:
         self.validate(request)
@@ -141,6 +163,20 @@ class LLMEngine:
             return None
         self.scheduler.finish(tracked.seq, FinishReason.ERROR, RequestStatus.FAILED)
         return self._output(tracked, "", (), finished=True, error=error)
+
+    def complete_load(self, request_id: str) -> None:
+        """The remote KV of `request_id` arrived: it joins the running requests to compute its last prompt token."""
+        self.scheduler.finish_load(request_id, ok=True)
+
+    def fail_load(self, request_id: str, error: Exception, *, recompute: bool) -> RequestOutput | None:
+        """The remote KV of `request_id` could not be loaded: fail it, or prefill it here instead."""
+        seq = self.scheduler.finish_load(request_id, ok=False)
+        if seq is None:
+            return None  # it was aborted meanwhile; its blocks are free
+        if recompute:
+            self.scheduler.recompute_locally(seq)
+            return None
+        return self.fail(request_id, error)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

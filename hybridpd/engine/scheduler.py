@@ -90,15 +90,19 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.loaded):
             if seq in queue:
                 queue.remove(seq)
-        self.loading.pop(seq.request_id, None)
         seq.status = status
         seq.finish_reason = reason
+        if seq.request_id in self.loading:
+            return  # a READ may still be writing into its blocks: `finish_load` frees them once it has stopped
         self.kv.free(seq.request_id)
 
     def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
         """The loader is done with `request_id`: on success its prompt (but the last token) is in the cache."""
         seq = self.loading.pop(request_id, None)
         if seq is None:
+            return None
+        if seq.is_finished:  # aborted or failed while its KV was arriving
+            self.kv.free(request_id)
             return None
         if ok:
             seq.num_computed_tokens = seq.num_prompt_tokens - 1

@@ -44,6 +44,8 @@ class Sequence:
             generator = torch.Generator()
             generator.manual_seed(seed if seed is not None else torch.seed())
         remote_prefill = request.kv_transfer if isinstance(request.kv_transfer, RemotePrefillParams) else None
+        if remote_prefill is not None and remote_prefill.remote_num_tokens == 0:
+            remote_prefill = None  # a one-token prompt: nothing was prefilled remotely
         return cls(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -1,0 +1,1 @@
+"""The consumer role of a kv_both node (see loader.py)."""

@@ -1,0 +1,182 @@
+"""The consumer role of a kv_both node: pull a remotely prefilled prompt's KV, then decode.
+
+A request with `kv_transfer_params.do_remote_prefill` goes WAITING (local prefix hit with `skip_mamba_align`:
+the full-attention groups decide) -> WAITING_FOR_REMOTE_KV (its blocks are allocated, windows only in-window; the
+missing full-attention blocks, the window blocks it lacks and the Mamba state are READ from the prefill node while
+other requests keep running) -> RUNNING (it computes its last prompt token, then decodes) -> FINISHED | FAILED.
+
+The pull, step by step: the peer's metadata (compatibility hash and engine id checked), a heartbeat that renews
+the lease and says which blocks it covers (the only blocks this node will read), one batch of READs, heartbeats
+while it runs, then `Release`. Only if the lease was still live at release are the bytes trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from hybridpd.config import KVLoadFailurePolicy, KVTransferConfig
+from hybridpd.connector.compat import describe_mismatch
+from hybridpd.connector.metrics import ConnectorMetrics
+from hybridpd.connector.params import RemotePrefillParams
+from hybridpd.connector.side_channel_client import SideChannelClient
+from hybridpd.connector.spans import needed_span
+from hybridpd.connector.transport import BlockRead, RegionLayout, TransferState, Transport
+from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.kv_cache.coordinator import StepBlocks
+from hybridpd.engine.sequence import Sequence
+from hybridpd.errors import KVTransferError
+
+log = logging.getLogger(__name__)
+
+_POLL_FIRST_S = 50e-6
+_POLL_MAX_S = 2e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class PullJob:
+    request_id: str
+    params: RemotePrefillParams
+    hit_tokens: int
+    load: tuple[tuple[tuple[int, int], ...], ...]   # per group: (logical block, local block)
+
+
+class DecodeRole:
+    def __init__(self, engine: AsyncEngine, transport: Transport, *, engine_id: str, compat_hash: str,
+                 compat_fields: dict[str, str], config: KVTransferConfig, metrics: ConnectorMetrics) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.engine_id = engine_id
+        self.compat_hash = compat_hash
+        self.compat_fields = compat_fields
+        self.config = config
+        self.metrics = metrics
+        self._loop = asyncio.get_running_loop()
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._peers: dict[tuple[str, int], str] = {}   # side channel address -> transport name of its engine
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- engine thread ------------------------------------------------------------------------------------------
+    def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
+        assert seq.remote_prefill is not None
+        job = PullJob(request_id=seq.request_id, params=seq.remote_prefill, hit_tokens=hit_tokens, load=blocks.load)
+        self._loop.call_soon_threadsafe(self._spawn, job)
+
+    # -- event loop ---------------------------------------------------------------------------------------------
+    def _spawn(self, job: PullJob) -> None:
+        task = self._loop.create_task(self._run(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients.values():
+            await client.close()
+
+    async def _run(self, job: PullJob) -> None:
+        peer = job.params.peer
+        self.metrics.decode_hit_tokens(peer, job.hit_tokens)
+        try:
+            await asyncio.wait_for(self._pull(job), self.config.load_timeout_seconds)
+        except asyncio.TimeoutError:
+            await self._failed(job, KVTransferError(peer, f"timed out after {self.config.load_timeout_seconds:g} s"))
+        except KVTransferError as exc:
+            await self._failed(job, exc)
+        except Exception as exc:  # a bug or an unexpected transport error: still the request's failure, not a hang
+            log.exception("pull of %s from %s failed", job.request_id, peer)
+            await self._failed(job, KVTransferError(peer, f"{type(exc).__name__}: {exc}"))
+        else:
+            self.engine.call_soon(lambda: self.engine.engine.complete_load(job.request_id))
+
+    async def _failed(self, job: PullJob, error: KVTransferError) -> None:
+        self.metrics.failed_load(job.params.peer)
+        log.warning("request %s: %s", job.request_id, error)
+        client = self._clients.get((job.params.remote_host, job.params.remote_port))
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True), 2.0)
+            except Exception:  # the peer may be gone; its lease then expires by itself
+                pass
+        recompute = self.config.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
+        self.engine.call_soon(lambda: self.engine.engine.fail_load(job.request_id, error, recompute=recompute))
+
+    def _client(self, params: RemotePrefillParams) -> SideChannelClient:
+        key = (params.remote_host, params.remote_port)
+        if key not in self._clients:
+            self._clients[key] = SideChannelClient(params.remote_host, params.remote_port,
+                                                   cluster_token=self.config.cluster_token,
+                                                   timeout_s=min(10.0, self.config.load_timeout_seconds))
+        return self._clients[key]
+
+    async def _peer(self, params: RemotePrefillParams) -> str:
+        """The transport name of the engine behind `params`' side channel, connecting to it on first use."""
+        key = (params.remote_host, params.remote_port)
+        name = self._peers.get(key)
+        if name is not None and name == params.remote_engine_id:
+            return name
+        meta = await self._client(params).get_metadata()
+        if meta.compat_hash != self.compat_hash:
+            raise KVTransferError(params.peer, "incompatible nodes: " + describe_mismatch(
+                self.compat_fields, dict(meta.compat_fields)))
+        if meta.engine_id != params.remote_engine_id:
+            raise KVTransferError(params.peer, f"remote_engine_id {params.remote_engine_id!r} does not match the "
+                                               f"engine serving there ({meta.engine_id!r})")
+        layouts = [RegionLayout(base_addr=g.base_addr, page_size_bytes=g.page_size_bytes, num_blocks=g.num_blocks)
+                   for g in meta.groups]
+        self.transport.add_peer(meta.transport_name, meta.transport_metadata, layouts)
+        self._peers[key] = meta.transport_name
+        return meta.transport_name
+
+    def _reads(self, job: PullJob, leased: tuple[tuple[int, ...], ...]) -> list[BlockRead]:
+        params, groups = job.params, self.engine.engine.groups
+        if leased != params.remote_block_ids:
+            raise KVTransferError(params.peer, "remote_block_ids do not match the blocks leased for request "
+                                               f"{params.remote_request_id}")
+        reads = []
+        for g, (group, pairs) in enumerate(zip(groups, job.load)):
+            start, end = needed_span(group.spec, params.remote_num_tokens)
+            for logical, local in pairs:
+                if not start <= logical < end:
+                    raise KVTransferError(params.peer, f"group {g} needs block {logical}, outside the lease")
+                reads.append(BlockRead(group_id=g, remote_block=leased[g][logical - start], local_block=local))
+        return reads
+
+    async def _pull(self, job: PullJob) -> None:
+        params = job.params
+        peer_name = await self._peer(params)
+        client = self._client(params)
+        lease = await client.heartbeat(params.remote_request_id)
+        reads = self._reads(job, lease.block_ids)
+        page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
+        started = time.perf_counter()
+        handle = self.transport.start_read(peer_name, reads, params.remote_request_id.encode())
+        try:
+            await self._wait_read(handle, client, params, lease.expiry)
+        finally:
+            self.transport.release(handle)
+        seconds = time.perf_counter() - started
+        if not await client.release(params.remote_request_id, aborted=False):
+            raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
+        self.metrics.read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
+
+    async def _wait_read(self, handle: int, client: SideChannelClient, params: RemotePrefillParams,
+                         expiry: float) -> None:
+        """Poll the READ to its end (it writes into our blocks, so it is never abandoned half-way), renewing the
+        lease whenever half of its remaining time has passed."""
+        delay = _POLL_FIRST_S
+        renew_at = time.time() + (expiry - time.time()) / 2
+        while True:
+            state = self.transport.poll(handle)
+            if state is TransferState.DONE:
+                return
+            if state is TransferState.FAILED:
+                raise KVTransferError(params.peer, "the READ failed (peer gone or link down)")
+            if time.time() >= renew_at:
+                expiry = (await client.heartbeat(params.remote_request_id)).expiry
+                renew_at = time.time() + (expiry - time.time()) / 2
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)

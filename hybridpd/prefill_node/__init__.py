@@ -1,0 +1,1 @@
+"""The producer role of a kv_both node (see role.py)."""

@@ -1,0 +1,114 @@
+"""Leases on the blocks a prefill node holds for remote decoders.
+
+A lease is HELD from the moment the prompt's first N-1 tokens are computed until the decoder releases it or it
+expires; only then are its blocks freed (they stay in the prefix cache). Blocks under a HELD lease are never
+reused, so a READ that the decoder finishes before a successful `release` saw valid data. Finished leases are
+remembered (boundedly) so that a late heartbeat or release gets a precise reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+_REMEMBERED = 4096
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lease:
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]   # per group: exactly what the decoder may read
+    num_tokens: int
+    expiry: float
+    state: LeaseState = LeaseState.HELD
+
+
+class LeaseTable:
+    """Thread-safe: the engine thread adds leases, the event loop renews, releases and expires them."""
+
+    def __init__(self, lease_seconds: float, clock: Callable[[], float]) -> None:
+        self.lease_seconds = lease_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[str, Lease] = {}
+        self._done: OrderedDict[str, LeaseState] = OrderedDict()
+        self.num_expired = 0
+
+    def add(self, request_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int) -> Lease:
+        lease = Lease(request_id=request_id, block_ids=block_ids, num_tokens=num_tokens,
+                      expiry=self.clock() + self.lease_seconds)
+        with self._lock:
+            self._held[request_id] = lease
+        return lease
+
+    def renew(self, request_id: str) -> Lease:
+        """Extend a live lease; raises LookupError naming why it cannot be renewed."""
+        with self._lock:
+            lease = self._live(request_id)
+            lease = replace(lease, expiry=self.clock() + self.lease_seconds)
+            self._held[request_id] = lease
+            return lease
+
+    def release(self, request_id: str) -> Lease | None:
+        """End a lease; returns it if it was still live (its blocks must now be freed), else None."""
+        with self._lock:
+            try:
+                lease = self._live(request_id)
+            except LookupError:
+                return None
+            del self._held[request_id]
+            self._remember(request_id, LeaseState.RELEASED)
+            return lease
+
+    def expire_due(self) -> list[Lease]:
+        """End every lease past its expiry; returns them (their blocks must now be freed)."""
+        now = self.clock()
+        with self._lock:
+            due = [lease for lease in self._held.values() if lease.expiry <= now]
+            for lease in due:
+                del self._held[lease.request_id]
+                self._remember(lease.request_id, LeaseState.EXPIRED)
+            self.num_expired += len(due)
+            return due
+
+    def drain(self) -> list[Lease]:
+        """End every lease (shutdown)."""
+        with self._lock:
+            leases = list(self._held.values())
+            for lease in leases:
+                self._remember(lease.request_id, LeaseState.RELEASED)
+            self._held.clear()
+            return leases
+
+    def next_expiry(self) -> float | None:
+        with self._lock:
+            return min((lease.expiry for lease in self._held.values()), default=None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _live(self, request_id: str) -> Lease:
+        lease = self._held.get(request_id)
+        if lease is not None and lease.expiry > self.clock():
+            return lease
+        if lease is not None:
+            raise LookupError(f"the lease on request {request_id} has expired")
+        state = self._done.get(request_id)
+        if state is None:
+            raise LookupError(f"no lease is held for request {request_id}")
+        raise LookupError(f"the lease on request {request_id} was already {state.value}")
+
+    def _remember(self, request_id: str, state: LeaseState) -> None:
+        self._done[request_id] = state
+        while len(self._done) > _REMEMBERED:
+            self._done.popitem(last=False)

@@ -1,0 +1,91 @@
+"""The producer role of a kv_both node.
+
+A request with `kv_transfer_params.do_remote_decode` goes WAITING -> PREFILLING (its first N-1 prompt tokens;
+the decoder recomputes the last, which also yields the first output's logits) -> HELD(lease) -> RELEASED (the
+decoder said so) or EXPIRED (nobody renewed the lease in time). On HELD the node answers with the top-level
+`kv_transfer_params` that tell the decoder where the blocks are; on RELEASED or EXPIRED the blocks go back to the
+pool and stay in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from hybridpd.connector.params import RemotePrefillParams
+from hybridpd.connector.spans import needed_span
+from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.sequence import Sequence
+from hybridpd.prefill_node.leases import Lease, LeaseTable
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRole:
+    def __init__(self, engine: AsyncEngine, *, engine_id: str, advertised_host: str, side_channel_port: int,
+                 lease_seconds: float) -> None:
+        self.engine = engine
+        self.engine_id = engine_id
+        self.advertised_host = advertised_host
+        self.side_channel_port = side_channel_port
+        self.leases = LeaseTable(lease_seconds, clock=time.time)
+        self._sweeper: asyncio.Task | None = None
+
+    # -- engine thread ------------------------------------------------------------------------------------------
+    def hold(self, seq: Sequence) -> dict:
+        """The engine computed `seq`'s first N-1 tokens: lease exactly the blocks a decoder needs and say where."""
+        core = self.engine.engine
+        num_tokens = seq.num_prompt_tokens
+        table = core.kv.block_table(seq.request_id)
+        block_ids = tuple(
+            tuple(table[g][slice(*needed_span(group.spec, num_tokens))]) for g, group in enumerate(core.groups)
+        )
+        if num_tokens == 0:  # a one-token prompt: nothing to transfer, the decoder computes it all
+            core.kv.free(seq.request_id)
+            expiry = None
+        else:
+            expiry = self.leases.add(seq.request_id, block_ids, num_tokens).expiry
+        return RemotePrefillParams(
+            remote_engine_id=self.engine_id,
+            remote_request_id=seq.request_id,
+            remote_block_ids=block_ids,
+            remote_host=self.advertised_host,
+            remote_port=self.side_channel_port,
+            remote_num_tokens=num_tokens,
+            remote_lease_expiry=expiry,
+        ).to_json()
+
+    # -- side channel (event loop) ------------------------------------------------------------------------------
+    def heartbeat(self, request_id: str) -> Lease:
+        """Renew; raises LookupError with the reason when the lease is not live."""
+        return self.leases.renew(request_id)
+
+    def release(self, request_id: str, aborted: bool) -> bool:
+        lease = self.leases.release(request_id)
+        if lease is None:
+            return False
+        self._free(lease)
+        log.debug("lease %s released (%s)", request_id, "aborted" if aborted else "done")
+        return True
+
+    def _free(self, lease: Lease) -> None:
+        self.engine.call_soon(lambda: self.engine.engine.kv.free(lease.request_id))
+
+    # -- expiry -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for lease in self.leases.drain():
+            self._free(lease)
+
+    async def _sweep(self) -> None:
+        period = min(1.0, self.leases.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(period)
+            for lease in self.leases.expire_due():
+                log.warning("lease on request %s expired before the decoder released it", lease.request_id)
+                self._free(lease)
