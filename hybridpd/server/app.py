@@ -1,0 +1,158 @@
+"""The node's aiohttp app: OpenAI-compatible routes over an `EngineClient`.
+
+One request through `/v1/completions` (or chat):
+  admit (503 while draining) -> read the JSON object -> check the cluster token if it carries kv_transfer_params
+  -> parse into an EngineRequest (400 on any bad field) -> engine.generate(): the first output decides the
+  status (the engine rejects input before its first yield; a request that fails before any output is an
+  HTTP error) -> one JSON answer, or an SSE stream -> always close the engine generator, so a request whose
+  client went away is aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from hybridpd.engine.request import RequestOutput
+from hybridpd.errors import UnauthorizedError
+from hybridpd.server.admission import Admission
+from hybridpd.server.body import read_json_object
+from hybridpd.server.config import ServerConfig
+from hybridpd.server.engine_client import EngineClient
+from hybridpd.server.errors import error_middleware
+from hybridpd.server.metrics import RequestTracker, ServerMetrics, metrics_middleware
+from hybridpd.server.protocol import (
+    ParsedRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_tokenize_request,
+)
+from hybridpd.server.responses import FinalOutput, final_response, models_response, tokenize_response
+from hybridpd.server.streaming import ChunkBuilder, failure, next_output, stream_outputs
+
+CLUSTER_TOKEN_HEADER = "X-HybridPD-Cluster-Token"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
+
+ADMISSION_KEY = web.AppKey("admission", Admission)
+METRICS_KEY = web.AppKey("server_metrics", ServerMetrics)
+
+Parser = Callable[[dict[str, Any], EngineClient, str], ParsedRequest]
+_dumps = functools.partial(json.dumps, allow_nan=False)
+
+
+def _client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+class Handlers:
+    def __init__(self, engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
+                 metrics: ServerMetrics, admission: Admission) -> None:
+        self._engine = engine
+        self._config = config
+        self._registry = registry
+        self._metrics = metrics
+        self._admission = admission
+        self._created = int(time.time())
+
+    def _authorize(self, request: web.Request, body: dict[str, Any]) -> None:
+        """Requests that steer KV transfers need the cluster token (when one is configured), compared in
+        constant time."""
+        if self._config.cluster_token is None or body.get("kv_transfer_params") is None:
+            return
+        sent = request.headers.get(CLUSTER_TOKEN_HEADER, "")
+        if not hmac.compare_digest(sent.encode("utf-8"), self._config.cluster_token.encode("utf-8")):
+            raise UnauthorizedError(f"kv_transfer_params need a valid {CLUSTER_TOKEN_HEADER} header")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion_request)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat_request)
+
+    async def _generate(self, request: web.Request, parse: Parser) -> web.StreamResponse:
+        with self._admission.admit():
+            body = await read_json_object(request)
+            self._authorize(request, body)
+            parsed = parse(body, self._engine, self._config.served_model_name)
+            tracker = self._metrics.tracker()
+            outputs = self._engine.generate(parsed.engine_request)
+            try:
+                first = await next_output(outputs)
+                error = failure(first)
+                if error is not None:
+                    tracker.observe(first)
+                    raise error
+                if parsed.stream:
+                    builder = ChunkBuilder(parsed, self._config.served_model_name, self._engine.tokenizer)
+                    return await stream_outputs(request, parsed, first, outputs, builder, tracker)
+                return await self._answer(request, parsed, first, outputs, tracker)
+            finally:
+                await outputs.aclose()
+
+    async def _answer(self, request: web.Request, parsed: ParsedRequest, first: RequestOutput,
+                      outputs: AsyncGenerator[RequestOutput, None], tracker: RequestTracker) -> web.StreamResponse:
+        collected = [first]
+        tracker.observe(first)
+        while not collected[-1].finished:
+            if _client_gone(request):
+                return web.Response(status=CLIENT_CLOSED_REQUEST)
+            output = await next_output(outputs)
+            tracker.observe(output)
+            error = failure(output)
+            if error is not None:
+                raise error
+            collected.append(output)
+        body = final_response(parsed, FinalOutput.join(collected), self._config.served_model_name,
+                              self._engine.tokenizer)
+        return web.json_response(body, dumps=_dumps)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_response(self._engine, self._config.served_model_name, self._created))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        tokens = parse_tokenize_request(body, self._engine, self._config.served_model_name)
+        return web.json_response(tokenize_response(tokens, self._engine.max_model_len))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self._admission.accepting:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self._engine.healthy():
+            return web.json_response({"status": "unhealthy"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
+               extra_routes: Iterable[web.AbstractRouteDef] = ()) -> web.Application:
+    """The app; `app[ADMISSION_KEY]` is its admission gate (close it to drain before shutdown).
+
+    Run it with `web.AppRunner(app, handler_cancellation=True)` so that a non-streaming request whose client
+    disconnects is aborted at once, not at its next output.
+    """
+    metrics = ServerMetrics(registry)
+    admission = Admission()
+    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware],
+                          client_max_size=config.client_max_size)
+    app[ADMISSION_KEY] = admission
+    app[METRICS_KEY] = metrics
+    h = Handlers(engine, config, registry, metrics, admission)
+    app.add_routes([
+        web.post("/v1/completions", h.completions),
+        web.post("/v1/chat/completions", h.chat_completions),
+        web.get("/v1/models", h.models),
+        web.post("/tokenize", h.tokenize),
+        web.get("/health", h.health),
+        web.get("/metrics", h.metrics),
+    ])
+    app.add_routes(list(extra_routes))
+    return app

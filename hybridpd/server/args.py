@@ -1,0 +1,161 @@
+"""`hybridpd serve [MODEL_DIR]`: its flags, and the frozen configs they become.
+
+A bad value that argparse can see alone (a malformed size, an unknown choice) exits 2 in argparse itself; one
+that a config rejects in `__post_init__` raises `BadArgumentsError`, which `main.py` prints (no traceback) before
+exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridpd.config import (
+    CacheConfig,
+    EngineConfig,
+    KVLoadFailurePolicy,
+    KVTransferConfig,
+    MambaCacheMode,
+    SchedulerConfig,
+)
+from hybridpd.errors import HybridPDError
+from hybridpd.server.config import ServerConfig
+
+KV_PORT_OFFSET = 1000  # --kv-port 0: the side channel listens on the HTTP port + this
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class BadArgumentsError(HybridPDError):
+    """Flags that parse but do not make a valid config (the CLI prints the message and exits 2)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfigs:
+    engine: EngineConfig
+    kv_transfer: KVTransferConfig
+    server: ServerConfig
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "512MiB", "2GiB", "1.5GB", "1e9" (an argparse `type`)."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1e9)")
+    value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", type=Path, default=None,
+                        help="a Hugging Face GraniteMoeHybrid checkpoint directory (default: the built-in preset)")
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8100)
+    http.add_argument("--served-model-name", default=None, help="the model name in the API (default: the dir name)")
+    http.add_argument("--shutdown-grace", type=float, default=10.0,
+                      help="seconds to let running requests finish on SIGTERM before aborting them")
+
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16)
+    size = cache.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                      help="bytes for all KV groups together: 512MiB, 2GiB, 1e9")
+    size.add_argument("--num-blocks", type=int, default=None, help="blocks per attention group")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    cache.add_argument("--mamba-cache-mode", choices=[m.value for m in MambaCacheMode], default="align")
+    cache.add_argument("--mamba-cache-interval", type=int, default=None,
+                       help="tokens between saved Mamba states (a multiple of --block-size)")
+
+    sched = parser.add_argument_group("scheduler and model")
+    sched.add_argument("--max-num-seqs", type=int, default=32)
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sched.add_argument("--max-model-len", type=int, default=None)
+    sched.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    sched.add_argument("--threads", type=int, default=1, help="torch threads for this node")
+    sched.add_argument("--seed", type=int, default=0)
+
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--kv-port", type=int, default=0,
+                    help=f"gRPC side-channel port (0 = HTTP port + {KV_PORT_OFFSET})")
+    pd.add_argument("--kv-lease-seconds", type=float, default=60.0)
+    pd.add_argument("--kv-load-failure-policy", choices=[p.value for p in KVLoadFailurePolicy], default="fail")
+    pd.add_argument("--kv-load-timeout", type=float, default=30.0)
+    pd.add_argument("--no-decode-skip-mamba-align", dest="decode_skip_mamba_align", action="store_false",
+                    help="(debug) let Mamba groups limit the decode side's local prefix hit")
+    token = pd.add_mutually_exclusive_group()
+    token.add_argument("--cluster-token", default=None, help="shared secret for the side channel and KV requests")
+    token.add_argument("--cluster-token-file", type=Path, default=None)
+
+
+def _cluster_token(args: argparse.Namespace) -> str | None:
+    if args.cluster_token_file is None:
+        return args.cluster_token
+    try:
+        return args.cluster_token_file.read_text().strip()
+    except OSError as exc:
+        raise BadArgumentsError(f"--cluster-token-file: cannot read {args.cluster_token_file}: {exc.strerror}") from exc
+
+
+def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], Path]) -> NodeConfigs:
+    """The node's configs; `default_model_dir()` is called only when no MODEL_DIR was given.
+
+    `--kv-port 0` resolves to the HTTP port + 1000 here, unless the HTTP port is itself 0 (ephemeral), in which
+    case it stays 0 for whoever binds the side channel.
+    """
+    model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
+    kv_port = args.kv_port or (args.port + KV_PORT_OFFSET if args.port else 0)
+    try:
+        engine = EngineConfig(
+            model_dir=model_dir,
+            dtype=args.dtype,
+            threads=args.threads,
+            seed=args.seed,
+            cache=CacheConfig(
+                block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory,
+                num_blocks=args.num_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+                mamba_cache_mode=MambaCacheMode(args.mamba_cache_mode),
+                mamba_cache_interval=args.mamba_cache_interval,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+            ),
+        )
+        cluster_token = _cluster_token(args)
+        if not 0 <= kv_port < 65536:
+            raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")
+        kv_transfer = KVTransferConfig(
+            kv_host=args.host,
+            kv_port=kv_port,
+            lease_seconds=args.kv_lease_seconds,
+            load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
+            decode_skip_mamba_align=args.decode_skip_mamba_align,
+            load_timeout_seconds=args.kv_load_timeout,
+            cluster_token=cluster_token,
+        )
+        server = ServerConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name or Path(model_dir).name,
+            shutdown_grace=args.shutdown_grace,
+            cluster_token=cluster_token,
+        )
+    except ValueError as exc:
+        raise BadArgumentsError(str(exc)) from exc
+    return NodeConfigs(engine=engine, kv_transfer=kv_transfer, server=server)

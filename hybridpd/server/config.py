@@ -1,0 +1,28 @@
+"""The HTTP server's own frozen config (the engine and the connector have theirs in hybridpd/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8100
+    served_model_name: str
+    shutdown_grace: float = 10.0
+    # When set, a request that carries `kv_transfer_params` must send it in CLUSTER_TOKEN_HEADER.
+    cluster_token: str | None = field(default=None, repr=False)
+    client_max_size: int = 64 * 1024 * 1024  # largest request body in bytes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not self.served_model_name:
+            raise ValueError("--served-model-name must not be empty")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace}")
+        if self.cluster_token is not None and not self.cluster_token:
+            raise ValueError("the cluster token must not be empty")
+        if self.client_max_size < 1024:
+            raise ValueError(f"client_max_size must be >= 1024 bytes, got {self.client_max_size}")

@@ -1,0 +1,64 @@
+"""Token logprobs in the two OpenAI formats: completions' parallel lists, and chat's list of token objects.
+
+A logprob that is not finite (a token masked out by top-k/top-p) is written as -9999.0, as vLLM does, because
+JSON has no -Infinity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from hybridpd.engine.request import TokenLogprob
+from hybridpd.server.engine_client import Tokenizer
+
+MASKED_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MASKED_LOGPROB
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], tokenizer: Tokenizer, text_offset: int
+) -> tuple[dict[str, Any], int]:
+    """`{"text_offset", "token_logprobs", "tokens", "top_logprobs"}` for these tokens, and the offset after them.
+
+    `text_offset` counts characters of the per-token strings from the start of the completion, so that a
+    stream continues where the previous chunk ended.
+    """
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in logprobs:
+        text = _token_text(tokenizer, entry.token_id)
+        top = {_token_text(tokenizer, token_id): _finite(lp) for token_id, lp in entry.top}
+        top.setdefault(text, _finite(entry.logprob))
+        tokens.append(text)
+        token_logprobs.append(_finite(entry.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    body = {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
+    return body, text_offset
+
+
+def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    text = _token_text(tokenizer, token_id)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
+    """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}`."""
+    return {
+        "content": [
+            {
+                **_chat_token(tokenizer, entry.token_id, entry.logprob),
+                "top_logprobs": [_chat_token(tokenizer, token_id, lp) for token_id, lp in entry.top],
+            }
+            for entry in logprobs
+        ]
+    }

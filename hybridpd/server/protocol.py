@@ -1,0 +1,226 @@
+"""OpenAI/vLLM request bodies -> `EngineRequest`s, checked strictly: every bad input is an InvalidRequestError.
+
+Accepted fields (others are ignored, like vLLM does):
+  completions: model, prompt (string | token ids | a list of exactly one of those), max_tokens (16), temperature,
+    top_p, top_k, seed, stop (string | list), ignore_eos, logprobs (int), n (1 only), echo (false only), stream,
+    stream_options.include_usage, return_token_ids, kv_transfer_params, cache_salt.
+  chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int).
+A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that sampling never divides by ~0.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpd.connector.params import parse_kv_transfer_params
+from hybridpd.engine.request import EngineRequest
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.errors import InvalidRequestError
+from hybridpd.server.engine_client import EngineClient
+from hybridpd.server.errors import ModelNotFoundError
+from hybridpd.server.fields import Fields
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    engine_request: EngineRequest
+    created: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.engine_request.sampling.logprobs is not None
+
+
+def check_model(fields: Fields, served_model_name: str) -> None:
+    model = fields.optional_str("model")
+    if model is not None and model != served_model_name:
+        raise ModelNotFoundError(model)
+
+
+def _token_ids(value: list[Any], vocab_size: int, param: str) -> tuple[int, ...]:
+    for token in value:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidRequestError(f"{param} must hold integer token ids, got {token!r:.40}", param)
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"token id {token} is outside the vocabulary [0, {vocab_size})", param)
+    return tuple(value)
+
+
+def parse_prompt(value: Any, engine: EngineClient) -> tuple[int, ...]:
+    """A string, a list of token ids, or a list holding exactly one of those; never empty."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        ids = tuple(engine.tokenizer.encode(value)) if value else ()
+    elif isinstance(value, list):
+        if any(isinstance(item, (str, list)) for item in value):
+            raise InvalidRequestError("only one prompt per request is supported", "prompt")
+        ids = _token_ids(value, engine.vocab_size, "prompt")
+    elif value is None:
+        raise InvalidRequestError("prompt is required", "prompt")
+    else:
+        raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    return ids
+
+
+def _message_content(message: Fields, index: int) -> str:
+    content = message.raw("content")
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if content is None and message.raw("role") == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{param} parts must be {{\"type\": \"text\", \"text\": string}}", param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("messages must be a non-empty list", "messages")
+    messages = []
+    for index, raw in enumerate(value):
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(f"messages[{index}] must be an object", f"messages[{index}]")
+        message = Fields(raw, f"messages[{index}].")
+        role = message.optional_str("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}", f"messages[{index}].role"
+            )
+        messages.append({"role": role, "content": _message_content(message, index)})
+    return messages
+
+
+def chat_prompt(messages: list[dict[str, str]], engine: EngineClient) -> tuple[int, ...]:
+    ids = tuple(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages)))
+    if not ids:
+        raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
+    return ids
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+    return tuple(stops)
+
+
+def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or completion.",
+            "max_tokens",
+        )
+
+
+def _sampling(f: Fields, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    temperature = f.float("temperature", 1.0)
+    top_k = f.int("top_k", 0, minimum=-1)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if 0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+        top_p=f.float("top_p", 1.0),
+        top_k=min(top_k, vocab_size),  # a top_k past the vocabulary keeps every token, as vLLM does
+        seed=f.optional_int("seed", minimum=_INT64_MIN, maximum=_INT64_MAX),
+        stop=_stop(f.raw("stop")),
+        ignore_eos=f.bool("ignore_eos", False),
+        logprobs=logprobs,
+    )
+
+
+def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
+            logprobs: int | None, engine: EngineClient) -> ParsedRequest:
+    if f.int("n", 1) != 1:
+        raise InvalidRequestError("only n=1 is supported", "n")
+    stream = f.bool("stream", False)
+    options = f.optional_object("stream_options")
+    if options is not None and not stream:
+        raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
+    max_tokens = 16 if max_tokens is None else max_tokens
+    _check_length(len(prompt), max_tokens, engine.max_model_len)
+    salt = f.optional_str("cache_salt")
+    prefix = "cmpl" if endpoint is Endpoint.COMPLETIONS else "chatcmpl"
+    return ParsedRequest(
+        endpoint=endpoint,
+        engine_request=EngineRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt,
+            sampling=_sampling(f, max_tokens=max_tokens, logprobs=logprobs, vocab_size=engine.vocab_size),
+            kv_transfer=parse_kv_transfer_params(f.raw("kv_transfer_params")),
+            cache_salt=None if salt is None else salt.encode("utf-8"),
+        ),
+        created=int(time.time()),
+        stream=stream,
+        include_usage=options is not None and options.bool("include_usage", False),
+        return_token_ids=f.bool("return_token_ids", False),
+    )
+
+
+def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
+    f = Fields(body)
+    check_model(f, served_model_name)
+    if f.bool("echo", False):
+        raise InvalidRequestError("echo is not supported", "echo")
+    logprobs = f.optional_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    return _common(f, Endpoint.COMPLETIONS, parse_prompt(f.raw("prompt"), engine),
+                   max_tokens=f.optional_int("max_tokens", minimum=1), logprobs=logprobs, engine=engine)
+
+
+def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
+    f = Fields(body)
+    check_model(f, served_model_name)
+    top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    wants_logprobs = f.bool("logprobs", False)
+    if top_logprobs is not None and not wants_logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+    max_tokens = f.optional_int("max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = f.optional_int("max_tokens", minimum=1)
+    prompt = chat_prompt(parse_messages(f.raw("messages")), engine)
+    return _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
+                   logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
+
+
+def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> tuple[int, ...]:
+    f = Fields(body)
+    check_model(f, served_model_name)
+    if f.raw("messages") is not None:
+        return chat_prompt(parse_messages(f.raw("messages")), engine)
+    prompt = f.optional_str("prompt")
+    if prompt is None:
+        raise InvalidRequestError("tokenize needs a prompt string or messages", "prompt")
+    return tuple(engine.tokenizer.encode(prompt))

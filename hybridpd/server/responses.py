@@ -1,0 +1,111 @@
+"""Non-streaming answers shaped like vLLM's: `text_completion` and `chat.completion` objects, usage, model list."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpd.engine.request import FinishReason, RequestOutput, TokenLogprob
+from hybridpd.server.engine_client import EngineClient, Tokenizer
+from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
+from hybridpd.server.protocol import Endpoint, ParsedRequest
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinalOutput:
+    """A finished request's outputs joined together."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+    @classmethod
+    def join(cls, outputs: Sequence[RequestOutput]) -> FinalOutput:
+        last = outputs[-1]
+        return cls(
+            text="".join(o.new_text for o in outputs),
+            token_ids=tuple(t for o in outputs for t in o.new_token_ids),
+            logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+            finish_reason=last.finish_reason,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            num_output_tokens=last.num_output_tokens,
+            kv_transfer_params=next((o.kv_transfer_params for o in reversed(outputs) if o.kv_transfer_params), None),
+        )
+
+
+def usage(output: RequestOutput | FinalOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+    }
+
+
+def finish_reason_value(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def header(parsed: ParsedRequest, model: str, object_name: str) -> dict[str, Any]:
+    return {"id": parsed.request_id, "object": object_name, "created": parsed.created, "model": model}
+
+
+def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    logprobs = completion_logprobs(final.logprobs, tokenizer, 0)[0] if parsed.wants_logprobs else None
+    choice: dict[str, Any] = {
+        "index": 0, "text": final.text, "logprobs": logprobs,
+        "finish_reason": finish_reason_value(final.finish_reason), "stop_reason": None,
+    }
+    if parsed.return_token_ids:
+        choice["prompt_token_ids"] = list(parsed.engine_request.prompt_token_ids)
+        choice["token_ids"] = list(final.token_ids)
+    return {**header(parsed, model, "text_completion"), "choices": [choice]}
+
+
+def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": final.text},
+        "logprobs": chat_logprobs(final.logprobs, tokenizer) if parsed.wants_logprobs else None,
+        "finish_reason": finish_reason_value(final.finish_reason),
+        "stop_reason": None,
+    }
+    if parsed.return_token_ids:
+        choice["token_ids"] = list(final.token_ids)
+    return {**header(parsed, model, "chat.completion"), "choices": [choice]}
+
+
+_BUILDERS = {Endpoint.COMPLETIONS: _completion, Endpoint.CHAT: _chat}
+
+
+def final_response(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The whole answer; `prompt_token_ids` (with return_token_ids) and `kv_transfer_params` are top-level."""
+    body = _BUILDERS[parsed.endpoint](parsed, final, model, tokenizer)
+    body["usage"] = usage(final)
+    if parsed.return_token_ids:
+        body["prompt_token_ids"] = list(parsed.engine_request.prompt_token_ids)
+    body["kv_transfer_params"] = final.kv_transfer_params
+    return body
+
+
+def models_response(engine: EngineClient, model: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model, "object": "model", "created": created, "owned_by": "hybridpd", "root": model,
+                "parent": None, "max_model_len": engine.max_model_len, "permission": [],
+            }
+        ],
+    }
+
+
+def tokenize_response(tokens: Sequence[int], max_model_len: int) -> dict[str, Any]:
+    return {"tokens": list(tokens), "count": len(tokens), "max_model_len": max_model_len}

@@ -1,0 +1,155 @@
+"""Server-sent events shaped like vLLM's: `data: {json}\\n\\n` chunks, an optional usage chunk, `data: [DONE]`.
+
+Stream of one request:  [role chunk (chat)] -> content chunks -> last chunk with finish_reason
+                        -> [usage chunk] -> [DONE]
+A request that fails once the stream has started sends `data: {"error": {...}}` and then [DONE] (the status,
+200, is already on the wire). A client that goes away shows up here as ConnectionResetError on write (or as
+the handler's cancellation); either way the caller closes the engine generator, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from hybridpd.engine.request import FinishReason, RequestOutput
+from hybridpd.server.engine_client import Tokenizer
+from hybridpd.server.errors import http_error_for
+from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
+from hybridpd.server.metrics import RequestTracker
+from hybridpd.server.protocol import Endpoint, ParsedRequest
+from hybridpd.server.responses import finish_reason_value, header, usage
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, allow_nan=False).encode("utf-8") + b"\n\n"
+
+
+class RequestFailed(Exception):
+    """An output with finish_reason ERROR; carries the engine's error."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def failure(output: RequestOutput) -> Exception | None:
+    """The error of a failed output (an ERROR without one is our bug: a bare RuntimeError, mapped to 500)."""
+    if output.finish_reason is not FinishReason.ERROR:
+        return None
+    return output.error if output.error is not None else RuntimeError("request failed without an error")
+
+
+async def next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The next output of a request that has not finished yet (an engine that stops early is our bug: 500)."""
+    output = await anext(outputs, None)
+    if output is None:
+        raise RuntimeError("the engine's outputs ended before the request finished")
+    return output
+
+
+class ChunkBuilder:
+    """Turns each output of one request into its chunks; remembers what the stream has sent so far."""
+
+    def __init__(self, parsed: ParsedRequest, model: str, tokenizer: Tokenizer) -> None:
+        self._parsed = parsed
+        self._tokenizer = tokenizer
+        self._object = "text_completion" if parsed.endpoint is Endpoint.COMPLETIONS else "chat.completion.chunk"
+        self._header = header(parsed, model, self._object)
+        self._text_offset = 0
+        self._started = False
+
+    def _chunk(self, choice: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
+        chunk = {**self._header, "choices": [choice]}
+        if output.kv_transfer_params is not None:
+            chunk["kv_transfer_params"] = output.kv_transfer_params
+        return chunk
+
+    def _completion_choice(self, output: RequestOutput) -> dict[str, Any]:
+        logprobs = None
+        if self._parsed.wants_logprobs:
+            logprobs, self._text_offset = completion_logprobs(output.logprobs, self._tokenizer, self._text_offset)
+        choice: dict[str, Any] = {
+            "index": 0, "text": output.new_text, "logprobs": logprobs,
+            "finish_reason": finish_reason_value(output.finish_reason), "stop_reason": None,
+        }
+        if self._parsed.return_token_ids:
+            if not self._started:
+                choice["prompt_token_ids"] = list(self._parsed.engine_request.prompt_token_ids)
+            choice["token_ids"] = list(output.new_token_ids)
+        return choice
+
+    def _chat_choice(self, output: RequestOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": output.new_text} if output.new_text else {},
+            "logprobs": chat_logprobs(output.logprobs, self._tokenizer) if self._parsed.wants_logprobs else None,
+            "finish_reason": finish_reason_value(output.finish_reason),
+        }
+        if self._parsed.return_token_ids:
+            choice["token_ids"] = list(output.new_token_ids)
+        return choice
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """Zero, one or (the chat's first output: role, then content) two chunks for `output`."""
+        chunks = []
+        is_chat = self._parsed.endpoint is Endpoint.CHAT
+        if is_chat and not self._started:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            chunks.append({**self._header, "choices": [role]})
+        if output.new_text or output.new_token_ids or output.finished:
+            choice = self._chat_choice(output) if is_chat else self._completion_choice(output)
+            chunks.append(self._chunk(choice, output))
+        self._started = True
+        return chunks
+
+    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
+        return {**self._header, "choices": [], "usage": usage(output)}
+
+
+async def stream_outputs(
+    request: web.Request,
+    parsed: ParsedRequest,
+    first: RequestOutput,
+    rest: AsyncIterator[RequestOutput],
+    builder: ChunkBuilder,
+    tracker: RequestTracker,
+) -> web.StreamResponse:
+    """Streams `first` and then `rest` until the finished output. Returns the prepared response; never raises
+    for a failed request (the error goes into the stream), only for cancellation."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    output = first
+    try:
+        while True:
+            tracker.observe(output)
+            error = failure(output)
+            if error is not None:
+                raise RequestFailed(error)
+            for chunk in builder.chunks(output):
+                await response.write(sse(chunk))
+            if output.finished:
+                break
+            output = await next_output(rest)
+        if parsed.include_usage:
+            await response.write(sse(builder.usage_chunk(output)))
+    except ConnectionResetError:
+        return response  # the client went away: nothing more to say to it
+    except Exception as exc:  # noqa: BLE001 - a failure after the status went out becomes an error event
+        cause = exc.error if isinstance(exc, RequestFailed) else exc
+        try:
+            await response.write(sse(http_error_for(cause).body()))
+        except ConnectionResetError:
+            return response
+    try:
+        await response.write(DONE)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+    return response
