@@ -1,0 +1,126 @@
+"""A fake node for proxy tests: records what it receives and answers by a chosen behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import socket
+from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+
+class Behavior(enum.Enum):
+    OK = "ok"
+    REJECT = "reject"              # 400 with an OpenAI error body
+    FAIL = "fail"                  # 500
+    HANG = "hang"                  # never answers (records its cancellation)
+    HANG_MID_STREAM = "hang_mid"   # decode: sends the first SSE chunk, then never another
+    NO_PARAMS = "no_params"        # prefill: answers 200 without kv_transfer_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class Received:
+    path: str
+    body: dict[str, Any]
+    headers: Mapping[str, str]  # case-insensitive
+
+
+SSE_CHUNKS = (
+    b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"Hel"}]}\n\n',
+    b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"lo"}]}\n\n',
+    b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\ndata: [DONE]\n\n',
+)
+REJECT_BODY = b'{"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error", "code": 400}}'
+
+
+def remote_params(port: int) -> dict[str, Any]:
+    return {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": f"engine-{port}",
+        "remote_request_id": "req-7",
+        "remote_block_ids": [[1, 2, 3], [4], [5]],
+        "remote_host": "127.0.0.1",
+        "remote_port": port + 1000,
+        "remote_num_tokens": 41,
+        "remote_lease_expiry": 1234.5,
+    }
+
+
+def closed_port() -> int:
+    """A port nobody listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FakeNode:
+    def __init__(self, behavior: Behavior = Behavior.OK, health_status: int = 200) -> None:
+        self.behavior = behavior
+        self.health_status = health_status
+        self.received: list[Received] = []
+        self.arrived = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _hang(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(path=request.path, body=body, headers=request.headers.copy()))
+        self.arrived.set()
+        if self.behavior is Behavior.HANG:
+            await self._hang()
+        if self.behavior is Behavior.REJECT:
+            return web.Response(status=400, body=REJECT_BODY, content_type="application/json")
+        if self.behavior is Behavior.FAIL:
+            return web.Response(status=500, text="engine exploded")
+        is_prefill = (body.get("kv_transfer_params") or {}).get("do_remote_decode") is True
+        if is_prefill:
+            answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}]}
+            if self.behavior is not Behavior.NO_PARAMS:
+                answer["kv_transfer_params"] = remote_params(self.port)
+            return web.json_response(answer)
+        if not body.get("stream"):
+            return web.Response(body=json.dumps({"id": "cmpl-d", "node": self.port}).encode(),
+                                content_type="application/json")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for index, chunk in enumerate(SSE_CHUNKS):
+            await out.write(chunk)
+            if self.behavior is Behavior.HANG_MID_STREAM and index == 0:
+                await self._hang()
+        await out.write_eof()
+        return out
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "node": self.port}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status, text="ok" if self.health_status == 200 else "starting")

@@ -1,0 +1,123 @@
+"""Node failures through the proxy: 4xx passthrough, retries, 502/504, timeouts, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from hybridpd.proxy.config import Role
+
+from .fake_node import REJECT_BODY, Behavior
+
+DEADLINE = 10.0  # seconds a test waits for an event before it fails (never a timing assertion)
+BODY = {"prompt": "hello", "max_tokens": 4}
+
+
+@pytest.mark.parametrize("prefill, decode", [
+    ([Behavior.REJECT], [Behavior.OK]),
+    ([Behavior.OK], [Behavior.REJECT]),
+    ([Behavior.REJECT, Behavior.OK], [Behavior.OK]),  # a 4xx is the client's fault: no retry
+])
+async def test_node_4xx_passes_through_unchanged(make_harness, prefill, decode):
+    h = await make_harness(prefill, decode)
+    async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
+        assert resp.status == 400
+        assert await resp.read() == REJECT_BODY
+    assert sum(len(node.received) for node in h.prefill) == 1
+
+
+@pytest.mark.parametrize("first", [None, Behavior.FAIL])  # None: nobody listens on that port
+async def test_prefill_failure_retries_on_the_other_node(make_harness, first):
+    h = await make_harness([first, Behavior.OK], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
+        assert resp.status == 200
+    assert len(h.prefill[1].received) == 1
+    assert h.decode[0].received[0].body["kv_transfer_params"]["remote_port"] == h.prefill_ports[1] + 1000
+    metrics = h.proxy.metrics.render().decode()
+    assert f'upstream="127.0.0.1:{h.prefill_ports[0]}"' in metrics
+
+
+@pytest.mark.parametrize("prefill, decode, status, error_type, failed_role, failed_index", [
+    ([None], [Behavior.OK], 502, "bad_gateway", "prefill", 0),
+    ([Behavior.FAIL], [Behavior.OK], 502, "bad_gateway", "prefill", 0),
+    ([Behavior.FAIL, Behavior.FAIL], [Behavior.OK], 502, "bad_gateway", "prefill", 1),
+    ([Behavior.OK], [None], 502, "bad_gateway", "decode", 0),
+    ([Behavior.OK], [Behavior.FAIL], 502, "bad_gateway", "decode", 0),
+    ([Behavior.HANG], [Behavior.OK], 504, "gateway_timeout", "prefill", 0),
+    ([Behavior.OK], [Behavior.HANG], 504, "gateway_timeout", "decode", 0),
+])
+async def test_node_failure_is_a_gateway_error_naming_the_node(
+    make_harness, prefill, decode, status, error_type, failed_role, failed_index
+):
+    h = await make_harness(prefill, decode, prefill_timeout=0.5, decode_timeout=0.5, connect_timeout=1.0)
+    async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    ports = h.prefill_ports if failed_role == "prefill" else h.decode_ports
+    assert error["type"] == error_type
+    assert error["code"] == status
+    assert f"{failed_role} node 127.0.0.1:{ports[failed_index]}" in error["message"]
+    if failed_role == "decode":
+        assert len(h.prefill[0].received) == 1
+
+
+async def test_decode_failure_after_stream_started_is_an_error_event(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.HANG_MID_STREAM], decode_timeout=0.5)
+    async with h.session.post(h.url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    events = [line for line in raw.split("\n\n") if line]
+    assert events[0].startswith('data: {"id":"cmpl-1"')
+    assert '"type": "gateway_timeout"' in events[1] and f"decode node 127.0.0.1:{h.decode_ports[0]}" in events[1]
+    assert events[2] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+])
+async def test_bad_json_is_a_400_in_openai_shape(make_harness, data, message):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/completions", data=data,
+                              headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400 and message in error["message"]
+    assert h.prefill[0].received == []
+
+
+@pytest.mark.parametrize("prefill, decode, stream, hanging_role", [
+    (Behavior.HANG, Behavior.OK, False, "prefill"),
+    (Behavior.OK, Behavior.HANG, False, "decode"),
+    (Behavior.OK, Behavior.HANG_MID_STREAM, True, "decode"),
+])
+async def test_client_disconnect_cancels_the_upstream_call(make_harness, prefill, decode, stream, hanging_role):
+    h = await make_harness([prefill], [decode])
+    hanging = h.prefill[0] if hanging_role == "prefill" else h.decode[0]
+    first_chunk = asyncio.Event()
+
+    async def client() -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(h.url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+                await resp.content.readany()
+                first_chunk.set()
+                await asyncio.Event().wait()
+
+    task = asyncio.create_task(client())
+    try:
+        await asyncio.wait_for(hanging.arrived.wait(), DEADLINE)
+        if stream:
+            await asyncio.wait_for(first_chunk.wait(), DEADLINE)
+    finally:
+        task.cancel()  # the client goes away: its session closes the connection
+        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.wait_for(hanging.cancelled.wait(), DEADLINE)
+    router = h.proxy.routers[Role(hanging_role)]
+    upstream = router.upstreams[0]
+    for _ in range(100):  # the proxy's handler unwinds right after the node saw the cancellation
+        if router.outstanding(upstream) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert router.outstanding(upstream) == 0

@@ -1,0 +1,65 @@
+"""/health, /v1/models and /metrics of the proxy."""
+
+from __future__ import annotations
+
+import pytest
+
+from .fake_node import Behavior
+
+
+@pytest.mark.parametrize("prefill, decode, status, states", [
+    ([Behavior.OK], [Behavior.OK], 200, ["healthy", "healthy"]),
+    ([Behavior.OK, None], [Behavior.OK], 503, ["healthy", "unreachable", "healthy"]),
+    ([Behavior.OK], [None], 503, ["healthy", "unreachable"]),
+])
+async def test_health_lists_every_upstream(make_harness, prefill, decode, status, states):
+    h = await make_harness(prefill, decode, health_timeout=1.0)
+    async with h.session.get(h.url + "/health") as resp:
+        assert resp.status == status
+        body = await resp.json()
+    assert body["status"] == ("healthy" if status == 200 else "unhealthy")
+    assert [u["state"] for u in body["upstreams"]] == states
+    ports = h.prefill_ports + h.decode_ports
+    assert [u["address"] for u in body["upstreams"]] == [f"127.0.0.1:{p}" for p in ports]
+    assert [u["role"] for u in body["upstreams"]] == ["prefill"] * len(prefill) + ["decode"] * len(decode)
+
+
+async def test_health_reports_a_node_that_answers_not_ready(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    h.decode[0].health_status = 503
+    async with h.session.get(h.url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["upstreams"][1]["state"] == "unhealthy"
+
+
+@pytest.mark.parametrize("decode, status", [([Behavior.OK], 200), ([None], 502)])
+async def test_models_come_from_a_decode_node(make_harness, decode, status):
+    h = await make_harness([Behavior.OK], decode)
+    async with h.session.get(h.url + "/v1/models") as resp:
+        assert resp.status == status
+        body = await resp.json()
+    if status == 200:
+        assert body["data"][0]["node"] == h.decode_ports[0]
+    else:
+        assert f"decode node 127.0.0.1:{h.decode_ports[0]}" in body["error"]["message"]
+
+
+async def test_metrics_count_requests_errors_and_latency_per_upstream(make_harness):
+    h = await make_harness([None, Behavior.OK], [Behavior.OK])
+    for _ in range(2):
+        async with h.session.post(h.url + "/v1/completions", json={"prompt": "a"}) as resp:
+            assert resp.status == 200
+    async with h.session.get(h.url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    down, up, dec = h.prefill_ports[0], h.prefill_ports[1], h.decode_ports[0]
+    expected = [
+        'hybridpd_proxy_requests_total{endpoint="/v1/completions",status="200"} 2.0',
+        f'hybridpd_proxy_upstream_requests_total{{role="prefill",upstream="127.0.0.1:{up}"}} 2.0',
+        f'hybridpd_proxy_upstream_requests_total{{role="decode",upstream="127.0.0.1:{dec}"}} 2.0',
+        f'hybridpd_proxy_upstream_errors_total{{kind="unreachable",role="prefill",upstream="127.0.0.1:{down}"}}',
+        f'hybridpd_proxy_upstream_latency_seconds_count{{role="decode",upstream="127.0.0.1:{dec}"}} 2.0',
+        f'hybridpd_proxy_upstream_outstanding{{role="decode",upstream="127.0.0.1:{dec}"}} 0.0',
+    ]
+    for line in expected:
+        assert line in text, line

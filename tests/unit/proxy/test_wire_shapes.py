@@ -1,0 +1,112 @@
+"""The exact request shapes of vLLM's toy proxy, field by field, and byte-for-byte passthrough."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridpd.proxy.bodies import decode_body, prefill_body
+
+from .fake_node import SSE_CHUNKS, Behavior, remote_params
+
+# vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) sends the prefill node
+# exactly these kv_transfer_params; copied field by field.
+TOY_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@pytest.mark.parametrize("client_body, expected_prefill", [
+    (
+        {"model": "m", "prompt": "hi", "max_tokens": 20, "temperature": 0.0},
+        {"model": "m", "prompt": "hi", "max_tokens": 1, "temperature": 0.0, "stream": False,
+         "kv_transfer_params": TOY_PREFILL_PARAMS},
+    ),
+    (
+        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "stream": True,
+         "stream_options": {"include_usage": True}, "min_tokens": 3, "seed": 4},
+        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False, "seed": 4,
+         "kv_transfer_params": TOY_PREFILL_PARAMS},
+    ),
+    (
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9,
+         "min_completion_tokens": 2},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+         "max_completion_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},
+    ),
+    (   # a client's own kv_transfer_params never reach the prefill node
+        {"prompt": "a", "kv_transfer_params": {"do_remote_prefill": True}},
+        {"prompt": "a", "max_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},
+    ),
+])
+def test_prefill_body_matches_toy_proxy(client_body, expected_prefill):
+    original = json.loads(json.dumps(client_body))
+    assert prefill_body(client_body) == expected_prefill
+    assert client_body == original  # never edited in place
+
+
+@pytest.mark.parametrize("params, expected_extra", [
+    (remote_params(9000), {"kv_transfer_params": remote_params(9000)}),
+    (None, {}),
+    ({}, {}),
+])
+def test_decode_body_carries_the_prefill_answer(params, expected_extra):
+    body = {"prompt": "hi", "max_tokens": 7, "stream": True, "kv_transfer_params": {"stale": 1}}
+    assert decode_body(body, params) == {"prompt": "hi", "max_tokens": 7, "stream": True, **expected_extra}
+
+
+@pytest.mark.parametrize("path, client_body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                              "max_completion_tokens": 3}),
+])
+async def test_prefill_then_decode_through_the_proxy(make_harness, path, client_body):
+    h = await make_harness([Behavior.OK], [Behavior.OK], cluster_token="s3cret")
+    async with h.session.post(h.url + path, json=client_body, headers={"X-Request-Id": "abc-1"}) as resp:
+        assert resp.status == 200
+        assert resp.headers["X-Request-Id"] == "abc-1"
+        assert await resp.json() == {"id": "cmpl-d", "node": h.decode_ports[0]}
+    (prefill,) = h.prefill[0].received
+    (decode,) = h.decode[0].received
+    assert prefill.path == decode.path == path
+    assert prefill.body == prefill_body(client_body)
+    assert prefill.body["kv_transfer_params"] == TOY_PREFILL_PARAMS
+    assert decode.body == {**client_body, "kv_transfer_params": remote_params(h.prefill_ports[0])}
+    assert prefill.headers["X-Request-Id"] == "abc-1-prefill"
+    assert decode.headers["X-Request-Id"] == "abc-1"
+    assert prefill.headers["Authorization"] == decode.headers["Authorization"] == "Bearer s3cret"
+
+
+async def test_no_token_means_no_authorization_header_and_ids_are_generated(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 200
+        request_id = resp.headers["X-Request-Id"]
+    assert len(request_id) >= 16
+    assert "Authorization" not in h.prefill[0].received[0].headers
+    assert h.decode[0].received[0].headers["X-Request-Id"] == request_id
+
+
+async def test_prefill_without_params_lets_the_decoder_compute(make_harness):
+    h = await make_harness([Behavior.NO_PARAMS], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
+        assert resp.status == 200
+    assert h.decode[0].received[0].body == {"prompt": "x", "max_tokens": 2}
+
+
+async def test_stream_is_passed_through_byte_for_byte(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    async with h.session.post(h.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = await resp.read()
+    assert raw == b"".join(SSE_CHUNKS)
+    assert h.decode[0].received[0].body["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in h.prefill[0].received[0].body
