@@ -1,0 +1,165 @@
+"""`KVCacheManager`: the facade the engine uses over per-group pools and per-kind managers.
+
+Per request, the engine calls `get_computed_blocks` once at admission, `allocate_slots` every step it schedules
+the request (the first call with the hit, and with the tokens that arrive from a connector), `commit` after
+every step, and `free` when the request finishes, aborts, fails or is preempted.
+"""
+
+from __future__ import annotations
+
+from hybridpd.config import CacheConfig, MambaCacheMode
+from hybridpd.engine.kv_cache.block_pool import BlockPool, KVCacheInvariantError
+from hybridpd.engine.kv_cache.cache_types import CacheHit, CacheRequest, GroupStats, MambaStepOps, StepBlocks
+from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
+from hybridpd.engine.kv_cache.hit_search import find_common_hit
+from hybridpd.engine.kv_cache.managers import make_manager
+from hybridpd.engine.kv_cache.single_type import TokenRange
+from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
+from hybridpd.engine.kv_cache.validation import validate_layout
+
+__all__ = ["CacheHit", "CacheRequest", "GroupStats", "KVCacheManager", "MambaStepOps", "StepBlocks"]
+
+
+class KVCacheManager:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig) -> None:
+        validate_layout(groups, num_blocks, config)
+        self.groups = groups
+        self.config = config
+        self.caching = config.enable_prefix_caching
+        self._pools = tuple(BlockPool(n) for n in num_blocks)
+        self._managers = tuple(
+            make_manager(g.spec, pool, caching=self.caching and self._group_caches(g))
+            for g, pool in zip(groups, self._pools)
+        )
+        order = sorted(range(len(groups)), key=lambda i: self._managers[i].search_order)
+        self._all_groups = tuple(order)
+        self._remote_groups = tuple(i for i in order if self._managers[i].decides_remote_hit)
+        self._hashes: dict[str, RequestBlockHashes] = {}
+        self._next_start: dict[str, int] = {}   # where the next call's new tokens start, per known request
+        self._queries = [0] * len(groups)
+        self._query_tokens = [0] * len(groups)
+        self._hit_tokens = [0] * len(groups)
+
+    def _group_caches(self, group: KVCacheGroup) -> bool:
+        return not isinstance(group.spec, MambaSpec) or self.config.mamba_cache_mode is MambaCacheMode.ALIGN
+
+    def _chains(self, req: CacheRequest) -> list[list[BlockHash]]:
+        if not self.caching:
+            return [[] for _ in self._managers]
+        store = self._hashes.get(req.request_id)
+        if store is None:
+            store = self._hashes[req.request_id] = RequestBlockHashes(req.cache_salt)
+        return [store.chain(m.block_size, req.all_token_ids) for m in self._managers]
+
+    # --- the request lifecycle ---
+    def get_computed_blocks(self, req: CacheRequest) -> CacheHit:
+        """The longest local prefix hit: < num_prompt_tokens, decided by every group, or only by the
+        full-attention groups when `req.skip_mamba_align` (0 if there is none)."""
+        n_prompt = req.num_prompt_tokens
+        for g in range(len(self.groups)):
+            self._queries[g] += 1
+            self._query_tokens[g] += n_prompt
+        blocks: list[tuple[int, ...]] = [() for _ in self.groups]
+        if not self.caching or n_prompt <= 1:
+            return CacheHit(num_tokens=0, blocks=tuple(blocks))
+        deciding = self._remote_groups if req.skip_mamba_align else self._all_groups
+        chains = self._chains(req)
+        hit = find_common_hit([self._managers[g] for g in deciding], [chains[g] for g in deciding], n_prompt - 1)
+        if hit:
+            for g in deciding:
+                blocks[g] = self._managers[g].hit_blocks(chains[g], hit)
+                self._hit_tokens[g] += hit
+        return CacheHit(num_tokens=hit, blocks=tuple(blocks))
+
+    def allocate_slots(self, req: CacheRequest, num_new_tokens: int, hit: CacheHit | None = None,
+                       num_external_tokens: int = 0) -> StepBlocks | None:
+        """Blocks for [0, start + num_new_tokens); None (and nothing changed) if some group lacks free blocks.
+
+        The first call of a request takes references on `hit`'s blocks; its new tokens start after the hit and
+        the `num_external_tokens` that arrive from a connector. For a remotely filled request (external tokens,
+        or `skip_mamba_align`) that call also says which blocks to `load`. Later calls pass only new tokens,
+        which start at the last committed count.
+        """
+        rid = req.request_id
+        if num_new_tokens < 0 or num_external_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got new={num_new_tokens}, external={num_external_tokens}")
+        first = rid not in self._next_start
+        if first:
+            hit = hit if hit is not None else CacheHit(num_tokens=0, blocks=tuple(() for _ in self.groups))
+            if len(hit.blocks) != len(self.groups):
+                raise ValueError(f"a CacheHit for {len(hit.blocks)} groups, the cache has {len(self.groups)}")
+            start = hit.num_tokens + num_external_tokens
+            tokens = TokenRange(first=True, hit=hit.num_tokens, start=start, end=start + num_new_tokens,
+                                external=num_external_tokens > 0 or req.skip_mamba_align)
+        else:
+            if hit is not None or num_external_tokens:
+                raise ValueError(f"request {rid} already holds blocks: only its first allocate_slots takes a hit "
+                                 "or external tokens")
+            start = self._next_start[rid]
+            tokens = TokenRange(first=False, hit=0, start=start, end=start + num_new_tokens, external=False)
+        chains = self._chains(req)
+        plans = [
+            m.plan(rid, hit.blocks[g] if first and hit is not None else (), tokens, chains[g])
+            for g, m in enumerate(self._managers)
+        ]
+        if any(p.free_blocks_needed(pool) > pool.num_free for p, pool in zip(plans, self._pools)):
+            return None
+        steps = [m.apply(rid, p) for m, p in zip(self._managers, plans)]
+        self._next_start[rid] = start
+        return StepBlocks(
+            block_tables=tuple(s.table for s in steps),
+            mamba=tuple(s.mamba for s in steps),
+            load=tuple(s.load for s in steps),
+        )
+
+    def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        """After a step: cache newly full blocks and Mamba saves, release window blocks nobody can see again."""
+        rid = req.request_id
+        if rid not in self._next_start:
+            return
+        chains = self._chains(req)
+        for m, hashes in zip(self._managers, chains):
+            m.commit(rid, num_computed_tokens, hashes)
+        self._next_start[rid] = max(self._next_start[rid], num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Everything the request holds back to the pools (cached blocks keep their hashes). Idempotent."""
+        for m in self._managers:
+            m.free(request_id)
+        self._hashes.pop(request_id, None)
+        self._next_start.pop(request_id, None)
+
+    # --- views ---
+    def block_table(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(m.table(request_id) for m in self._managers)
+
+    def num_free_blocks(self, group_id: int) -> int:
+        return self._pools[group_id].num_free
+
+    def num_blocks(self, group_id: int) -> int:
+        return self._pools[group_id].num_blocks
+
+    def usage(self) -> float:
+        return max(1 - p.num_free / p.num_blocks for p in self._pools)
+
+    def stats(self) -> tuple[GroupStats, ...]:
+        return tuple(
+            GroupStats(group_id=g, kind=group.spec.kind, queries=self._queries[g], query_tokens=self._query_tokens[g],
+                       hit_tokens=self._hit_tokens[g], num_free=pool.num_free, num_total=pool.num_blocks,
+                       num_cached=pool.num_cached)
+            for g, (group, pool) in enumerate(zip(self.groups, self._pools))
+        )
+
+    def check_invariants(self) -> None:
+        """Raises KVCacheInvariantError on any inconsistency between the pools and the requests' tables."""
+        known = set(self._next_start)
+        for g, (m, pool) in enumerate(zip(self._managers, self._pools)):
+            stray = m.request_ids() - known
+            if stray:
+                raise KVCacheInvariantError(f"group {g} holds blocks for unknown requests {sorted(stray)}")
+            pool.check_invariants(m.owned())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash of a free block (blocks held by running requests keep theirs)."""
+        for pool in self._pools:
+            pool.reset_cache()

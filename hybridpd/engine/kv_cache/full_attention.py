@@ -1,0 +1,37 @@
+"""Full attention: a hit is the longest run of cached blocks from the left (downward-closed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.single_type import FRESH, GroupPlan, SingleTypeManager, TokenRange, cdiv
+
+
+class FullAttentionManager(SingleTypeManager):
+    decides_remote_hit = True
+    search_order = 0
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
+        b = self.block_size
+        limit = min(max_tokens // b, len(hashes))
+        n = 0
+        while n < limit and self.pool.lookup(hashes[n]) is not None:
+            n += 1
+        return n * b // alignment * alignment
+
+    def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+        return tuple(self.pool.lookup(h) for h in hashes[: num_tokens // self.block_size])  # type: ignore[misc]
+
+    def plan(self, request_id: str, hit_blocks: tuple[int, ...], tokens: TokenRange,
+             hashes: Sequence[BlockHash]) -> GroupPlan:
+        b = self.block_size
+        need = cdiv(tokens.end, b)
+        if not tokens.first:
+            have = len(self._tables.get(request_id, ()))
+            return GroupPlan(append=(FRESH,) * max(0, need - have))
+        if len(hit_blocks) != tokens.hit // b:
+            raise ValueError(f"a hit of {tokens.hit} tokens needs {tokens.hit // b} blocks, got {len(hit_blocks)}")
+        self._check_hit(hashes, range(len(hit_blocks)), hit_blocks)
+        load = tuple(range(len(hit_blocks), cdiv(tokens.start, b))) if tokens.external else ()
+        return GroupPlan(append=hit_blocks + (FRESH,) * (need - len(hit_blocks)), load=load)

@@ -1,0 +1,33 @@
+"""The longest prefix every deciding group can serve."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.single_type import SingleTypeManager
+
+
+def find_common_hit(managers: Sequence[SingleTypeManager], chains: Sequence[Sequence[BlockHash]], max_tokens: int) -> int:
+    """Fixed-point search over groups, aligned to the LCM of their block sizes.
+
+    Each group answers the largest aligned L <= candidate that it can serve. Window and Mamba hits are not
+    downward-closed, so a group's shorter answer can invalidate another group's earlier one: repeat until a full
+    pass leaves the candidate unchanged. Then every group accepted it; it is the longest such length because
+    any length all groups serve stays <= every answer (each answer is a maximum). The candidate only shrinks,
+    by at least the alignment per changing pass, and 0 is accepted by all, so the loop ends.
+    """
+    if not managers or max_tokens <= 0:
+        return 0
+    alignment = math.lcm(*(m.block_size for m in managers))
+    candidate = max_tokens // alignment * alignment
+    while candidate > 0:
+        before = candidate
+        for manager, hashes in zip(managers, chains):
+            candidate = manager.longest_hit(hashes, candidate, alignment)
+            if candidate == 0:
+                return 0
+        if candidate == before:
+            return candidate
+    return 0

@@ -1,0 +1,108 @@
+"""Mamba: one running state slot per request; in `align` mode, cached states every `interval` tokens.
+
+The group's block size is the interval B; a cached state for the prefix of k*B tokens is hashed with hash
+number k-1 of the request's chain of block size B. A step that crosses boundaries k*B gets a save slot per
+boundary (best effort: a save that finds no free slot is skipped, it never fails the step); on commit the saved
+states are hashed and released into the LRU free queue. A hit slot is referenced until the step that copies it
+into the running slot is committed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from hybridpd.engine.kv_cache.block_pool import BlockPool
+from hybridpd.engine.kv_cache.cache_types import MambaStepOps
+from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.single_type import FRESH, GroupPlan, GroupStep, SingleTypeManager, TokenRange
+from hybridpd.engine.kv_cache.spec import MambaSpec
+
+
+class MambaManager(SingleTypeManager):
+    search_order = 2
+
+    def __init__(self, spec: MambaSpec, pool: BlockPool, *, caching: bool) -> None:
+        super().__init__(spec, pool, caching=caching)
+        self._copy_from: dict[str, int] = {}                              # hit slot held until commit
+        self._saves: dict[str, list[tuple[int, int, BlockHash]]] = {}     # (num_tokens, slot, hash) pending
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
+        if not self.caching:
+            return 0
+        length = min(max_tokens, len(hashes) * self.block_size) // alignment * alignment
+        while length > 0 and self.pool.lookup(hashes[length // self.block_size - 1]) is None:
+            length -= alignment
+        return max(length, 0)
+
+    def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+        if num_tokens == 0:
+            return ()
+        return (self.pool.lookup(hashes[num_tokens // self.block_size - 1]),)  # type: ignore[return-value]
+
+    def plan(self, request_id: str, hit_blocks: tuple[int, ...], tokens: TokenRange,
+             hashes: Sequence[BlockHash]) -> GroupPlan:
+        saves = self._wanted_saves(tokens, hashes)
+        if not tokens.first:
+            return GroupPlan(append=(), saves=saves)
+        if tokens.external:
+            return GroupPlan(append=(FRESH,), load=(0,), saves=saves)
+        if hit_blocks:
+            if tokens.hit % self.block_size or len(hit_blocks) != 1:
+                raise ValueError(f"a Mamba hit of {tokens.hit} tokens needs one slot at a multiple of {self.block_size}")
+            self._check_hit(hashes, (tokens.hit // self.block_size - 1,), hit_blocks)
+            return GroupPlan(append=(FRESH,), copy_from=hit_blocks[0], saves=saves)
+        if tokens.hit:
+            raise ValueError(f"a hit of {tokens.hit} tokens without a Mamba state to copy")
+        return GroupPlan(append=(FRESH,), saves=saves)
+
+    def _wanted_saves(self, tokens: TokenRange, hashes: Sequence[BlockHash]) -> tuple[tuple[int, BlockHash], ...]:
+        """Boundaries k*B with start < k*B <= end whose state is not cached yet."""
+        if not self.caching:
+            return ()
+        b = self.block_size
+        out = []
+        for k in range(tokens.start // b + 1, min(tokens.end // b, len(hashes)) + 1):
+            if self.pool.lookup(hashes[k - 1]) is None:
+                out.append((k * b, hashes[k - 1]))
+        return tuple(out)
+
+    def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
+        step = super().apply(request_id, plan)
+        (slot,) = step.table
+        if plan.copy_from is not None:
+            self._copy_from[request_id] = plan.copy_from
+        pending = self._saves.setdefault(request_id, [])
+        wanted = plan.saves[: self.pool.num_free]
+        slots = self.pool.allocate(len(wanted))
+        saves = tuple((n, s) for (n, _), s in zip(wanted, slots))
+        pending.extend((n, s, h) for (n, h), s in zip(wanted, slots))
+        ops = MambaStepOps(state_slot=slot, copy_from=plan.copy_from, saves=saves)
+        return GroupStep(table=step.table, mamba=ops, load=tuple((0, slot) for _ in plan.load))
+
+    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
+        """Saved states at or below num_computed become cached (hash, then release); the hit slot is released."""
+        copied = self._copy_from.pop(request_id, None)
+        if copied is not None:
+            self.pool.free((copied,))
+        pending = self._saves.get(request_id, [])
+        done = [(n, s, h) for n, s, h in pending if n <= num_computed]
+        self._saves[request_id] = [p for p in pending if p[0] > num_computed]
+        for _, slot, h in done:
+            if self.caching:
+                self.pool.cache(slot, h)
+        self.pool.free(s for _, s, _ in done)
+
+    def free(self, request_id: str) -> None:
+        copied = self._copy_from.pop(request_id, None)
+        pending = self._saves.pop(request_id, [])
+        self.pool.free(s for _, s, _ in pending)
+        if copied is not None:
+            self.pool.free((copied,))
+        super().free(request_id)
+
+    def owned(self) -> Counter[int]:
+        refs = super().owned()
+        refs.update(self._copy_from.values())
+        refs.update(s for pending in self._saves.values() for _, s, _ in pending)
+        return refs

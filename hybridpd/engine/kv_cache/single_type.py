@@ -1,0 +1,142 @@
+"""What every per-kind manager shares: a request's block table in one group, and the two-phase allocation.
+
+Allocation is planned first (`plan`, which reads the pool but changes nothing) and applied second (`apply`), so
+that the coordinator can refuse a step that does not fit in *every* group without having changed any of them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridpd.engine.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
+from hybridpd.engine.kv_cache.cache_types import MambaStepOps
+from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.spec import KVCacheSpec
+
+FRESH = -1  # a table entry of a plan that takes a new block from the free queue
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenRange:
+    """The tokens of one allocate_slots call.
+
+    First call: [0, hit) is the local hit, [hit, start) arrives from the connector (when `external`), and
+    [start, end) is computed here. Later calls: [start, end) is computed here, everything before is held.
+    """
+
+    first: bool
+    hit: int
+    start: int
+    end: int
+    external: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    append: tuple[int, ...]    # entries appended to the table: a cached block id (referenced), NULL_BLOCK_ID, FRESH
+    load: tuple[int, ...] = () # logical indices to fill from the remote node
+    copy_from: int | None = None                       # Mamba: cached slot to reference and copy from
+    saves: tuple[tuple[int, BlockHash], ...] = ()      # Mamba: (num_tokens, hash) wanted, best effort
+
+    @property
+    def touched(self) -> tuple[int, ...]:
+        held = tuple(b for b in self.append if b > NULL_BLOCK_ID)
+        return held if self.copy_from is None else held + (self.copy_from,)
+
+    def free_blocks_needed(self, pool: BlockPool) -> int:
+        """Free-queue blocks this plan needs (saves excluded: they are best effort)."""
+        return self.append.count(FRESH) + pool.free_blocks_consumed(self.touched)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupStep:
+    table: tuple[int, ...]
+    mamba: MambaStepOps | None
+    load: tuple[tuple[int, int], ...]
+
+
+class StaleHitError(ValueError):
+    """A CacheHit whose blocks were evicted before allocate_slots used it (get it again, then allocate)."""
+
+
+class SingleTypeManager(abc.ABC):
+    """Block tables of the running requests in one group; per-kind hit search and allocation rules."""
+
+    decides_remote_hit = False   # True: this kind limits the hit of a remotely prefilled request
+    search_order = 0             # cheap, downward-closed kinds first: they shrink the candidate fastest
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, *, caching: bool) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.block_size = spec.block_size
+        self.caching = caching
+        self._tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}   # logical blocks already offered to the prefix cache
+
+    # --- hit search (reads only) ---
+    @abc.abstractmethod
+    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
+        """The largest L <= max_tokens, a multiple of `alignment`, that this group can serve (0 always can)."""
+
+    @abc.abstractmethod
+    def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+        """The blocks that serve a hit of `num_tokens` (which `longest_hit` accepted)."""
+
+    # --- allocation ---
+    @abc.abstractmethod
+    def plan(self, request_id: str, hit_blocks: tuple[int, ...], tokens: TokenRange,
+             hashes: Sequence[BlockHash]) -> GroupPlan:
+        """What this call needs; reads the pool, changes nothing."""
+
+    def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
+        self.pool.touch(plan.touched)   # before allocating, so that no touched block is evicted
+        fresh = iter(self.pool.allocate(plan.append.count(FRESH)))
+        table = self._tables.setdefault(request_id, [])
+        self._num_hashed.setdefault(request_id, 0)
+        table.extend(next(fresh) if b == FRESH else b for b in plan.append)
+        return GroupStep(table=tuple(table), mamba=None, load=tuple((i, table[i]) for i in plan.load))
+
+    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
+        """Offer the newly full, computed blocks to the prefix cache."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        done = self._num_hashed[request_id]
+        full = min(num_computed // self.block_size, len(table), len(hashes))
+        if self.caching:
+            for i in range(done, full):
+                if table[i] != NULL_BLOCK_ID:
+                    self.pool.cache(table[i], hashes[i])
+        self._num_hashed[request_id] = max(done, full)
+
+    def free(self, request_id: str) -> None:
+        """Everything back to the pool, tail first (so the tail of a prefix is evicted before its head)."""
+        table = self._tables.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
+        if table is not None:
+            self.pool.free(reversed(table))
+
+    def table(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._tables.get(request_id, ()))
+
+    def request_ids(self) -> set[str]:
+        return set(self._tables)
+
+    def owned(self) -> Counter[int]:
+        """Block id -> number of references the running requests hold (for the invariant check)."""
+        refs: Counter[int] = Counter()
+        for table in self._tables.values():
+            refs.update(b for b in table if b != NULL_BLOCK_ID)
+        return refs
+
+    def _check_hit(self, hashes: Sequence[BlockHash], positions: Sequence[int], blocks: Sequence[int]) -> None:
+        for i, b in zip(positions, blocks):
+            if b != NULL_BLOCK_ID and (i >= len(hashes) or self.pool.block_hash(b) != hashes[i]):
+                raise StaleHitError(f"hit block {b} no longer holds logical block {i}; ask get_computed_blocks again")

@@ -1,0 +1,97 @@
+"""Sliding window W: query i sees key j iff i - W < j <= i.
+
+A hit of L tokens means the next query (position L) can run, so only the blocks covering positions
+[max(0, L-W+1), L) must be cached; the blocks before them are NULL_BLOCK_ID. Such hits are not downward-closed
+(a shorter L may need a block a longer one does not), so the search runs right-to-left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridpd.engine.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
+from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.single_type import FRESH, GroupPlan, SingleTypeManager, TokenRange, cdiv
+from hybridpd.engine.kv_cache.spec import SlidingWindowSpec
+
+
+class SlidingWindowManager(SingleTypeManager):
+    search_order = 1
+
+    def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, *, caching: bool) -> None:
+        super().__init__(spec, pool, caching=caching)
+        self.window = spec.sliding_window
+        self._first_live: dict[str, int] = {}   # logical blocks below this one are NULL_BLOCK_ID (released)
+
+    def first_visible_block(self, position: int) -> int:
+        """The first logical block a query at `position` (or any later one) can see."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
+        """Right-to-left: try the largest aligned L; when block j inside its window is missing, no L with
+        j*b < L can succeed (its window also contains j), so jump to align_down(j*b). Candidates only shrink and
+        every block is looked up at most once, so the search is linear in the number of blocks."""
+        b = self.block_size
+        length = min(max_tokens, len(hashes) * b) // alignment * alignment
+        while length > 0:
+            first = self.first_visible_block(length)
+            j = length // b - 1
+            while j >= first and self.pool.lookup(hashes[j]) is not None:
+                j -= 1
+            if j < first:
+                return length
+            length = j * b // alignment * alignment
+        return 0
+
+    def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+        first = self.first_visible_block(num_tokens)
+        found = tuple(self.pool.lookup(hashes[i]) for i in range(first, num_tokens // self.block_size))
+        return (NULL_BLOCK_ID,) * first + found  # type: ignore[operator]
+
+    def plan(self, request_id: str, hit_blocks: tuple[int, ...], tokens: TokenRange,
+             hashes: Sequence[BlockHash]) -> GroupPlan:
+        b = self.block_size
+        need = cdiv(tokens.end, b)
+        if not tokens.first:
+            have = len(self._tables.get(request_id, ()))
+            return GroupPlan(append=(FRESH,) * max(0, need - have))
+        if tokens.external:
+            return self._plan_external(tokens, hashes, need)
+        if len(hit_blocks) != tokens.hit // b:
+            raise ValueError(f"a hit of {tokens.hit} tokens needs {tokens.hit // b} blocks, got {len(hit_blocks)}")
+        self._check_hit(hashes, range(len(hit_blocks)), hit_blocks)
+        return GroupPlan(append=hit_blocks + (FRESH,) * (need - len(hit_blocks)))
+
+    def _plan_external(self, tokens: TokenRange, hashes: Sequence[BlockHash], need: int) -> GroupPlan:
+        """Tokens before `start` exist elsewhere: only the blocks the query at `start` sees get a block, taken
+        from the local cache when held there under the right hash, else fresh and loaded."""
+        b, start = self.block_size, tokens.start
+        first = self.first_visible_block(start)
+        entries = [NULL_BLOCK_ID] * first
+        load = []
+        for i in range(first, cdiv(start, b)):
+            held = self.pool.lookup(hashes[i]) if self.caching and (i + 1) * b <= start and i < len(hashes) else None
+            if held is None:
+                entries.append(FRESH)
+                load.append(i)
+            else:
+                entries.append(held)
+        entries.extend([FRESH] * (need - len(entries)))
+        return GroupPlan(append=tuple(entries), load=tuple(load))
+
+    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
+        """Cache the full blocks, then release every block no future query (position >= num_computed) sees."""
+        super().commit(request_id, num_computed, hashes)
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        start = self._first_live.get(request_id, 0)
+        upto = min(self.first_visible_block(num_computed), len(table))
+        released = [table[i] for i in range(start, upto) if table[i] != NULL_BLOCK_ID]
+        table[start:upto] = [NULL_BLOCK_ID] * max(0, upto - start)
+        self.pool.free(released)
+        self._first_live[request_id] = max(start, upto)
+
+    def free(self, request_id: str) -> None:
+        self._first_live.pop(request_id, None)
+        super().free(request_id)
