@@ -1,0 +1,279 @@
+"""The checkpoint format: `HybridConfig`, parsed from a `GraniteMoeHybridForCausalLM` `config.json`.
+
+Read the way transformers 5.x's GraniteMoeHybrid reads it (defaults included), dense MLP only, plus two
+extension keys:
+- `kv_heads_per_layer`: list, `null` entries = `num_key_value_heads` (ignored for Mamba layers);
+- `sliding_window_per_layer`: list, `null` = full attention; query i sees key j iff i - W < j <= i.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridpd.errors import HybridPDError
+
+
+class CheckpointError(HybridPDError, ValueError):
+    """A checkpoint directory that is missing, unreadable, or does not describe a model we can run."""
+
+
+class LayerKind(enum.Enum):
+    MAMBA = "mamba"
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+
+
+# Both spellings: published Granite-4.0-H configs, and what transformers 5.x writes.
+_LAYER_TYPE_NAMES = {
+    "mamba": False,
+    "linear_attention": False,
+    "attention": True,
+    "full_attention": True,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    shared_intermediate_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    attention_bias: bool
+    # Granite's multipliers
+    embedding_multiplier: float
+    attention_multiplier: float   # the softmax scale
+    residual_multiplier: float
+    logits_scaling: float         # a divisor of the logits
+    position_embedding_type: str | None   # "rope" or None
+    rope_theta: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    # per layer
+    layer_is_attention: tuple[bool, ...]
+    kv_heads_per_layer: tuple[int, ...]              # num_key_value_heads resolved per layer (0 for Mamba layers)
+    sliding_window_per_layer: tuple[int | None, ...]  # None = full attention (always None for Mamba layers)
+    # Mamba2
+    mamba_n_heads: int
+    mamba_n_groups: int
+    mamba_d_state: int
+    mamba_d_head: int
+    mamba_d_conv: int
+    mamba_expand: int
+    mamba_chunk_size: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    time_step_limit: tuple[float, float]
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        for name in ("layer_is_attention", "kv_heads_per_layer", "sliding_window_per_layer"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, num_hidden_layers is {n}")
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "shared_intermediate_size",
+                     "max_position_embeddings", "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+                     "mamba_d_head", "mamba_d_conv", "mamba_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.position_embedding_type not in (None, "rope"):
+            raise ValueError(f"position_embedding_type must be 'rope' or null, got {self.position_embedding_type!r}")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        for layer, (is_attn, kv, window) in enumerate(
+            zip(self.layer_is_attention, self.kv_heads_per_layer, self.sliding_window_per_layer)
+        ):
+            if not is_attn:
+                continue
+            if kv < 1 or self.num_attention_heads % kv:
+                raise ValueError(
+                    f"layer {layer}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                    f"its KV heads ({kv})"
+                )
+            if window is not None and window < 1:
+                raise ValueError(f"layer {layer}: sliding window must be >= 1, got {window}")
+        if any(not a for a in self.layer_is_attention):
+            if self.mamba_intermediate_size % self.mamba_n_heads:
+                raise ValueError("mamba_n_heads must divide mamba_expand * hidden_size")
+            if self.mamba_d_head * self.mamba_n_heads != self.mamba_intermediate_size:
+                raise ValueError(
+                    f"mamba_d_head * mamba_n_heads ({self.mamba_d_head} * {self.mamba_n_heads}) must equal "
+                    f"mamba_expand * hidden_size ({self.mamba_intermediate_size})"
+                )
+            if self.mamba_n_heads % self.mamba_n_groups or self.mamba_intermediate_size % self.mamba_n_groups:
+                raise ValueError(f"mamba_n_groups ({self.mamba_n_groups}) must divide mamba_n_heads")
+        low, high = self.time_step_limit
+        if not 0 <= low <= high:
+            raise ValueError(f"time_step_limit must satisfy 0 <= min <= max, got {self.time_step_limit}")
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(
+            LayerKind.MAMBA if not attn
+            else LayerKind.FULL_ATTENTION if window is None
+            else LayerKind.SLIDING_WINDOW
+            for attn, window in zip(self.layer_is_attention, self.sliding_window_per_layer)
+        )
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_expand * self.hidden_size
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the causal conv: x, B and C (`intermediate + 2 * n_groups * d_state`)."""
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> HybridConfig:
+        return _parse(raw)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> HybridConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir} is not a checkpoint directory: no config.json in it")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+        try:
+            return _parse(raw)
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def _parse(raw: dict[str, Any]) -> HybridConfig:
+    """Defaults are transformers 5.x's `GraniteMoeHybridConfig` defaults."""
+    experts = raw.get("num_local_experts", 8)
+    if experts:
+        raise ValueError(
+            f"only dense GraniteMoeHybrid checkpoints are supported (num_local_experts: 0), got {experts} experts"
+        )
+    architectures = raw.get("architectures")
+    if architectures is not None and "GraniteMoeHybridForCausalLM" not in architectures:
+        raise ValueError(f"expected a GraniteMoeHybridForCausalLM checkpoint, got architectures {architectures}")
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"only hidden_act 'silu' is supported, got {hidden_act!r}")
+
+    hidden = int(raw.get("hidden_size", 4096))
+    num_layers = int(raw.get("num_hidden_layers", 32))
+    heads = int(raw.get("num_attention_heads", 32))
+    kv_heads = raw.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else int(kv_heads)
+    head_dim = raw.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads})")
+        head_dim = hidden // heads
+
+    layer_is_attention = _layer_types(raw.get("layer_types", raw.get("layers_block_type")), num_layers)
+    kv_per_layer = _per_layer(raw, "kv_heads_per_layer", num_layers)
+    windows = _per_layer(raw, "sliding_window_per_layer", num_layers)
+
+    expand = int(raw.get("mamba_expand", 2))
+    n_heads = int(raw.get("mamba_n_heads", 128))
+    d_head = raw.get("mamba_d_head", "auto")
+    d_head = expand * hidden // n_heads if d_head in (None, "auto") else int(d_head)
+    limit = raw.get("time_step_limit", (0.0, math.inf))
+    limit = (0.0, math.inf) if limit is None else tuple(float(x) for x in limit)
+    if len(limit) != 2:
+        raise ValueError(f"time_step_limit must have two entries, got {limit}")
+
+    eos = raw.get("eos_token_id", 2)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return HybridConfig(
+        vocab_size=int(raw.get("vocab_size", 32000)),
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(head_dim),
+        shared_intermediate_size=int(raw.get("shared_intermediate_size", 1024)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        embedding_multiplier=_float_or_one(raw, "embedding_multiplier"),
+        attention_multiplier=_float_or_one(raw, "attention_multiplier"),
+        residual_multiplier=_float_or_one(raw, "residual_multiplier"),
+        logits_scaling=_float_or_one(raw, "logits_scaling"),
+        position_embedding_type=raw.get("position_embedding_type"),
+        rope_theta=_rope_theta(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id", 1),
+        eos_token_id=eos,
+        layer_is_attention=layer_is_attention,
+        kv_heads_per_layer=tuple(
+            (kv_heads if kv is None else int(kv)) if attn else 0 for attn, kv in zip(layer_is_attention, kv_per_layer)
+        ),
+        sliding_window_per_layer=tuple(
+            (None if w is None else int(w)) if attn else None for attn, w in zip(layer_is_attention, windows)
+        ),
+        mamba_n_heads=n_heads,
+        mamba_n_groups=int(raw.get("mamba_n_groups", 1)),
+        mamba_d_state=int(raw.get("mamba_d_state", 256)),
+        mamba_d_head=d_head,
+        mamba_d_conv=int(raw.get("mamba_d_conv", 4)),
+        mamba_expand=expand,
+        mamba_chunk_size=int(raw.get("mamba_chunk_size", 256)),
+        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        time_step_limit=limit,
+    )
+
+
+def _float_or_one(raw: dict[str, Any], key: str) -> float:
+    value = raw.get(key, 1.0)
+    return 1.0 if value is None else float(value)
+
+
+def _layer_types(layer_types: Any, num_layers: int) -> tuple[bool, ...]:
+    """True for an attention layer. transformers defaults a missing list to all-Mamba."""
+    if layer_types is None:
+        return (False,) * num_layers
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types must be a list of num_hidden_layers ({num_layers}) entries, got {layer_types}")
+    unknown = sorted({t for t in layer_types if t not in _LAYER_TYPE_NAMES}, key=str)
+    if unknown:
+        raise ValueError(f"unknown layer_types {unknown}; expected one of {sorted(_LAYER_TYPE_NAMES)}")
+    return tuple(_LAYER_TYPE_NAMES[t] for t in layer_types)
+
+
+def _per_layer(raw: dict[str, Any], key: str, num_layers: int) -> list[Any]:
+    values = raw.get(key)
+    if values is None:
+        return [None] * num_layers
+    if not isinstance(values, list) or len(values) != num_layers:
+        raise ValueError(f"{key} must be a list of num_hidden_layers ({num_layers}) entries, got {values}")
+    for v in values:
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{key} entries must be positive integers or null, got {v!r}")
+    return values
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    """`rope_parameters` (or legacy `rope_scaling`) first, then a top-level `rope_theta`, then 10000."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"only the default RoPE is supported, got rope_type {rope_type!r}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor is not supported, got {partial}")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return float(theta)

@@ -1,0 +1,62 @@
+"""What one forward step computes: the new tokens of some sequences, and where their cache lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqEntry:
+    """One sequence of a step.
+
+    `block_tables[g]` (group order of `KVCacheStorage.groups`), int64:
+    - attention groups: logical block index -> block id (0 = the null block, only where a sliding window no
+      longer needs that block);
+    - Mamba groups: `[state_slot]`, the running state; read when `num_computed > 0`, written at the step's end.
+    `mamba_saves[g]`: `(num_tokens, slot)` pairs: after tokens `[0, num_tokens)` of this sequence, also write
+    the conv + ssm state to `slot`. `num_computed < num_tokens <= num_computed + num_new`, and num_tokens is a
+    multiple of `mamba_chunk_size` or the step's end. Empty for attention groups.
+    """
+
+    num_computed: int
+    num_new: int
+    block_tables: tuple[torch.Tensor, ...]
+    mamba_saves: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.num_computed + self.num_new
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """`input_ids`/`positions`: [T] int64, the sequences' new tokens concatenated in `seqs` order.
+
+    `logits_indices`: [S] rows of T whose logits `HybridLM.forward` returns.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seqs: tuple[SeqEntry, ...]
+    logits_indices: torch.Tensor
+
+    def __post_init__(self) -> None:
+        total = sum(s.num_new for s in self.seqs)
+        if self.input_ids.shape != (total,) or self.positions.shape != (total,):
+            raise ValueError(
+                f"input_ids {tuple(self.input_ids.shape)} and positions {tuple(self.positions.shape)} must both "
+                f"be [{total}] (the sum of num_new)"
+            )
+        if any(s.num_new < 1 or s.num_computed < 0 for s in self.seqs):
+            raise ValueError("every sequence needs num_new >= 1 and num_computed >= 0")
+
+    @property
+    def row_starts(self) -> tuple[int, ...]:
+        """First row of each sequence in T."""
+        starts, row = [], 0
+        for s in self.seqs:
+            starts.append(row)
+            row += s.num_new
+        return tuple(starts)

@@ -1,0 +1,104 @@
+"""`HybridLM`: Granite-4.0-H (dense) over the paged hybrid KV cache.
+
+Parameter names equal transformers' `GraniteMoeHybridForCausalLM` (`model.layers.{i}.mamba.in_proj.weight`,
+`lm_head.weight`, ...), so the checkpoint's state dict loads unchanged. Embedding, norms, projections and MLP
+run over all T rows of a step at once; attention and Mamba use `StepContext` to batch decode rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from hybridpd.engine.kv_cache.storage import KVCacheStorage
+from hybridpd.engine.model.attention import Attention
+from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.forward_batch import ForwardBatch
+from hybridpd.engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from hybridpd.engine.model.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.step_context import StepContext, build_group_meta
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: HybridConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.shared_mlp = DenseMLP(config.hidden_size, config.shared_intermediate_size, dtype)
+        self.residual_multiplier = config.residual_multiplier
+        # Exactly one of the two mixers, under transformers' attribute name.
+        self.mixer_name = "self_attn" if config.layer_is_attention[layer_id] else "mamba"
+        mixer = Attention(config, layer_id, dtype) if self.mixer_name == "self_attn" else Mamba2Mixer(
+            config, layer_id, dtype
+        )
+        self.add_module(self.mixer_name, mixer)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
+        mixer = self.get_submodule(self.mixer_name)
+        h = h + mixer(self.input_layernorm(h), ctx, kv) * self.residual_multiplier
+        return h + self.shared_mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
+
+
+class HybridBackbone(nn.Module):
+    """transformers' `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: HybridConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: HybridConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = HybridBackbone(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = (
+            RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_embedding_type == "rope" else None
+        )
+
+    def kv_cache_specs(self, block_size: int, mamba_interval: int) -> dict[int, KVCacheSpec]:
+        """Layer id -> spec. Mamba slots: conv state in the model dtype, ssm state in float32."""
+        specs: dict[int, KVCacheSpec] = {}
+        c = self.config
+        for layer_id, layer in enumerate(self.model.layers):
+            if layer.mixer_name == "mamba":
+                mixer: Mamba2Mixer = layer.mamba
+                specs[layer_id] = MambaSpec(
+                    block_size=mamba_interval, conv_state_shape=mixer.conv_state_shape,
+                    ssm_state_shape=mixer.ssm_state_shape, dtypes=(self.dtype, torch.float32),
+                )
+            elif c.sliding_window_per_layer[layer_id] is None:
+                specs[layer_id] = FullAttentionSpec(
+                    block_size=block_size, num_kv_heads=c.kv_heads_per_layer[layer_id], head_size=c.head_dim,
+                    dtype=self.dtype,
+                )
+            else:
+                specs[layer_id] = SlidingWindowSpec(
+                    block_size=block_size, num_kv_heads=c.kv_heads_per_layer[layer_id], head_size=c.head_dim,
+                    dtype=self.dtype, sliding_window=c.sliding_window_per_layer[layer_id],
+                )
+        return specs
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCacheStorage) -> torch.Tensor:
+        """[S, vocab] float32 logits of the rows `batch.logits_indices`; writes the step's KV and Mamba states."""
+        cos = sin = None
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
+        ctx = StepContext(
+            rope_cos=cos, rope_sin=sin,
+            groups=tuple(build_group_meta(batch, g, group) for g, group in enumerate(kv.groups)),
+        )
+        h = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
+        for layer in self.model.layers:
+            h = layer(h, ctx, kv)
+        h = self.model.norm(h[batch.logits_indices])
+        return (self.lm_head(h) / self.config.logits_scaling).float()

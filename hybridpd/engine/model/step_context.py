@@ -1,0 +1,165 @@
+"""Per-step metadata, computed once per forward and shared by every layer of a KV group.
+
+A sequence with one new token is a *decode* row: attention over all decode rows of a group is one batched
+gather + matmul; Mamba decode rows (num_computed > 0) are one batched recurrent step. Other sequences
+(prefill chunks) are handled one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
+
+
+@dataclass(frozen=True)
+class AttentionDecode:
+    """Keys of decode rows gathered as [Sd, L]; `visible[s, 0, l]` says whether key l counts for row s."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionPrefill:
+    """One sequence's rows [row_start, row_start + num_rows); keys [L] from the cache; visible [n, L]."""
+
+    row_start: int
+    num_rows: int
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionGroupMeta:
+    write_blocks: torch.Tensor   # [T] where each new row's K/V goes
+    write_offsets: torch.Tensor  # [T]
+    decode: AttentionDecode | None
+    prefills: tuple[AttentionPrefill, ...]
+
+
+@dataclass(frozen=True)
+class MambaDecode:
+    rows: torch.Tensor   # [Sd] rows of T
+    slots: torch.Tensor  # [Sd] running state slots
+    saves: tuple[tuple[int, int], ...]  # (index into rows, slot): copy that row's new state to slot
+
+
+@dataclass(frozen=True)
+class MambaPrefill:
+    row_start: int
+    num_rows: int
+    num_computed: int
+    slot: int
+    saves: tuple[tuple[int, int], ...]  # (num_tokens, slot)
+
+
+@dataclass(frozen=True)
+class MambaGroupMeta:
+    decode: MambaDecode | None
+    prefills: tuple[MambaPrefill, ...]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    rope_cos: torch.Tensor | None  # [T, 1, head_dim]
+    rope_sin: torch.Tensor | None
+    groups: tuple[AttentionGroupMeta | MambaGroupMeta, ...]
+
+
+def build_group_meta(
+    batch: ForwardBatch, group_id: int, group: KVCacheGroup
+) -> AttentionGroupMeta | MambaGroupMeta:
+    if isinstance(group.spec, AttentionSpec):
+        window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
+        return _attention_meta(batch, group_id, group.spec.block_size, window)
+    if isinstance(group.spec, MambaSpec):
+        return _mamba_meta(batch, group_id)
+    raise TypeError(f"no model support for KV spec {type(group.spec).__name__}")
+
+
+def _attention_meta(batch: ForwardBatch, g: int, block_size: int, window: int | None) -> AttentionGroupMeta:
+    seqs = batch.seqs
+    tables = pad_sequence([s.block_tables[g] for s in seqs], batch_first=True)
+    seq_of_row = torch.repeat_interleave(
+        torch.arange(len(seqs)), torch.tensor([s.num_new for s in seqs]), output_size=batch.input_ids.shape[0]
+    )
+    write_blocks = tables[seq_of_row, batch.positions // block_size]
+    write_offsets = batch.positions % block_size
+
+    decode_idx = [i for i, s in enumerate(seqs) if s.num_new == 1]
+    decode = _attention_decode(batch, tables, decode_idx, block_size, window) if decode_idx else None
+    prefills = []
+    for row_start, s in zip(batch.row_starts, seqs):
+        if s.num_new > 1:
+            prefills.append(_attention_prefill(row_start, s, s.block_tables[g], block_size, window))
+    return AttentionGroupMeta(
+        write_blocks=write_blocks, write_offsets=write_offsets, decode=decode, prefills=tuple(prefills)
+    )
+
+
+def _first_visible(position: int, window: int | None) -> int:
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def _attention_prefill(
+    row_start: int, s: SeqEntry, table: torch.Tensor, block_size: int, window: int | None
+) -> AttentionPrefill:
+    first = _first_visible(s.num_computed, window)
+    keys = torch.arange(first, s.end)
+    queries = torch.arange(s.num_computed, s.end)
+    visible = keys[None, :] <= queries[:, None]
+    if window is not None:
+        visible &= keys[None, :] > queries[:, None] - window
+    return AttentionPrefill(
+        row_start=row_start, num_rows=s.num_new, blocks=table[keys // block_size], offsets=keys % block_size,
+        visible=visible,
+    )
+
+
+def _attention_decode(
+    batch: ForwardBatch, tables: torch.Tensor, decode_idx: list[int], block_size: int, window: int | None
+) -> AttentionDecode:
+    """Row s looks at keys first_s + l for l < L (L = the longest span); keys past its own position are masked
+    and clamped to it before the table lookup, so they never index outside the sequence's blocks."""
+    starts = batch.row_starts
+    rows = torch.tensor([starts[i] for i in decode_idx])
+    current = torch.tensor([batch.seqs[i].num_computed for i in decode_idx])
+    first = torch.zeros_like(current) if window is None else (current - window + 1).clamp(min=0)
+    span = int((current - first).max()) + 1
+    keys = first[:, None] + torch.arange(span)[None, :]
+    visible = keys <= current[:, None]
+    keys = torch.minimum(keys, current[:, None])
+    blocks = tables[torch.tensor(decode_idx)].gather(1, keys // block_size)
+    return AttentionDecode(rows=rows, blocks=blocks, offsets=keys % block_size, visible=visible[:, None, :])
+
+
+def _mamba_meta(batch: ForwardBatch, g: int) -> MambaGroupMeta:
+    decode_rows, decode_slots, decode_saves, prefills = [], [], [], []
+    for row_start, s in zip(batch.row_starts, batch.seqs):
+        slot = int(s.block_tables[g][0])
+        saves = s.mamba_saves[g] if s.mamba_saves else ()
+        for num_tokens, _ in saves:
+            if not s.num_computed < num_tokens <= s.end:
+                raise ValueError(f"mamba save at {num_tokens} tokens is outside this step ({s.num_computed}, {s.end}]")
+        if s.num_new == 1 and s.num_computed > 0:
+            decode_saves.extend((len(decode_rows), save_slot) for _, save_slot in saves)
+            decode_rows.append(row_start)
+            decode_slots.append(slot)
+        else:
+            prefills.append(MambaPrefill(
+                row_start=row_start, num_rows=s.num_new, num_computed=s.num_computed, slot=slot, saves=tuple(saves)
+            ))
+    decode = None
+    if decode_rows:
+        decode = MambaDecode(
+            rows=torch.tensor(decode_rows), slots=torch.tensor(decode_slots), saves=tuple(decode_saves)
+        )
+    return MambaGroupMeta(decode=decode, prefills=tuple(prefills))
