@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from hybridpd.server.app import create_app
+from hybridpd.server.config import ServerConfig
+
+from .fake_engine import FakeEngine
+
+MODEL = "fake-model"
+
+
+def make_app(engine: FakeEngine, **config: Any):
+    return create_app(engine, ServerConfig(served_model_name=MODEL, port=0, **config), CollectorRegistry())
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+async def client(engine: FakeEngine) -> AsyncIterator[TestClient]:
+    client = TestClient(TestServer(make_app(engine)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def parse_sse(raw: str) -> list[Any]:
+    """The payloads of an SSE body: JSON objects, and the final "[DONE]" as a string."""
+    assert raw.endswith("\n\n"), raw[-80:]
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

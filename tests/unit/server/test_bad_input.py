@@ -1,0 +1,222 @@
+"""Every bad input answers a 4xx in OpenAI's error shape, and the node stays healthy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridpd.errors import InvalidRequestError, KVTransferError, ServerOverloadedError
+
+from .conftest import make_app
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def error_of(out: dict, status: int) -> dict:
+    assert set(out) == {"error"}, out
+    error = out["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (COMPLETIONS, {}, "prompt"),
+        (COMPLETIONS, {"prompt": ""}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, True]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 2.0]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 260]}, "prompt"),
+        (COMPLETIONS, {"prompt": [-1]}, "prompt"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 128}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x" * 120, "max_tokens": 9}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
+        (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
+        (COMPLETIONS, {"prompt": "x", "temperature": 1e400}, None),  # sent as Infinity: not JSON
+        (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
+        (COMPLETIONS, {"prompt": "x", "top_p": 1.5}, "top_p"),
+        (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
+        (COMPLETIONS, {"prompt": "x", "top_k": 1.5}, "top_k"),
+        (COMPLETIONS, {"prompt": "x", "seed": 2**64}, "seed"),
+        (COMPLETIONS, {"prompt": "x", "stop": 3}, "stop"),
+        (COMPLETIONS, {"prompt": "x", "stop": [""]}, "stop"),
+        (COMPLETIONS, {"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "n": 2}, "n"),
+        (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
+        (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
+        (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": []}, "stream_options"),
+        (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+         "stream_options.include_usage"),
+        (COMPLETIONS, {"prompt": "x", "return_token_ids": "true"}, "return_token_ids"),
+        (COMPLETIONS, {"prompt": "x", "kv_transfer_params": []}, "kv_transfer_params"),
+        (COMPLETIONS, {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}},
+         "kv_transfer_params.remote_port"),
+        (COMPLETIONS, {"prompt": "x", "model": 3}, "model"),
+        (CHAT, {}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": "hi"}, "messages"),
+        (CHAT, {"messages": [3]}, "messages[0]"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": USER, "logprobs": 2}, "logprobs"),
+        (CHAT, {"messages": USER, "max_tokens": 500}, "max_tokens"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": [1]}, "prompt"),
+    ],
+)
+async def test_bad_field_is_400(client, path, body, param):
+    resp = await client.post(path, json=body)
+    assert resp.status == 400, await resp.text()
+    error = error_of(await resp.json(), 400)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.parametrize(
+    "data, headers",
+    [
+        (b"{not json", {"Content-Type": "application/json"}),
+        (b"", {"Content-Type": "application/json"}),
+        (b"[1, 2]", {"Content-Type": "application/json"}),
+        (b'"prompt"', {"Content-Type": "application/json"}),
+        (b'{"prompt": "x", "temperature": NaN}', {"Content-Type": "application/json"}),
+        (b'{"prompt": "x", "temperature": -Infinity}', {"Content-Type": "application/json"}),
+        (b'{"prompt": "\xff"}', {"Content-Type": "application/json"}),
+        (b"[" * 100000 + b"]" * 100000, {"Content-Type": "application/json"}),
+        (b'{"prompt": ' + b"9" * 5000 + b"}", {"Content-Type": "application/json"}),
+        (b'{"prompt": "x"}', {"Content-Type": "text/plain"}),
+        (b'prompt=x', {"Content-Type": "application/x-www-form-urlencoded"}),
+    ],
+)
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize"])
+async def test_malformed_body_is_400(client, path, data, headers):
+    resp = await client.post(path, data=data, headers=headers)
+    assert resp.status == 400, await resp.text()
+    assert error_of(await resp.json(), 400)["type"] == "invalid_request_error"
+    assert (await client.get("/health")).status == 200
+
+
+async def test_body_without_content_type_is_accepted(client):
+    resp = await client.post(COMPLETIONS, data=json.dumps({"prompt": "x", "max_tokens": 1}).encode(),
+                             skip_auto_headers=["Content-Type"])
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize(
+    "method, path, status, kind",
+    [
+        ("GET", "/nope", 404, "not_found_error"),
+        ("POST", "/v1/embeddings", 404, "not_found_error"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("POST", "/health", 405, "method_not_allowed"),
+    ],
+)
+async def test_unknown_route_and_method(client, method, path, status, kind):
+    resp = await client.request(method, path)
+    assert resp.status == status
+    assert error_of(await resp.json(), status)["type"] == kind
+
+
+@pytest.mark.parametrize("path, extra", [(COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": USER}),
+                                         ("/tokenize", {"prompt": "x"})])
+async def test_unknown_model_is_404(client, path, extra):
+    resp = await client.post(path, json={**extra, "model": "gpt-4"})
+    assert resp.status == 404
+    error = error_of(await resp.json(), 404)
+    assert (error["type"], error["param"]) == ("model_not_found", "model") and "gpt-4" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "raised, status, kind, words",
+    [
+        (InvalidRequestError("token id 999 is outside the vocabulary", "prompt"), 400, "invalid_request_error", "999"),
+        (ServerOverloadedError("queue is full"), 503, "server_overloaded", "queue is full"),
+        (KVTransferError("10.1.1.1:14579", "connection refused"), 502, "kv_transfer_error", "10.1.1.1:14579"),
+        (RuntimeError("secret detail"), 500, "internal_error", "internal error"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_errors_before_first_output_map_to_status(client, engine, raised, status, kind, words, stream):
+    engine.raise_before_first = raised
+    resp = await client.post(COMPLETIONS, json={"prompt": "x", "stream": stream})
+    assert resp.status == status
+    error = error_of(await resp.json(), status)
+    assert error["type"] == kind and words in error["message"] and "secret" not in error["message"]
+    engine.raise_before_first = None
+    assert (await client.get("/health")).status == 200
+
+
+async def test_request_failing_at_first_output_is_502(client, engine):
+    engine.fail_at_output = 0
+    resp = await client.post(COMPLETIONS, json={"prompt": "x"})
+    assert resp.status == 502
+    assert "10.0.0.7:14579" in error_of(await resp.json(), 502)["message"]
+
+
+async def test_request_failing_later_non_streaming_is_502(client, engine):
+    engine.fail_at_output = 3
+    resp = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 8})
+    assert resp.status == 502
+    assert error_of(await resp.json(), 502)["type"] == "kv_transfer_error"
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [({}, 401), ({"X-HybridPD-Cluster-Token": "wrong"}, 401), ({"X-HybridPD-Cluster-Token": "s3cret"}, 200)],
+)
+async def test_cluster_token_guards_kv_transfer_params(aiohttp_client_factory, headers, status):
+    client = await aiohttp_client_factory(cluster_token="s3cret")
+    body = {"prompt": "x", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    resp = await client.post(COMPLETIONS, json=body, headers=headers)
+    assert resp.status == status
+    if status == 401:
+        assert "s3cret" not in (await resp.text())
+    plain = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})
+    assert plain.status == 200
+
+
+async def test_draining_server_refuses_new_requests(client):
+    from hybridpd.server.app import ADMISSION_KEY
+
+    client.server.app[ADMISSION_KEY].close()
+    resp = await client.post(COMPLETIONS, json={"prompt": "x"})
+    assert resp.status == 503 and error_of(await resp.json(), 503)["type"] == "server_overloaded"
+    assert (await client.get("/health")).status == 503
+    assert await client.server.app[ADMISSION_KEY].wait_idle(timeout=5)
+
+
+@pytest.fixture
+async def aiohttp_client_factory(engine):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    clients = []
+
+    async def make(**config):
+        client = TestClient(TestServer(make_app(engine, **config)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in clients:
+            await client.close()
