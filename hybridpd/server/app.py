@@ -14,7 +14,7 @@ import functools
 import hmac
 import json
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -35,7 +35,8 @@ from hybridpd.server.protocol import (
     parse_tokenize_request,
 )
 from hybridpd.server.responses import FinalOutput, final_response, models_response, tokenize_response
-from hybridpd.server.streaming import ChunkBuilder, failure, next_output, stream_outputs
+from hybridpd.server.outputs import EngineOutputs
+from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
 
 CLUSTER_TOKEN_HEADER = "X-HybridPD-Cluster-Token"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
@@ -82,9 +83,9 @@ class Handlers:
             self._authorize(request, body)
             parsed = parse(body, self._engine, self._config.served_model_name)
             tracker = self._metrics.tracker()
-            outputs = self._engine.generate(parsed.engine_request)
+            outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
             try:
-                first = await next_output(outputs)
+                first = await outputs.next()
                 error = failure(first)
                 if error is not None:
                     tracker.observe(first)
@@ -94,16 +95,16 @@ class Handlers:
                     return await stream_outputs(request, parsed, first, outputs, builder, tracker)
                 return await self._answer(request, parsed, first, outputs, tracker)
             finally:
-                await outputs.aclose()
+                await outputs.close()
 
     async def _answer(self, request: web.Request, parsed: ParsedRequest, first: RequestOutput,
-                      outputs: AsyncGenerator[RequestOutput, None], tracker: RequestTracker) -> web.StreamResponse:
+                      outputs: EngineOutputs, tracker: RequestTracker) -> web.StreamResponse:
         collected = [first]
         tracker.observe(first)
         while not collected[-1].finished:
             if _client_gone(request):
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
-            output = await next_output(outputs)
+            output = await outputs.next()
             tracker.observe(output)
             error = failure(output)
             if error is not None:

@@ -10,7 +10,6 @@ the handler's cancellation); either way the caller closes the engine generator, 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -20,6 +19,7 @@ from hybridpd.server.engine_client import Tokenizer
 from hybridpd.server.errors import http_error_for
 from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
 from hybridpd.server.metrics import RequestTracker
+from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 from hybridpd.server.responses import finish_reason_value, header, usage
 
@@ -44,14 +44,6 @@ def failure(output: RequestOutput) -> Exception | None:
     if output.finish_reason is not FinishReason.ERROR:
         return None
     return output.error if output.error is not None else RuntimeError("request failed without an error")
-
-
-async def next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The next output of a request that has not finished yet (an engine that stops early is our bug: 500)."""
-    output = await anext(outputs, None)
-    if output is None:
-        raise RuntimeError("the engine's outputs ended before the request finished")
-    return output
 
 
 class ChunkBuilder:
@@ -117,7 +109,7 @@ async def stream_outputs(
     request: web.Request,
     parsed: ParsedRequest,
     first: RequestOutput,
-    rest: AsyncIterator[RequestOutput],
+    rest: EngineOutputs,
     builder: ChunkBuilder,
     tracker: RequestTracker,
 ) -> web.StreamResponse:
@@ -136,7 +128,7 @@ async def stream_outputs(
                 await response.write(sse(chunk))
             if output.finished:
                 break
-            output = await next_output(rest)
+            output = await rest.next()
         if parsed.include_usage:
             await response.write(sse(builder.usage_chunk(output)))
     except ConnectionResetError:

@@ -1,0 +1,126 @@
+"""SSE streams like vLLM's, errors after the stream started, and clients that go away mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from .conftest import MODEL, make_app, parse_sse
+from .fake_engine import FakeEngine, fake_token
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("return_token_ids", [False, True])
+async def test_completion_stream(client, include_usage, return_token_ids):
+    body = {"prompt": [1, 2], "max_tokens": 3, "stream": True, "return_token_ids": return_token_ids,
+            "stream_options": {"include_usage": include_usage}}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events = parse_sse(await resp.text())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text_chunks = chunks[:3]
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == "abc"
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks] == [None, None, "length"]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    if return_token_ids:
+        assert text_chunks[0]["choices"][0]["prompt_token_ids"] == [1, 2]
+        assert [t for c in text_chunks for t in c["choices"][0]["token_ids"]] == [fake_token(i) for i in range(3)]
+    else:
+        assert all("token_ids" not in c["choices"][0] for c in text_chunks)
+    if include_usage:
+        assert len(chunks) == 4 and chunks[3]["choices"] == []
+        assert chunks[3]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
+    else:
+        assert len(chunks) == 3 and all("usage" not in c for c in chunks)
+
+
+async def test_completion_stream_logprobs_continue_offsets(client):
+    body = {"prompt": "x", "max_tokens": 3, "stream": True, "logprobs": 1}
+    chunks = parse_sse(await (await client.post("/v1/completions", json=body)).text())[:-1]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [1], [2]]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["a"], ["b"], ["c"]]
+
+
+async def test_chat_stream(client):
+    body = {"messages": USER, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    events = parse_sse(await (await client.post("/v1/chat/completions", json=body)).text())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+async def test_stream_kv_transfer_params_on_last_chunk(client, engine):
+    engine.kv_transfer_params = {"do_remote_prefill": True, "remote_engine_id": "e"}
+    body = {"prompt": "x", "max_tokens": 2, "stream": True}
+    chunks = parse_sse(await (await client.post("/v1/completions", json=body)).text())[:-1]
+    assert "kv_transfer_params" not in chunks[0]
+    assert chunks[-1]["kv_transfer_params"] == engine.kv_transfer_params
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions", {"messages": USER}),
+])
+async def test_failure_after_stream_started_sends_error_event(client, engine, path, body):
+    engine.fail_at_output = 2
+    resp = await client.post(path, json={**body, "max_tokens": 8, "stream": True,
+                                         "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    events = parse_sse(await resp.text())
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert (error["type"], error["code"]) == ("kv_transfer_error", 502) and "10.0.0.7:14579" in error["message"]
+    assert all("usage" not in e for e in events[:-1])
+    assert (await client.get("/health")).status == 200
+
+
+async def _read_first_chunk_then_disconnect(client: TestClient, path: str, body: dict) -> None:
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status == 200
+    first = await resp.content.readuntil(b"\n\n")
+    assert first.startswith(b"data: {")
+    resp.close()  # drop the connection mid-stream
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100}),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 100}),
+])
+@pytest.mark.parametrize("mode", ["endless_engine", "stalled_engine_with_handler_cancellation"])
+async def test_disconnect_mid_stream_closes_engine_generator(path, body, mode):
+    """An endless engine is noticed at the next write; a stalled one only by cancelling the handler."""
+    engine = FakeEngine(endless=mode == "endless_engine")
+    if mode != "endless_engine":
+        engine.stall_after_first = asyncio.Event()  # never set: only the disconnect can end this request
+    server = TestServer(make_app(engine), handler_cancellation=mode != "endless_engine")
+    client = TestClient(server)
+    await client.start_server()
+    try:
+        await _read_first_chunk_then_disconnect(client, path, body)
+        await asyncio.wait_for(engine.aborted_event.wait(), timeout=10)
+        assert engine.aborted == [engine.requests[0].request_id]
+        engine.endless = False
+        engine.stall_after_first = None
+        after = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert after.status == 200 and (await after.json())["choices"][0]["text"] == "ab"
+        assert (await client.get("/health")).status == 200
+    finally:
+        await client.close()
+
+
+async def test_finished_requests_are_not_aborted(client, engine):
+    for stream in (False, True):
+        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream})
+        await resp.read()
+    assert len(engine.requests) == 2 and engine.aborted == []
