@@ -1,0 +1,42 @@
+"""Free ports for a local cluster, so tests and the demo never collide with what already runs."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from hybridpd.launcher.errors import ClusterError
+from hybridpd.launcher.spec import KV_PORT_OFFSET
+
+_ATTEMPTS = 200
+_LOW, _HIGH = 20000, 60000  # below the usual ephemeral range start on Linux (32768) and above it: both fine
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (bound to port 0, then released)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def free_cluster_ports(num_nodes: int, host: str = "127.0.0.1") -> tuple[int, int]:
+    """(proxy port, base port) such that the proxy port, base..base+n-1 and their side-channel ports
+    (base+1000..) are all free now. Another process may still take one before the cluster binds it:
+    the launcher then fails with that node's log, and a caller can retry."""
+    rng = random.Random()
+    for _ in range(_ATTEMPTS):
+        base = rng.randrange(_LOW, _HIGH - KV_PORT_OFFSET - num_nodes)
+        proxy = base - 1
+        ports = [proxy, *range(base, base + num_nodes), *range(base + KV_PORT_OFFSET, base + KV_PORT_OFFSET + num_nodes)]
+        if all(_bindable(host, port) for port in ports):
+            return proxy, base
+    raise ClusterError(f"no free range of ports for {num_nodes} nodes after {_ATTEMPTS} attempts")
