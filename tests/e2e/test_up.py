@@ -1,0 +1,161 @@
+"""`hybridpd up` as a real process: a child that fails to start, and a real 1P+1D cluster stopped by SIGTERM.
+
+Every test finds its children by their unique `--port N` arguments in /proc (nothing else on the machine
+uses those ports), and kills whatever is left in a `finally`, so a failing test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hybridpd.launcher.ports import free_cluster_ports
+
+STARTUP_DEADLINE = 240.0  # seconds for a real cluster on 2 busy cores
+EXIT_DEADLINE = 60.0
+
+
+def _pids_with_args(needle: list[str]) -> list[int]:
+    """PIDs of live processes whose argv contains `needle` as consecutive arguments."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if state != "Z" and any(words[i:i + len(needle)] == needle for i in range(len(words))):
+            found.append(int(entry.name))
+    return found
+
+
+def _children(ports: list[int]) -> list[int]:
+    return sorted({pid for port in ports for pid in _pids_with_args(["--port", str(port)])})
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(EXIT_DEADLINE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def cluster_ports() -> Iterator[tuple[int, int]]:
+    proxy_port, base_port = free_cluster_ports(2)
+    ports = [proxy_port, base_port, base_port + 1]
+    try:
+        yield proxy_port, base_port
+    finally:
+        _kill_leftovers(_children(ports))
+
+
+def test_up_with_a_bad_model_dir_exits_nonzero_and_leaves_nothing(tmp_path, cluster_ports):
+    proxy_port, base_port = cluster_ports
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridpd.up", "--model", str(tmp_path / "no-such-model"),
+         "--port", str(proxy_port), "--base-port", str(base_port), "--run-dir", str(tmp_path / "run"),
+         "--startup-timeout", "120", "--stop-grace", "5"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 1
+    assert "hybridpd up: error:" in result.stderr
+    assert "exited with code" in result.stderr
+    assert "prefill-0" in result.stderr or "decode-0" in result.stderr
+    assert "last lines of" in result.stderr and str(tmp_path / "run") in result.stderr
+    assert _children([proxy_port, base_port, base_port + 1]) == []
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["decode-0.log", "prefill-0.log"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill", "0"], "--prefill and --decode must be >= 1"),
+    (["--port", "8100", "--base-port", "8100"], "collides with a node port"),
+    (["--base-port", "65000"], "leaves no room"),
+])
+def test_up_rejects_bad_flags_with_exit_2(argv, message):
+    result = subprocess.run([sys.executable, "-m", "hybridpd.up", *argv], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def _serve_exists() -> bool:
+    try:
+        return importlib.util.find_spec("hybridpd.server.main") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(out)],
+                   check=True, timeout=300)
+    return out
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+@pytest.mark.skipif(not _serve_exists(), reason="hybridpd.server.main (`hybridpd serve`) is not importable yet")
+def test_up_serves_through_the_proxy_and_sigterm_leaves_no_child(tmp_path, cluster_ports, tiny_checkpoint):
+    proxy_port, base_port = cluster_ports
+    up = subprocess.Popen(
+        [sys.executable, "-m", "hybridpd", "up", "--prefill", "1", "--decode", "1", "--model", str(tiny_checkpoint),
+         "--port", str(proxy_port), "--base-port", str(base_port), "--run-dir", str(tmp_path / "run"),
+         "--stop-grace", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_DEADLINE
+        while _get(f"http://127.0.0.1:{proxy_port}/health")[0] != 200:
+            assert up.poll() is None, f"up exited early:\n{up.stdout.read()}"
+            assert time.monotonic() < deadline, "the cluster did not become healthy in time"
+            time.sleep(0.5)  # a poll interval under a deadline, not a synchronisation
+        body = json.dumps({"prompt": "hello hybrid world", "max_tokens": 4, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{proxy_port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+        assert answer["usage"]["completion_tokens"] >= 1
+        children = _children([proxy_port, base_port, base_port + 1])
+        assert len(children) == 4  # up itself (its --port) + 2 nodes + the proxy
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(EXIT_DEADLINE) == 0
+        output = up.stdout.read()
+        assert f"http://127.0.0.1:{proxy_port}" in output and f"http://127.0.0.1:{base_port}/metrics" in output
+        assert _children([proxy_port, base_port, base_port + 1]) == []
+    finally:
+        _stop(up)
