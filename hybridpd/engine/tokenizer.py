@@ -1,0 +1,172 @@
+"""Tokenizers: the checkpoint's `tokenizer.json` (via `tokenizers`) when it has one, else a byte tokenizer.
+
+Byte tokenizer: ids 0..255 are the UTF-8 bytes; the checkpoint's `eos_token_id` (default 256) and
+`bos_token_id` (default 257) are special; any id >= 256 decodes to nothing. `encode` adds no special tokens.
+Chat: the checkpoint's `chat_template` (tokenizer_config.json or chat_template.jinja) rendered with jinja2,
+else the plain template `"<role>: <content>\\n" ... + "assistant: "`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from hybridpd.errors import InvalidRequestError
+
+BYTE_VOCAB = 256
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+
+
+def message_text(message: Any) -> tuple[str, str]:
+    """(role, content) of one OpenAI chat message; content may be a string or a list of text parts."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequestError("each message must be an object with a string 'role'", "messages")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError("only text content parts are supported", "messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise InvalidRequestError("message 'content' must be a string or a list of text parts", "messages")
+    return message["role"], content
+
+
+def plain_chat_template(messages: list[dict[str, Any]]) -> str:
+    lines = [f"{role}: {content}\n" for role, content in map(message_text, messages)]
+    return "".join(lines) + "assistant: "
+
+
+class ChatTemplate:
+    """A Hugging Face jinja2 chat template, rendered in a sandbox with `add_generation_prompt=True`."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = self._raise
+        self._template = env.from_string(source)
+        self._bos, self._eos = bos_token, eos_token
+
+    @staticmethod
+    def _raise(message: str) -> None:
+        raise InvalidRequestError(f"chat template: {message}", "messages")
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        from jinja2 import TemplateError
+
+        normalized = [{**m, "role": role, "content": content} for m, (role, content) in
+                      zip(messages, map(message_text, messages))]
+        try:
+            return self._template.render(
+                messages=normalized, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
+            )
+        except TemplateError as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
+
+
+class ByteTokenizer:
+    def __init__(self, vocab_size: int, eos_token_id: int | None = BYTE_VOCAB, bos_token_id: int | None = None) -> None:
+        if vocab_size < BYTE_VOCAB:
+            raise ValueError(f"a byte tokenizer needs vocab_size >= {BYTE_VOCAB}, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id if eos_token_id is not None and eos_token_id < vocab_size else None
+        self.bos_token_id = bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return plain_chat_template(messages)
+
+
+class HFTokenizer:
+    """`tokenizers.Tokenizer` from tokenizer.json; `vocab_size` is the model's (ids the model can emit)."""
+
+    def __init__(
+        self, path: Path, vocab_size: int, eos_token_id: int | None, chat_template: ChatTemplate | None
+    ) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._tok = RustTokenizer.from_file(str(path))
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._chat = chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return self._chat.render(messages) if self._chat is not None else plain_chat_template(messages)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template_source(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+def load_tokenizer(model_dir: Path, vocab_size: int) -> Tokenizer:
+    model_dir = Path(model_dir)
+    config = _read_json(model_dir / "config.json")
+    eos = config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return ByteTokenizer(
+            vocab_size,
+            eos_token_id=BYTE_VOCAB if eos is None else eos,
+            bos_token_id=config.get("bos_token_id"),
+        )
+    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    eos_text = _token_text(tok_config.get("eos_token")) or ""
+    bos_text = _token_text(tok_config.get("bos_token")) or ""
+    source = _template_source(model_dir, tok_config)
+    chat = ChatTemplate(source, bos_text, eos_text) if source else None
+    tokenizer = HFTokenizer(tokenizer_file, vocab_size, eos, chat)
+    if eos is None and eos_text:
+        tokenizer.eos_token_id = tokenizer.token_to_id(eos_text)
+    return tokenizer
