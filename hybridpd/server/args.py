@@ -138,6 +138,13 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             ),
         )
         cluster_token = _cluster_token(args)
+        server = ServerConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name or Path(model_dir).resolve().name,
+            shutdown_grace=args.shutdown_grace,
+            cluster_token=cluster_token,
+        )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")
         kv_transfer = KVTransferConfig(
@@ -147,13 +154,6 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
             decode_skip_mamba_align=args.decode_skip_mamba_align,
             load_timeout_seconds=args.kv_load_timeout,
-            cluster_token=cluster_token,
-        )
-        server = ServerConfig(
-            host=args.host,
-            port=args.port,
-            served_model_name=args.served_model_name or Path(model_dir).name,
-            shutdown_grace=args.shutdown_grace,
             cluster_token=cluster_token,
         )
     except ValueError as exc:

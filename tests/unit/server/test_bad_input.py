@@ -220,3 +220,18 @@ async def aiohttp_client_factory(engine):
     finally:
         for client in clients:
             await client.close()
+
+
+async def test_body_too_large_is_413(aiohttp_client_factory):
+    client = await aiohttp_client_factory(client_max_size=1024)
+    resp = await client.post(COMPLETIONS, json={"prompt": "x" * 4096})
+    assert resp.status == 413
+    assert error_of(await resp.json(), 413)["type"] == "request_too_large"
+    assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400"])
+async def test_overflowing_number_is_400(client, literal):
+    resp = await client.post(COMPLETIONS, data=b'{"prompt": "x", "temperature": ' + literal + b"}",
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and error_of(await resp.json(), 400)["param"] == "temperature"
