@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from datetime import datetime
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -46,11 +47,22 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "plot":
         return plot.run(args)
     try:
-        config = config_from_args(args)
-        return asyncio.run(benchmark(config))
+        asyncio.run(benchmark(config_from_args(args)))
     except (ValueError, HybridPDError) as exc:
         print(f"hybridpd bench: error: {exc}")
         return 2
+    return 0
+
+
+def bench_result(argv: list[str]) -> dict[str, Any]:
+    """Run `hybridpd bench ARGV...` in this process and return its result dict (the saved JSON's
+    content, saved too if `--save-result`); for scripts such as benchmarks/pd_vs_colocated.py.
+    Raises ValueError / HybridPDError where the command would exit 2 (argparse itself still exits on
+    an unknown flag)."""
+    parser = argparse.ArgumentParser(prog="hybridpd bench")
+    add_benchmark_arguments(parser)
+    args = parser.parse_args(argv)
+    return asyncio.run(benchmark(config_from_args(args)))
 
 
 def _vocab_size(config: BenchConfig, card: ModelCard | None) -> int:
@@ -75,7 +87,8 @@ async def _model_card(session: aiohttp.ClientSession, config: BenchConfig) -> Mo
         return None
 
 
-async def benchmark(config: BenchConfig) -> int:
+async def benchmark(config: BenchConfig) -> dict[str, Any]:
+    """One run: prints the table (and first errors), saves the JSON if asked, returns the result dict."""
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector, timeout=SESSION_TIMEOUT) as session:
         card = await _model_card(session, config)
@@ -108,12 +121,13 @@ async def benchmark(config: BenchConfig) -> int:
     )
     for line in format_errors(outcome.outputs) + format_table(metrics, config, outcome.duration_s):
         print(line)
+    if metrics.completed == 0:
+        print("WARNING: all requests failed; check the server and the benchmark arguments.")
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    info = RunInfo(date=date, model_id=model_id, duration_s=outcome.duration_s)
+    result = build_result(metrics, outcome.outputs, config, info)
     if config.save_result:
-        info = RunInfo(date=date, model_id=model_id, duration_s=outcome.duration_s)
-        path = save_result(
-            build_result(metrics, outcome.outputs, config, info), result_path(config, model_id=model_id, date=date)
-        )
+        path = save_result(result, result_path(config, model_id=model_id, date=date))
         print(f"Result saved to {path}")
-    return 0
+    return result
 

@@ -169,3 +169,14 @@ def test_bench_plot_rejects_a_file_that_is_not_a_result(tmp_path, capsys, conten
     assert run_bench(["plot", str(bad), "--out", str(tmp_path / "x.png")]) == 2
     assert "bad.json" in capsys.readouterr().out
     assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_result_returns_the_result_dict_for_scripts(fake_server, tmp_path, monkeypatch):
+    server = fake_server()
+    monkeypatch.chdir(tmp_path)  # where a default-named result would land
+    result = main.bench_result([
+        "--base-url", server.base_url, "--random-input-len", "6", "--random-output-len", "2",
+        "--num-prompts", "3", "--disable-tqdm",
+    ])
+    assert (result["completed"], result["total_input_tokens"], result["total_output_tokens"]) == (3, 18, 6)
+    assert not list(tmp_path.iterdir())  # nothing saved without --save-result
