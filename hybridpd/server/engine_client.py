@@ -1,4 +1,6 @@
-"""What the HTTP server needs from an engine: the contract the real engine and the test fake both meet."""
+"""What the HTTP server needs from an engine: the contract the real engine (`hybridpd.engine.async_engine`) and
+the test fake both meet. The tokenizer's `apply_chat_template` raises InvalidRequestError for a conversation its
+template rejects."""
 
 from __future__ import annotations
 
@@ -6,20 +8,7 @@ from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from hybridpd.engine.request import EngineRequest, RequestOutput
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text for `messages` ([{"role": str, "content": str}]); raises InvalidRequestError when the
-        template rejects the conversation."""
-        ...
+from hybridpd.engine.tokenizer import Tokenizer
 
 
 class EngineClient(Protocol):

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from hybridpd.errors import (
+    EngineDeadError,
     InvalidRequestError,
     KVTransferError,
     NotFoundError,
@@ -52,6 +53,7 @@ _STATUS_AND_TYPE: dict[type[BaseException], tuple[int, str]] = {
     NotFoundError: (404, "not_found_error"),
     ServerOverloadedError: (503, "server_overloaded"),
     KVTransferError: (502, "kv_transfer_error"),
+    EngineDeadError: (500, "engine_dead"),
 }
 
 _AIOHTTP_TYPES = {

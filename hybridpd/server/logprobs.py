@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridpd.engine.request import TokenLogprob
-from hybridpd.server.engine_client import Tokenizer
+from hybridpd.engine.tokenizer import Tokenizer
 
 MASKED_LOGPROB = -9999.0
 

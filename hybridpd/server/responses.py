@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.request import FinishReason, RequestOutput, TokenLogprob
-from hybridpd.server.engine_client import EngineClient, Tokenizer
+from hybridpd.engine.tokenizer import Tokenizer
+from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from hybridpd.engine.request import FinishReason, RequestOutput
-from hybridpd.server.engine_client import Tokenizer
+from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.server.errors import http_error_for
 from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
 from hybridpd.server.metrics import RequestTracker
@@ -89,13 +89,15 @@ class ChunkBuilder:
         return choice
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
-        """Zero, one or (the chat's first output: role, then content) two chunks for `output`."""
+        """Zero, one or (the chat's first output: role, then content) two chunks for `output`. An output with no
+        text (its token is half a UTF-8 character) makes a chunk only when the client asked for ids or logprobs."""
         chunks = []
         is_chat = self._parsed.endpoint is Endpoint.CHAT
         if is_chat and not self._started:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             chunks.append({**self._header, "choices": [role]})
-        if output.new_text or output.new_token_ids or output.finished:
+        carries_tokens = bool(output.new_token_ids) and (self._parsed.return_token_ids or self._parsed.wants_logprobs)
+        if output.new_text or output.finished or carries_tokens:
             choice = self._chat_choice(output) if is_chat else self._completion_choice(output)
             chunks.append(self._chunk(choice, output))
         self._started = True

@@ -47,6 +47,7 @@ class FakeEngine:
     endless: bool = False                         # ignore max_tokens: yield until closed
     stall_after_first: asyncio.Event | None = None  # after the first output, wait for this event
     num_cached_tokens: int = 0
+    textless_outputs: frozenset[int] = frozenset()  # these outputs carry a token but no text (half a character)
     kv_transfer_params: dict | None = None        # put on the finished output (the prefill role's answer)
     # records
     requests: list[EngineRequest] = field(default_factory=list)
@@ -76,7 +77,7 @@ class FakeEngine:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=() if failed else (token,),
-            new_text="" if failed else chr(token),
+            new_text="" if failed or index in self.textless_outputs else chr(token),
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=index + (0 if failed else 1),

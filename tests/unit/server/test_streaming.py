@@ -124,3 +124,40 @@ async def test_finished_requests_are_not_aborted(client, engine):
         resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream})
         await resp.read()
     assert len(engine.requests) == 2 and engine.aborted == []
+
+
+@pytest.mark.parametrize(
+    "path, body, expected_deltas",
+    [
+        ("/v1/completions", {"prompt": "x"}, ["a", "c", "d"]),
+        ("/v1/completions", {"prompt": "x", "return_token_ids": True}, ["a", "", "c", "d"]),
+        ("/v1/completions", {"prompt": "x", "logprobs": 0}, ["a", "", "c", "d"]),
+        ("/v1/chat/completions", {"messages": USER}, [None, "a", "c", "d"]),
+    ],
+)
+async def test_textless_outputs_make_chunks_only_when_asked(client, engine, path, body, expected_deltas):
+    engine.textless_outputs = frozenset({1})
+    resp = await client.post(path, json={**body, "max_tokens": 4, "stream": True})
+    chunks = parse_sse(await resp.text())[:-1]
+    choices = [c["choices"][0] for c in chunks]
+    texts = [c["text"] if "text" in c else c["delta"].get("content") if "role" not in c["delta"] else None
+             for c in choices]
+    assert texts == expected_deltas
+    assert choices[-1]["finish_reason"] == "length"
+
+
+async def test_drain_lets_running_stream_finish(client, engine):
+    from hybridpd.server.app import ADMISSION_KEY
+
+    admission = client.server.app[ADMISSION_KEY]
+    engine.stall_after_first = asyncio.Event()
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+    assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")
+    admission.close()
+    assert admission.in_flight == 1
+    assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 503
+    assert not await admission.wait_idle(timeout=0)  # the stalled stream still runs
+    engine.stall_after_first.set()
+    rest = parse_sse("data: {}\n\n" + (await resp.text()))
+    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+    assert await admission.wait_idle(timeout=10) and engine.aborted == []
