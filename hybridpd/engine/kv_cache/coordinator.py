@@ -139,6 +139,10 @@ class KVCacheManager:
     def num_blocks(self, group_id: int) -> int:
         return self._pools[group_id].num_blocks
 
+    def cached_block(self, group_id: int, block_hash: BlockHash) -> int | None:
+        """The block of group `group_id` cached under `block_hash`, if any (read-only; tests and tooling)."""
+        return self._pools[group_id].lookup(block_hash)
+
     def usage(self) -> float:
         return max(1 - p.num_free / p.num_blocks for p in self._pools)
 
