@@ -1,4 +1,7 @@
 """`hybridpd up` as a real process: a child that fails to start, and a real 1P+1D cluster stopped by SIGTERM.
+Its engine, LocalCluster, with stand-in nodes: a fake interpreter runs a tiny HTTP node for
+`-m hybridpd serve` and the real proxy for everything else (start, health wait, traffic, a child's
+death, a startup timeout and the final stop, in a few seconds).
 
 Every test finds its children by their unique `--port N` arguments in /proc (nothing else on the machine
 uses those ports), and kills whatever is left in a `finally`, so a failing test leaves nothing behind.
@@ -12,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from hybridpd.launcher.cluster import LocalCluster
+from hybridpd.launcher.errors import ChildExitedError, StartupTimeoutError
 from hybridpd.launcher.ports import free_cluster_ports
+from hybridpd.launcher.spec import ClusterSpec
 
 STARTUP_DEADLINE = 240.0  # seconds for a real cluster on 2 busy cores
 EXIT_DEADLINE = 60.0
@@ -159,3 +166,81 @@ def test_up_serves_through_the_proxy_and_sigterm_leaves_no_child(tmp_path, clust
         assert _children([proxy_port, base_port, base_port + 1]) == []
     finally:
         _stop(up)
+
+
+FAKE_INTERPRETER = textwrap.dedent('''\
+    #!{python}
+    """Stands in for python: `-m hybridpd serve ... --port P` runs a tiny node; anything else runs for real."""
+    import os, sys
+    args = sys.argv[1:]
+    if args[:3] != ["-m", "hybridpd", "serve"]:
+        os.execv({python!r}, [{python!r}, *args])
+    from aiohttp import web
+    port = int(args[args.index("--port") + 1])
+    healthy = "--never-healthy" not in args
+
+    async def generate(request):
+        body = await request.json()
+        if (body.get("kv_transfer_params") or {{}}).get("do_remote_decode"):
+            return web.json_response({{"kv_transfer_params": {{"do_remote_prefill": True, "from": port}}}})
+        return web.json_response({{"choices": [{{"text": "ok"}}], "params": body.get("kv_transfer_params")}})
+
+    async def health(request):
+        return web.Response(status=200 if healthy else 503)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+''')
+
+
+@pytest.fixture
+def fake_python(tmp_path) -> str:
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_INTERPRETER.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _spec(fake_python: str, tmp_path: Path, **overrides) -> ClusterSpec:
+    proxy_port, base_port = free_cluster_ports(2)
+    settings = dict(num_prefill=1, num_decode=1, port=proxy_port, base_port=base_port, python=fake_python,
+                    run_dir=tmp_path / "run", startup_timeout=60.0, stop_grace=5.0)
+    settings.update(overrides)
+    return ClusterSpec(**settings)
+
+
+def test_cluster_serves_through_the_proxy_and_reports_a_dead_child(fake_python, tmp_path):
+    cluster = LocalCluster(_spec(fake_python, tmp_path))
+    try:
+        info = cluster.start()
+        request = urllib.request.Request(info.proxy_url + "/v1/completions", data=b'{"prompt": "x"}',
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answer = json.loads(response.read())
+        assert answer["params"] == {"do_remote_prefill": True, "from": info.prefill[0].port}
+        cluster.check_alive()
+        os.kill(info.decode[0].pid, signal.SIGKILL)
+        os.waitid(os.P_PID, info.decode[0].pid, os.WEXITED | os.WNOWAIT)
+        with pytest.raises(ChildExitedError, match="decode-0 exited with code -9"):
+            cluster.check_alive()
+    finally:
+        cluster.stop()
+    assert [pid for pid in info.pids if _alive(pid)] == []
+    assert sorted(p.name for p in info.run_dir.iterdir()) == ["decode-0.log", "prefill-0.log", "proxy.log"]
+
+
+def test_a_node_that_never_gets_healthy_times_out_and_is_stopped(fake_python, tmp_path):
+    cluster = LocalCluster(_spec(fake_python, tmp_path, serve_args=("--never-healthy",), startup_timeout=3.0))
+    with pytest.raises(StartupTimeoutError, match="prefill-0 was not healthy"):
+        cluster.start()
+    assert cluster.children and [c.name for c in cluster.children if c.returncode() is None] == []
