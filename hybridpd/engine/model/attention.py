@@ -19,19 +19,19 @@ from hybridpd.engine.model.step_context import AttentionGroupMeta, StepContext
 def grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, L, KVH, D], visible [B, n, L] -> [B, n, H * D].
+    """q [B, n, H, D], k/v [B, KVH, L, D], visible [B, n, L] -> [B, n, H * D].
 
     Query head h reads KV head h // (H // KVH), as transformers' `repeat_kv` does.
     """
     batch, n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.view(batch, n, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)  # [B, KVH, rep, n, D]
-    k = k.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KVH, 1, L, D]
-    v = v.permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KVH, rep, n, L]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v)  # [B, KVH, rep, n, D]
+    kv_heads = k.shape[1]
+    rep = heads // kv_heads
+    # [B, KVH, rep * n, D]: the query heads sharing a KV head are stacked as rows of one matmul
+    q = q.view(batch, n, kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, rep * n, dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KVH, rep * n, L]
+    scores = scores.view(batch, kv_heads, rep, n, -1).masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(batch, kv_heads, rep * n, -1)
+    out = torch.matmul(probs, v).view(batch, kv_heads, rep, n, dim)
     return out.permute(0, 3, 1, 2, 4).reshape(batch, n, heads * dim)
 
 
@@ -49,6 +49,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, hidden, bias=bias, dtype=dtype)
+
+    def _read_blocks(
+        self, cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [B, nb] -> K and V as [B, kv_heads, nb * block_size, head_dim] (contiguous)."""
+        batch, nb = blocks.shape
+
+        def read(kv_index: int) -> torch.Tensor:
+            pages = cache[blocks, kv_index]  # [B, nb, block_size, kv_heads, head_dim]
+            return pages.permute(0, 3, 1, 2, 4).reshape(batch, self.num_kv_heads, -1, self.head_dim).to(dtype)
+
+        return read(0), read(1)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
         rows = x.shape[0]
@@ -69,14 +81,10 @@ class Attention(nn.Module):
         out = torch.empty(rows, self.num_heads * self.head_dim, dtype=x.dtype)
         if meta.decode is not None:
             d = meta.decode
-            keys = cache[d.blocks, :, d.offsets].to(x.dtype)  # [Sd, L, 2, kv_heads, head_dim]
-            out[d.rows] = grouped_attention(
-                q[d.rows].unsqueeze(1), keys[:, :, 0], keys[:, :, 1], d.visible, self.scale
-            ).squeeze(1)
+            k_seq, v_seq = self._read_blocks(cache, d.blocks, x.dtype)
+            out[d.rows] = grouped_attention(q[d.rows].unsqueeze(1), k_seq, v_seq, d.visible, self.scale).squeeze(1)
         for p in meta.prefills:
-            keys = cache[p.blocks, :, p.offsets].to(x.dtype)  # [L, 2, kv_heads, head_dim]
-            q_seq = q[p.row_start : p.row_start + p.num_rows]
-            out[p.row_start : p.row_start + p.num_rows] = grouped_attention(
-                q_seq[None], keys[None, :, 0], keys[None, :, 1], p.visible[None], self.scale
-            )[0]
+            k_seq, v_seq = self._read_blocks(cache, p.blocks[None], x.dtype)
+            rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)
+            out[rows_of_seq] = grouped_attention(q[rows_of_seq][None], k_seq, v_seq, p.visible[None], self.scale)[0]
         return self.o_proj(out)

@@ -18,22 +18,22 @@ from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
 
 @dataclass(frozen=True)
 class AttentionDecode:
-    """Keys of decode rows gathered as [Sd, L]; `visible[s, 0, l]` says whether key l counts for row s."""
+    """Decode rows read whole blocks: `blocks` [Sd, nb] (key l of row s is token l % block_size of block
+    l // block_size); `visible[s, 0, l]` says whether key l counts for row s."""
 
     rows: torch.Tensor
     blocks: torch.Tensor
-    offsets: torch.Tensor
     visible: torch.Tensor
 
 
 @dataclass(frozen=True)
 class AttentionPrefill:
-    """One sequence's rows [row_start, row_start + num_rows); keys [L] from the cache; visible [n, L]."""
+    """One sequence's rows [row_start, row_start + num_rows) reading whole blocks `blocks` [nb];
+    visible [n, nb * block_size]."""
 
     row_start: int
     num_rows: int
     blocks: torch.Tensor
-    offsets: torch.Tensor
     visible: torch.Tensor
 
 
@@ -112,33 +112,34 @@ def _first_visible(position: int, window: int | None) -> int:
 def _attention_prefill(
     row_start: int, s: SeqEntry, table: torch.Tensor, block_size: int, window: int | None
 ) -> AttentionPrefill:
-    first = _first_visible(s.num_computed, window)
-    keys = torch.arange(first, s.end)
+    first_block = _first_visible(s.num_computed, window) // block_size
+    last_block = (s.end - 1) // block_size
+    keys = torch.arange(first_block * block_size, (last_block + 1) * block_size)
     queries = torch.arange(s.num_computed, s.end)
     visible = keys[None, :] <= queries[:, None]
     if window is not None:
         visible &= keys[None, :] > queries[:, None] - window
     return AttentionPrefill(
-        row_start=row_start, num_rows=s.num_new, blocks=table[keys // block_size], offsets=keys % block_size,
-        visible=visible,
+        row_start=row_start, num_rows=s.num_new, blocks=table[first_block : last_block + 1], visible=visible
     )
 
 
 def _attention_decode(
     batch: ForwardBatch, tables: torch.Tensor, decode_idx: list[int], block_size: int, window: int | None
 ) -> AttentionDecode:
-    """Row s looks at keys first_s + l for l < L (L = the longest span); keys past its own position are masked
-    and clamped to it before the table lookup, so they never index outside the sequence's blocks."""
+    """Row s reads blocks first_block_s + j for j < nb (nb = the most any row needs); block indices past the
+    row's own last block are clamped to it (and masked), so they never leave the sequence's table."""
     starts = batch.row_starts
     rows = torch.tensor([starts[i] for i in decode_idx])
     current = torch.tensor([batch.seqs[i].num_computed for i in decode_idx])
     first = torch.zeros_like(current) if window is None else (current - window + 1).clamp(min=0)
-    span = int((current - first).max()) + 1
-    keys = first[:, None] + torch.arange(span)[None, :]
-    visible = keys <= current[:, None]
-    keys = torch.minimum(keys, current[:, None])
-    blocks = tables[torch.tensor(decode_idx)].gather(1, keys // block_size)
-    return AttentionDecode(rows=rows, blocks=blocks, offsets=keys % block_size, visible=visible[:, None, :])
+    first_block, last_block = first // block_size, current // block_size
+    num_blocks = int((last_block - first_block).max()) + 1
+    logical = first_block[:, None] + torch.arange(num_blocks)[None, :]
+    blocks = tables[torch.tensor(decode_idx)].gather(1, torch.minimum(logical, last_block[:, None]))
+    keys = first_block[:, None] * block_size + torch.arange(num_blocks * block_size)[None, :]
+    visible = (keys <= current[:, None]) & (keys >= first[:, None])
+    return AttentionDecode(rows=rows, blocks=blocks, visible=visible[:, None, :])
 
 
 def _mamba_meta(batch: ForwardBatch, g: int) -> MambaGroupMeta:
