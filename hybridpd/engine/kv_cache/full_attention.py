@@ -10,6 +10,7 @@ from hybridpd.engine.kv_cache.single_type import FRESH, GroupPlan, SingleTypeMan
 
 class FullAttentionManager(SingleTypeManager):
     decides_remote_hit = True
+    downward_closed = True
     search_order = 0
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:

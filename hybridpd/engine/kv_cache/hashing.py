@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import NewType
 
@@ -19,16 +21,22 @@ _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"
 
 
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    packed = array("q", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _hash_packed(parent: BlockHash | None, token_bytes: bytes, salt: bytes | None) -> BlockHash:
+    head = _NO_PARENT if parent is None else _HAS_PARENT + parent
+    salted = _NO_PARENT if salt is None else _HAS_PARENT + struct.pack("<Q", len(salt)) + salt
+    return BlockHash(hashlib.blake2b(head + salted + token_bytes, digest_size=32).digest())
+
+
 def hash_block(parent: BlockHash | None, tokens: Sequence[int], salt: bytes | None = None) -> BlockHash:
     """Hash of one full block: tagged parent, tagged length-prefixed salt, tokens as little-endian int64."""
-    h = hashlib.blake2b(digest_size=32)
-    h.update(_NO_PARENT if parent is None else _HAS_PARENT + parent)
-    if salt is None:
-        h.update(_NO_PARENT)
-    else:
-        h.update(_HAS_PARENT + struct.pack("<Q", len(salt)) + salt)
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return BlockHash(h.digest())
+    return _hash_packed(parent, _token_bytes(tokens), salt)
 
 
 class RequestBlockHashes:
@@ -44,10 +52,14 @@ class RequestBlockHashes:
 
     def chain(self, block_size: int, token_ids: Sequence[int]) -> list[BlockHash]:
         chain = self._chains.setdefault(block_size, [])
-        num_full = len(token_ids) // block_size
-        for k in range(len(chain), num_full):
-            parent = chain[k - 1] if k else None
-            chain.append(
-                hash_block(parent, token_ids[k * block_size : (k + 1) * block_size], None if k else self._salt)
-            )
+        done, num_full = len(chain), len(token_ids) // block_size
+        if num_full <= done:
+            return chain
+        packed = _token_bytes(token_ids[done * block_size : num_full * block_size])
+        width = 8 * block_size
+        parent = chain[-1] if chain else None
+        for k in range(done, num_full):
+            offset = (k - done) * width
+            parent = _hash_packed(parent, packed[offset : offset + width], None if k else self._salt)
+            chain.append(parent)
         return chain

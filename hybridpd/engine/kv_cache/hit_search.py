@@ -17,15 +17,23 @@ def find_common_hit(managers: Sequence[SingleTypeManager], chains: Sequence[Sequ
     pass leaves the candidate unchanged. Then every group accepted it; it is the longest such length because
     any length all groups serve stays <= every answer (each answer is a maximum). The candidate only shrinks,
     by at least the alignment per changing pass, and 0 is accepted by all, so the loop ends.
+
+    A downward-closed group (full attention) that once answered A accepts every aligned candidate <= A, so it
+    is not asked again.
     """
     if not managers or max_tokens <= 0:
         return 0
     alignment = math.lcm(*(m.block_size for m in managers))
     candidate = max_tokens // alignment * alignment
+    accepted_up_to = [-1] * len(managers)
     while candidate > 0:
         before = candidate
-        for manager, hashes in zip(managers, chains):
+        for i, (manager, hashes) in enumerate(zip(managers, chains)):
+            if candidate <= accepted_up_to[i]:
+                continue
             candidate = manager.longest_hit(hashes, candidate, alignment)
+            if manager.downward_closed:
+                accepted_up_to[i] = candidate
             if candidate == 0:
                 return 0
         if candidate == before:

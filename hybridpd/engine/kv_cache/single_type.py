@@ -71,6 +71,7 @@ class SingleTypeManager(abc.ABC):
 
     decides_remote_hit = False   # True: this kind limits the hit of a remotely prefilled request
     search_order = 0             # cheap, downward-closed kinds first: they shrink the candidate fastest
+    downward_closed = False      # True: serving L means serving every shorter aligned length
 
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, *, caching: bool) -> None:
         self.spec = spec
