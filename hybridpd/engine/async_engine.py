@@ -113,6 +113,7 @@ class AsyncEngine:
                     item = self._poll_inbox()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
+                self.engine.refresh_stats()
         except BaseException as exc:  # the engine is broken: fail everyone, report unhealthy
             log.exception("engine thread died")
             self._dead = exc

@@ -16,11 +16,11 @@ from hybridpd.config import EngineConfig, MambaCacheMode
 from hybridpd.connector.params import RemotePrefillParams
 from hybridpd.connector.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
-from hybridpd.engine.kv_cache.coordinator import KVCacheManager
+from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.config import HybridConfig, LayerKind
 from hybridpd.engine.model.loader import load_model
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus, TokenLogprob
 from hybridpd.engine.runner import LogitsHook, ModelRunner
@@ -33,6 +33,19 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 # Called with a finished prefill-role sequence (its blocks still held); returns the top-level kv_transfer_params.
 HoldHandler = Callable[[Sequence], dict]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """A snapshot taken on the engine thread, read by the metrics scrape on another thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_loading: int = 0
+    kv_usage: float = 0.0
+    groups: tuple[GroupStats, ...] = ()
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 @dataclass
@@ -65,7 +78,7 @@ class LLMEngine:
         self.model_config, self.model = load_model(config.model_dir, dtype)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir, self.model_config.vocab_size)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        has_mamba = any(kind == "mamba" for kind in self.model_config.layer_kinds)
+        has_mamba = LayerKind.MAMBA in self.model_config.layer_kinds
         self.mamba_interval = mamba_interval(config, self.model_config) if has_mamba else config.cache.block_size
         self.groups: tuple[KVCacheGroup, ...] = group_layers(
             self.model.kv_cache_specs(config.cache.block_size, self.mamba_interval)
@@ -88,6 +101,8 @@ class LLMEngine:
         self._order = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.stats = EngineStats()
+        self.refresh_stats()
 
     def _block_counts(self) -> tuple[int, ...]:
         cache, seqs = self.config.cache, self.config.scheduler.max_num_seqs
@@ -177,6 +192,14 @@ class LLMEngine:
             self.scheduler.recompute_locally(seq)
             return None
         return self.fail(request_id, error)
+
+    def refresh_stats(self) -> None:
+        s = self.scheduler
+        self.stats = EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
+            kv_usage=self.kv.usage(), groups=self.kv.stats(), prompt_tokens=self.num_prompt_tokens_total,
+            generation_tokens=self.num_generation_tokens_total,
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -1,0 +1,101 @@
+"""A kv_both node: the engine, its connector (transport + side channel, both roles) and the HTTP server.
+
+Start order: engine (model + KV cache) -> transport registers the group tensors -> side channel (gRPC) ->
+HTTP. Stop order on SIGTERM/SIGINT: stop admitting HTTP requests, let running ones finish within the grace, abort
+the rest, release every lease, stop the side channel, close the transport, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from hybridpd.connector.compat import compat_fields, compat_hash
+from hybridpd.connector.metadata import node_metadata
+from hybridpd.connector.metrics import ConnectorMetrics
+from hybridpd.connector.nixl_transport import NixlTransport
+from hybridpd.connector.side_channel_server import SideChannelServer
+from hybridpd.decode_node.loader import DecodeRole
+from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.metrics import EngineCollector
+from hybridpd.prefill_node.role import PrefillRole
+from hybridpd.prefill_node.side_channel import PrefillSideChannel
+from hybridpd.server.app import ADMISSION_KEY, create_app
+from hybridpd.server.args import NodeConfigs
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class NodeAddresses:
+    http_port: int
+    kv_port: int
+
+
+class Node:
+    def __init__(self, configs: NodeConfigs) -> None:
+        self.configs = configs
+        self.engine_id = f"hybridpd-{uuid.uuid4().hex[:12]}"
+        self.registry = CollectorRegistry()
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> int:
+        cfg = self.configs
+        core = await asyncio.to_thread(LLMEngine, cfg.engine)
+        EngineCollector(core).register(self.registry)
+        engine = AsyncEngine(core, cfg.server.served_model_name)
+        engine.start()
+
+        transport = NixlTransport(self.engine_id, progress_thread=cfg.server.host not in LOOPBACK)
+        transport.register(core.storage.tensors)
+        fields = compat_fields(model_dir=cfg.engine.model_dir, dtype=cfg.engine.dtype, groups=core.groups)
+        hash_ = compat_hash(fields)
+        metrics = ConnectorMetrics(self.registry)
+        prefill = PrefillRole(engine, engine_id=self.engine_id, advertised_host=cfg.kv_transfer.kv_host,
+                              side_channel_port=cfg.kv_transfer.kv_port, lease_seconds=cfg.kv_transfer.lease_seconds,
+                              metrics=metrics)
+        decode = DecodeRole(engine, transport, engine_id=self.engine_id, compat_hash=hash_, compat_fields=fields,
+                            config=cfg.kv_transfer, metrics=metrics)
+        core.set_remote(decode, prefill.hold, cfg.kv_transfer.decode_skip_mamba_align)
+        metadata = node_metadata(engine_id=self.engine_id, model_name=cfg.server.served_model_name,
+                                 fields=fields, compat_hash=hash_, transport=transport, groups=core.groups,
+                                 transport_address=cfg.kv_transfer.kv_host)
+        side = SideChannelServer(PrefillSideChannel(prefill, metadata), cfg.kv_transfer.kv_host,
+                                 cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token)
+        await side.start()
+        prefill.start()
+
+        app = create_app(engine, cfg.server, self.registry)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+        await site.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        log.info("node %s serving %s on http://%s:%d (side channel %s:%d)", self.engine_id,
+                 cfg.server.served_model_name, cfg.server.host, cfg.server.port, cfg.kv_transfer.kv_host, side.port)
+        print(f"hybridpd node ready: http://{cfg.server.host}:{cfg.server.port} side-channel "
+              f"{cfg.kv_transfer.kv_host}:{side.port} engine {self.engine_id}", flush=True)
+
+        await self.stopping.wait()
+        log.info("shutting down (grace %.1f s)", cfg.server.shutdown_grace)
+        admission = app[ADMISSION_KEY]
+        admission.close()
+        await admission.wait_idle(cfg.server.shutdown_grace)
+        await engine.shutdown(0.0)
+        await prefill.stop()
+        await decode.close()
+        await side.stop(1.0)
+        await runner.cleanup()
+        transport.close()
+        return 0
