@@ -36,5 +36,9 @@ class KVTransferError(HybridPDError):
         self.reason = reason
 
 
+class CheckpointError(HybridPDError, ValueError):
+    """A checkpoint directory that is missing, unreadable, or does not describe a model we can run."""
+
+
 class EngineDeadError(HybridPDError):
     """The engine loop died; the node cannot serve (HTTP 500)."""

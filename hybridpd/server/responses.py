@@ -21,6 +21,7 @@ class FinalOutput:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: FinishReason | None
+    stop_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
@@ -34,6 +35,7 @@ class FinalOutput:
             token_ids=tuple(t for o in outputs for t in o.new_token_ids),
             logprobs=tuple(lp for o in outputs for lp in o.logprobs),
             finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
             num_prompt_tokens=last.num_prompt_tokens,
             num_cached_tokens=last.num_cached_tokens,
             num_output_tokens=last.num_output_tokens,
@@ -62,7 +64,7 @@ def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer
     logprobs = completion_logprobs(final.logprobs, tokenizer, 0)[0] if parsed.wants_logprobs else None
     choice: dict[str, Any] = {
         "index": 0, "text": final.text, "logprobs": logprobs,
-        "finish_reason": finish_reason_value(final.finish_reason), "stop_reason": None,
+        "finish_reason": finish_reason_value(final.finish_reason), "stop_reason": final.stop_reason,
     }
     if parsed.return_token_ids:
         choice["prompt_token_ids"] = list(parsed.engine_request.prompt_token_ids)
@@ -76,7 +78,7 @@ def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Toke
         "message": {"role": "assistant", "content": final.text},
         "logprobs": chat_logprobs(final.logprobs, tokenizer) if parsed.wants_logprobs else None,
         "finish_reason": finish_reason_value(final.finish_reason),
-        "stop_reason": None,
+        "stop_reason": final.stop_reason,
     }
     if parsed.return_token_ids:
         choice["token_ids"] = list(final.token_ids)
@@ -102,7 +104,8 @@ def models_response(engine: EngineClient, model: str, created: int) -> dict[str,
         "data": [
             {
                 "id": model, "object": "model", "created": created, "owned_by": "hybridpd", "root": model,
-                "parent": None, "max_model_len": engine.max_model_len, "permission": [],
+                "parent": None, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                "permission": [],
             }
         ],
     }

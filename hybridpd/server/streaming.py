@@ -69,7 +69,7 @@ class ChunkBuilder:
             logprobs, self._text_offset = completion_logprobs(output.logprobs, self._tokenizer, self._text_offset)
         choice: dict[str, Any] = {
             "index": 0, "text": output.new_text, "logprobs": logprobs,
-            "finish_reason": finish_reason_value(output.finish_reason), "stop_reason": None,
+            "finish_reason": finish_reason_value(output.finish_reason), "stop_reason": output.stop_reason,
         }
         if self._parsed.return_token_ids:
             if not self._started:

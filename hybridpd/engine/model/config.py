@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpd.errors import HybridPDError
+from hybridpd.errors import CheckpointError
 
-
-class CheckpointError(HybridPDError, ValueError):
-    """A checkpoint directory that is missing, unreadable, or does not describe a model we can run."""
+__all__ = ["CheckpointError", "HybridConfig", "LayerKind"]
 
 
 class LayerKind(enum.Enum):
