@@ -1,0 +1,156 @@
+"""Output tokens/s of our engine on 16 concurrent greedy requests, over transformers' sequential `generate`.
+
+Both sides run the default preset's checkpoint (written into a temporary directory from its fixed seed) with
+the same torch thread count. Ours: every request is added to one `LLMEngine`, then `step()` runs while it has
+work (continuous batching: one batched prefill, then batched decode steps). Theirs: `GraniteMoeHybridForCausalLM`
+(transformers' default attention implementation, KV/Mamba cache on) runs `generate` on one prompt after the
+other, greedy, exactly `output_len` new tokens. The two extension keys are patched in as in
+tests/oracle/reference.py, but the window patch here also works with a cache (the band mask is built for the
+query positions past the cached ones), because `generate` decodes with one.
+
+Last line: JSON with `ratio` = ours / theirs, both tokens/s figures, and `same_tokens` = the fraction of
+requests whose greedy outputs agree token for token (a sanity check, not a goal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.model.presets import DEFAULT_PRESET, write_checkpoint
+from hybridpd.engine.request import EngineRequest
+from hybridpd.engine.sampling_params import SamplingParams
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, vocab, (length,), generator=generator).tolist()) for _ in range(num)]
+
+
+def run_ours(model_dir: Path, prompts: list[tuple[int, ...]], output_len: int, threads: int) -> tuple[float, list]:
+    config = EngineConfig(
+        model_dir=model_dir, threads=threads,
+        cache=CacheConfig(num_blocks=len(prompts) * (-(-(len(prompts[0]) + output_len) // 16) + 2)),
+        scheduler=SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=len(prompts) * len(prompts[0])),
+    )
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling=params))
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(v) for v in outputs.values())
+    return tokens / elapsed, [outputs[str(i)] for i in range(len(prompts))]
+
+
+def _patch_window(attn: nn.Module, window: int) -> None:
+    """Band mask (query i sees key j iff i - window < j <= i) for a forward whose queries follow the cached keys."""
+    original = attn.forward
+
+    def forward(hidden_states, attention_mask, past_key_values=None, **kwargs):
+        n = hidden_states.shape[1]
+        past = past_key_values.get_seq_length(attn.layer_idx) if past_key_values is not None else 0
+        queries = torch.arange(past, past + n)[:, None]
+        keys = torch.arange(past + n)[None, :]
+        visible = (keys <= queries) & (keys > queries - window)
+        mask = torch.zeros(visible.shape, dtype=hidden_states.dtype).masked_fill(
+            ~visible, torch.finfo(hidden_states.dtype).min
+        )
+        return original(hidden_states, mask[None, None], past_key_values=past_key_values, **kwargs)
+
+    attn.forward = forward
+
+
+def load_transformers(model_dir: Path):
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    config = GraniteMoeHybridConfig.from_pretrained(model_dir)
+    model = GraniteMoeHybridForCausalLM(config).float().eval()
+    layers = config.num_hidden_layers
+    kv_heads = raw.get("kv_heads_per_layer") or [None] * layers
+    windows = raw.get("sliding_window_per_layer") or [None] * layers
+    for layer, kv, window in zip(model.model.layers, kv_heads, windows):
+        attn = layer.self_attn
+        if attn is None:
+            continue
+        if kv is not None:
+            attn.k_proj = nn.Linear(config.hidden_size, kv * attn.head_dim, bias=config.attention_bias)
+            attn.v_proj = nn.Linear(config.hidden_size, kv * attn.head_dim, bias=config.attention_bias)
+            attn.num_key_value_groups = config.num_attention_heads // kv
+        if window is not None:
+            _patch_window(attn, window)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"transformers load: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+@torch.inference_mode()
+def run_transformers(model_dir: Path, prompts: list[tuple[int, ...]], output_len: int) -> tuple[float, list]:
+    model = load_transformers(model_dir)
+    outputs = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        generated = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
+            min_new_tokens=output_len, pad_token_id=model.config.eos_token_id,
+        )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    elapsed = time.perf_counter() - start
+    return sum(len(o) for o in outputs) / elapsed, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--preset", default=DEFAULT_PRESET)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true", help="only measure ours (for profiling)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_checkpoint(args.preset, Path(tmp))
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts = make_prompts(args.num_requests, args.prompt_len, min(vocab, 256), args.seed)
+        run_ours(model_dir, prompts[:2], 4, args.threads)  # warm-up
+        ours, our_tokens = run_ours(model_dir, prompts, args.output_len, args.threads)
+        print(f"ours: {ours:.1f} output tok/s")
+        theirs, their_tokens = float("nan"), None
+        if not args.skip_transformers:
+            torch.set_num_threads(args.threads)
+            theirs, their_tokens = run_transformers(model_dir, prompts, args.output_len)
+            print(f"transformers: {theirs:.1f} output tok/s")
+    same = None
+    if their_tokens is not None:
+        same = sum(a == b for a, b in zip(our_tokens, their_tokens)) / len(prompts)
+    print(json.dumps({
+        "ratio": ours / theirs, "ours_tok_s": ours, "transformers_tok_s": theirs, "threads": args.threads,
+        "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "same_tokens": same,
+    }))
+
+
+if __name__ == "__main__":
+    main()
