@@ -1,0 +1,108 @@
+"""The gRPC side channel server, run on the node's asyncio loop (`grpc.aio`).
+
+It answers `KVTransfer` (GetMetadata, Heartbeat, Release) through a `SideChannelHandler` that the prefill role
+implements, plus the standard `grpc.health.v1.Health` service (no token needed). With a cluster token
+configured, every KVTransfer call must carry `authorization: Bearer <token>`, else UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from hybridpd.connector.side_channel_auth import is_authorized
+from hybridpd.proto import kv_transfer_pb2 as pb
+from hybridpd.proto import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "hybridpd.kv_transfer.KVTransfer"
+
+
+class SideChannelHandler(Protocol):
+    """What the prefill role answers. Called on the event loop: each method must return promptly."""
+
+    def metadata(self) -> pb.NodeMetadata: ...
+
+    def heartbeat(self, request_id: str) -> float | None:
+        """Extends the lease and returns its new expiry (unix time); None if unknown or already expired."""
+        ...
+
+    def release(self, request_id: str, aborted: bool) -> bool:
+        """Ends the lease; True only if it was still live (so a READ before this call saw valid data)."""
+        ...
+
+
+class _KVTransferServicer(pb_grpc.KVTransferServicer):
+    def __init__(self, handler: SideChannelHandler, cluster_token: str | None) -> None:
+        self._handler = handler
+        self._token = cluster_token
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if not is_authorized(context.invocation_metadata(), self._token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    async def GetMetadata(self, request: pb.GetMetadataRequest, context: grpc.aio.ServicerContext) -> pb.NodeMetadata:
+        await self._authorize(context)
+        return self._handler.metadata()
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        await self._authorize(context)
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        expiry = self._handler.heartbeat(request.request_id)
+        if expiry is None:
+            return pb.HeartbeatResponse(ok=False, reason=f"no live lease for request {request.request_id}")
+        return pb.HeartbeatResponse(ok=True, lease_expiry=expiry)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        await self._authorize(context)
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request.status == pb.ReleaseRequest.STATUS_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "status must be DONE or ABORTED")
+        aborted = request.status == pb.ReleaseRequest.ABORTED
+        return pb.ReleaseResponse(lease_was_live=self._handler.release(request.request_id, aborted))
+
+
+class SideChannelServer:
+    def __init__(self, handler: SideChannelHandler, host: str, port: int, cluster_token: str | None) -> None:
+        self._handler = handler
+        self._host = host
+        self._requested_port = port
+        self._token = cluster_token
+        self._server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the side channel server is not started")
+        return self._port
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self._handler, self._token), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        port = server.add_insecure_port(f"{host}:{self._requested_port}")
+        if port == 0:
+            raise OSError(f"side channel: cannot bind {self._host}:{self._requested_port}")
+        await server.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self._port = server, port
+        log.info("side channel listening on %s:%d (cluster token %s)", self._host, port,
+                 "required" if self._token is not None else "off")
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        self._server = None
