@@ -115,7 +115,8 @@ class FakeTransport:
         else:
             for r in read.reads:
                 self._tensors[r.group_id][r.local_block].copy_(peer._tensors[r.group_id][r.remote_block])
-            peer._inbox.append((self.name, read.notif))
+            if read.reads:
+                peer._inbox.append((self.name, read.notif))
             state = TransferState.DONE
         self._states[handle] = state
         return state

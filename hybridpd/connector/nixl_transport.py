@@ -4,13 +4,13 @@ Descriptor lists are prepared once: one local list over our registered groups, o
 Group g's block b is descriptor `offsets[g] + b` in either list, so a request's READ is one
 `make_prepped_xfer` over two index arrays (NIXL merges runs of adjacent blocks into larger copies).
 
-Progress (measured on one host, 127.0.0.1, shared memory):
-- With the progress thread off, a READ progresses when the *reader* polls it; the source does nothing —
-  except for the FIRST read from a new peer, which needs the source to answer UCX's connection wireup.
-  So the source side must call `get_notifs()` every few milliseconds (it has to anyway, to see the
-  notifications), or the first read from each new peer waits until it does.
-- NIXL's progress thread (`progress_thread=True`) spins a full core (the Python API fixes its delay at 0):
-  turn it on only where the remote side must progress on its own (TCP between hosts).
+Progress (measured on one host, 127.0.0.1): UCX picks cma (process_vm_readv) for the READ itself, but its
+active messages go over tcp/lo (this UCX build has no shared-memory AM transport), and a READ does not
+complete until the SOURCE has progressed its agent as well as the reader — also after the connection is up.
+So with the progress thread off, the source side must call `get_notifs()` regularly (every ~1 ms while
+reads may be in flight; it drives progress and returns the notifications), and the reader polls its handles.
+NIXL's own progress thread (`progress_thread=True`) spins a full core (its Python API fixes the thread's
+delay at 0), so on a 2-core host prefer polling; turn it on where a peer cannot poll (another host).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class NixlTransport:
             raise KVTransferError(peer_name, f"peer regions are not registered there ({type(e).__name__}: {e})") from e
         self._peers[peer_name] = _Peer(metadata=metadata, layouts=tuple(layouts), offsets=offsets, dlist=dlist)
         try:
-            pass  # self._agent.make_connection(peer_name)  # start the wireup now rather than at the first read
+            self._agent.make_connection(peer_name)  # start the wireup now rather than at the first read
         except Exception as e:
             log.warning("transport: early connection to %s failed (%s); the first read will retry", peer_name, e)
 
@@ -144,8 +144,7 @@ class NixlTransport:
 
     def _post(self, peer_name: str, peer: _Peer, reads: Sequence[BlockRead], notif: bytes) -> _Xfer:
         try:
-            if not reads:
-                self._agent.send_notif(peer_name, notif)
+            if not reads:  # nothing to move: DONE at once, and no notification is sent
                 return _Xfer(peer_name=peer_name, handle=None, posted_state=TransferState.DONE)
             local = np.fromiter((self._local_offsets[r.group_id] + r.local_block for r in reads), np.int32, len(reads))
             remote = np.fromiter((peer.offsets[r.group_id] + r.remote_block for r in reads), np.int32, len(reads))

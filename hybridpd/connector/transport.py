@@ -4,7 +4,9 @@ It knows bytes, regions and peers, never requests. A node registers its canonica
 `(num_blocks, page_size_bytes)` int8 tensor per group, `hybridpd.engine.kv_cache.storage`), publishes
 `local_metadata()` and `local_layouts()` over the side channel, and a reader that has added the peer moves
 any batch of blocks with `start_read` then `poll`s the handle until DONE or FAILED. The notification passed to
-`start_read` reaches the peer (its `get_notifs()`) once the READ has completed.
+`start_read` reaches the peer (its `get_notifs()`) once the READ has completed. An empty batch is DONE at
+once and notifies no one. The source side calls `get_notifs()` regularly: for NIXL on one host that is also
+what lets a READ from it progress (see nixl_transport.py).
 
 Implementations: `NixlTransport` (NIXL/UCX, the real one) and `FakeTransport` (in-process, for unit tests).
 Neither is thread-safe: call one transport from one thread.

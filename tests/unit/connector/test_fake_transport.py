@@ -95,3 +95,9 @@ def test_a_removed_peer_fails_its_pending_reads_and_unknown_peers_raise(pair) ->
     assert dst.poll(handle) is TransferState.FAILED
     with pytest.raises(KVTransferError, match="unknown peer"):
         dst.start_read("src", READS, b"req-2")
+
+
+def test_an_empty_read_is_done_at_once_and_notifies_no_one(pair) -> None:
+    _, src, _, dst, _ = pair
+    assert dst.poll(dst.start_read("src", [], b"nothing")) is TransferState.DONE
+    assert src.get_notifs() == []

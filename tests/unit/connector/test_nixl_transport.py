@@ -84,40 +84,51 @@ def wait_done(transport: NixlTransport, handle: int, deadline_s: float = 20.0) -
     return state
 
 
-def test_read_scattered_blocks_of_two_groups_from_an_idle_source(source, reader) -> None:
-    transport, tensors = reader
+READS = [BlockRead(group_id=0, remote_block=r, local_block=l) for r, l in [(5, 1), (6, 2), (7, 3), (40, 47), (2, 9)]]
+READS += [BlockRead(group_id=1, remote_block=r, local_block=l) for r, l in [(3, 0), (7, 5)]]
+
+
+def assert_read_landed(tensors: list[torch.Tensor]) -> None:
     rng = np.random.default_rng(SEED)
     expected = [torch.from_numpy(rng.integers(-128, 128, size=s, dtype=np.int8)) for s in SHAPES]
-    transport.add_peer("src", source.metadata, source.layouts)
-    transport.add_peer("src", source.metadata, source.layouts)  # idempotent
-
-    # The first READ from a new peer needs the source to answer UCX's wireup: it polls while we read.
-    source.send("collect 1")
-    assert wait_done(transport, transport.start_read("src", [BlockRead(group_id=0, remote_block=0, local_block=0)],
-                                                     b"warm-up")) is TransferState.DONE
-    assert source.collected() == [("dst", b"warm-up")]
-
-    # Now the source is blocked on stdin: idle. A batch of scattered blocks of both groups still completes.
-    reads = [BlockRead(group_id=0, remote_block=r, local_block=l) for r, l in [(5, 1), (6, 2), (7, 3), (40, 47), (2, 9)]]
-    reads += [BlockRead(group_id=1, remote_block=r, local_block=l) for r, l in [(3, 0), (7, 5)]]
-    handle = transport.start_read("src", reads, b"req-1")
-    assert wait_done(transport, handle) is TransferState.DONE
-    transport.release(handle)
-    for r in reads:
+    for r in READS:
         assert torch.equal(tensors[r.group_id][r.local_block], expected[r.group_id][r.remote_block]), r
-    untouched = [b for b in range(SHAPES[0][0]) if b not in {0, 1, 2, 3, 47, 9}]
+    untouched = [b for b in range(SHAPES[0][0]) if b not in {r.local_block for r in READS if r.group_id == 0}]
     assert not tensors[0][untouched].any()
 
-    source.send("collect 1")
-    assert source.collected() == [("dst", b"req-1")]
 
-
-def test_empty_read_is_done_and_still_notifies(source, reader) -> None:
-    transport, _ = reader
+def test_read_scattered_blocks_of_two_groups_while_the_source_polls(source, reader) -> None:
+    transport, tensors = reader
     transport.add_peer("src", source.metadata, source.layouts)
+    transport.add_peer("src", source.metadata, source.layouts)  # idempotent
+    source.send("collect 1")  # the source drives its agent (get_notifs) until our notification arrives
+    handle = transport.start_read("src", READS, b"req-1")
+    assert wait_done(transport, handle) is TransferState.DONE
+    transport.release(handle)
+    assert source.collected() == [("dst", b"req-1")]
+    assert_read_landed(tensors)
+
+
+def test_a_read_from_an_idle_source_completes_once_the_source_polls(source, reader) -> None:
+    """Measured here (UCX on one host, AM over tcp/lo): a READ needs the source to progress its agent.
+
+    The source is blocked on stdin (idle) while we start and poll the READ; the bytes land once it polls.
+    """
+    transport, tensors = reader
+    transport.add_peer("src", source.metadata, source.layouts)
+    handle = transport.start_read("src", READS, b"req-idle")
+    wait_done(transport, handle, deadline_s=0.2)  # whatever the state: the source has not helped yet
     source.send("collect 1")
-    assert wait_done(transport, transport.start_read("src", [], b"nothing-to-pull")) is TransferState.DONE
-    assert source.collected() == [("dst", b"nothing-to-pull")]
+    assert wait_done(transport, handle) is TransferState.DONE
+    assert source.collected() == [("dst", b"req-idle")]
+    assert_read_landed(tensors)
+
+
+def test_an_empty_read_is_done_at_once(source, reader) -> None:
+    transport, tensors = reader
+    transport.add_peer("src", source.metadata, source.layouts)
+    assert transport.poll(transport.start_read("src", [], b"nothing-to-pull")) is TransferState.DONE
+    assert not any(t.any() for t in tensors)
 
 
 @pytest.mark.parametrize(
