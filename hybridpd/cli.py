@@ -1,4 +1,5 @@
-"""`hybridpd serve | proxy | up | bench | make-checkpoint`: each command lives in its own module."""
+"""`hybridpd serve | proxy | up | bench | make-checkpoint`: each command lives in its own module, imported only
+when that command runs (so one command's dependencies never break another)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,22 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only `command`'s module is imported, to add that command's flags."""
     parser = argparse.ArgumentParser(prog="hybridpd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(command)
-        command.set_defaults(module=module)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(module=module)
+        if name == command:
+            importlib.import_module(module).add_arguments(sub_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     return int(importlib.import_module(args.module).run(args) or 0)
 
 

@@ -1,0 +1,122 @@
+"""Start real `hybridpd serve` processes on 127.0.0.1 for end-to-end tests, and always tear them down."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeProcess:
+    proc: subprocess.Popen
+    port: int
+    kv_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def get_json(self, path: str, timeout: float = 10.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def post_json(self, path: str, body: dict, timeout: float = 120.0, headers: dict | None = None) -> tuple[int, dict]:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    def metric_values(self, name: str) -> dict[str, float]:
+        """{label string: value} of every sample of `name` (exact name, labels as printed)."""
+        out = {}
+        for line in self.metrics().splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+            if m:
+                out[m.group(1) or ""] = float(m.group(2))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def start_node(model_dir: Path, log_dir: Path, args: Sequence[str] = (), *, name: str = "node") -> NodeProcess:
+    port, kv_port = free_port(), free_port()
+    log_path = log_dir / f"{name}-{port}.log"
+    cmd = [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--kv-port", str(kv_port), "--threads", "1", *args]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    node = NodeProcess(proc, port, kv_port, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{node.log_tail()}")
+        try:
+            with urllib.request.urlopen(node.url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return node
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    node.kill()
+    raise RuntimeError(f"{name} did not become healthy in {STARTUP_TIMEOUT_S:.0f} s:\n{node.log_tail()}")
+
+
+def assert_blocks_free(node: NodeProcess, timeout: float = 10.0) -> None:
+    """Every block not held by the prefix cache is free: free == total in every group (cached blocks count as
+    free: they are evictable). Polls briefly: a just-finished request's blocks are freed on the engine thread."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = node.metric_values("hybridpd:kv_free_blocks")
+        total = node.metric_values("hybridpd:kv_total_blocks")
+        if free and free == total:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks not back in the pool on {node.url}: free {free}, total {total}")
+        time.sleep(0.1)
