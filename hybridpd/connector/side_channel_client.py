@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from hybridpd.connector.side_channel_auth import bearer_metadata
+from hybridpd.connector.lease_view import LeaseView
 from hybridpd.errors import KVTransferError
 from hybridpd.proto import kv_transfer_pb2 as pb
 from hybridpd.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -52,8 +53,8 @@ class SideChannelClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
 
-    async def heartbeat(self, request_id: str) -> float:
-        """The lease's new expiry (unix time); raises KVTransferError when the lease is unknown or expired."""
+    async def heartbeat(self, request_id: str) -> LeaseView:
+        """Renew the lease; raises KVTransferError when the lease is unknown or expired."""
         try:
             reply = await self._kv().Heartbeat(
                 pb.HeartbeatRequest(request_id=request_id), timeout=self._timeout_s, metadata=self._metadata
@@ -62,7 +63,8 @@ class SideChannelClient:
             raise self._error(e) from None
         if not reply.ok:
             raise KVTransferError(self.peer, f"lease lost: {reply.reason}")
-        return reply.lease_expiry
+        return LeaseView(expiry=reply.lease_expiry, num_tokens=reply.num_tokens,
+                         block_ids=tuple(tuple(group.ids) for group in reply.block_ids))
 
     async def release(self, request_id: str, aborted: bool) -> bool:
         """True only if the lease was still live when released: a READ done before saw valid data."""

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from hybridpd.connector.lease_view import LeaseView
 from hybridpd.connector.side_channel_auth import is_authorized
 from hybridpd.proto import kv_transfer_pb2 as pb
 from hybridpd.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -28,8 +29,8 @@ class SideChannelHandler(Protocol):
 
     def metadata(self) -> pb.NodeMetadata: ...
 
-    def heartbeat(self, request_id: str) -> float | None:
-        """Extends the lease and returns its new expiry (unix time); None if unknown or already expired."""
+    def heartbeat(self, request_id: str) -> LeaseView | None:
+        """Extends the lease and returns it (new expiry, leased blocks); None if unknown or already expired."""
         ...
 
     def release(self, request_id: str, aborted: bool) -> bool:
@@ -54,10 +55,11 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         await self._authorize(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        expiry = self._handler.heartbeat(request.request_id)
-        if expiry is None:
+        lease = self._handler.heartbeat(request.request_id)
+        if lease is None:
             return pb.HeartbeatResponse(ok=False, reason=f"no live lease for request {request.request_id}")
-        return pb.HeartbeatResponse(ok=True, lease_expiry=expiry)
+        return pb.HeartbeatResponse(ok=True, lease_expiry=lease.expiry, num_tokens=lease.num_tokens,
+                                    block_ids=[pb.BlockIds(ids=ids) for ids in lease.block_ids])
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         await self._authorize(context)

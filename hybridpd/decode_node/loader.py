@@ -79,7 +79,7 @@ class DecodeRole:
 
     async def _run(self, job: PullJob) -> None:
         peer = job.params.peer
-        self.metrics.decode_hit_tokens(peer, job.hit_tokens)
+        self.metrics.record_decode_hit(peer, job.hit_tokens)
         try:
             await asyncio.wait_for(self._pull(job), self.config.load_timeout_seconds)
         except asyncio.TimeoutError:
@@ -93,7 +93,7 @@ class DecodeRole:
             self.engine.call_soon(lambda: self.engine.engine.complete_load(job.request_id))
 
     async def _failed(self, job: PullJob, error: KVTransferError) -> None:
-        self.metrics.failed_load(job.params.peer)
+        self.metrics.record_failed_load(job.params.peer)
         log.warning("request %s: %s", job.request_id, error)
         client = self._clients.get((job.params.remote_host, job.params.remote_port))
         if client is not None:
@@ -118,7 +118,7 @@ class DecodeRole:
         name = self._peers.get(key)
         if name is not None and name == params.remote_engine_id:
             return name
-        meta = await self._client(params).get_metadata()
+        meta = await self._client(params).get_metadata(self.engine_id)
         if meta.compat_hash != self.compat_hash:
             raise KVTransferError(params.peer, "incompatible nodes: " + describe_mismatch(
                 self.compat_fields, dict(meta.compat_fields)))
@@ -150,6 +150,9 @@ class DecodeRole:
         peer_name = await self._peer(params)
         client = self._client(params)
         lease = await client.heartbeat(params.remote_request_id)
+        if lease.num_tokens != params.remote_num_tokens:
+            raise KVTransferError(params.peer, f"the lease covers {lease.num_tokens} tokens, the request claims "
+                                               f"{params.remote_num_tokens}")
         reads = self._reads(job, lease.block_ids)
         page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
         started = time.perf_counter()
@@ -161,7 +164,7 @@ class DecodeRole:
         seconds = time.perf_counter() - started
         if not await client.release(params.remote_request_id, aborted=False):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
-        self.metrics.read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
+        self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
 
     async def _wait_read(self, handle: int, client: SideChannelClient, params: RemotePrefillParams,
                          expiry: float) -> None:

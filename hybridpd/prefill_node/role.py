@@ -13,24 +13,32 @@ import asyncio
 import logging
 import time
 
+from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.connector.params import RemotePrefillParams
 from hybridpd.connector.spans import needed_span
+from hybridpd.connector.transport import Transport
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.sequence import Sequence
 from hybridpd.prefill_node.leases import Lease, LeaseTable
 
 log = logging.getLogger(__name__)
 
+PROGRESS_POLL_S = 0.001
+IDLE_POLL_S = 0.05
+
 
 class PrefillRole:
-    def __init__(self, engine: AsyncEngine, *, engine_id: str, advertised_host: str, side_channel_port: int,
-                 lease_seconds: float) -> None:
+    def __init__(self, engine: AsyncEngine, transport: Transport, *, engine_id: str, advertised_host: str,
+                 side_channel_port: int, lease_seconds: float, metrics: ConnectorMetrics) -> None:
         self.engine = engine
+        self.transport = transport
+        self.metrics = metrics
         self.engine_id = engine_id
         self.advertised_host = advertised_host
         self.side_channel_port = side_channel_port
         self.leases = LeaseTable(lease_seconds, clock=time.time)
         self._sweeper: asyncio.Task | None = None
+        self._progress: asyncio.Task | None = None
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def hold(self, seq: Sequence) -> dict:
@@ -46,6 +54,7 @@ class PrefillRole:
             expiry = None
         else:
             expiry = self.leases.add(seq.request_id, block_ids, num_tokens).expiry
+            self.metrics.lease_acquired()
         return RemotePrefillParams(
             remote_engine_id=self.engine_id,
             remote_request_id=seq.request_id,
@@ -66,21 +75,26 @@ class PrefillRole:
         if lease is None:
             return False
         self._free(lease)
+        self.metrics.lease_released()
         log.debug("lease %s released (%s)", request_id, "aborted" if aborted else "done")
         return True
 
     def _free(self, lease: Lease) -> None:
         self.engine.call_soon(lambda: self.engine.engine.kv.free(lease.request_id))
 
-    # -- expiry -------------------------------------------------------------------------------------------------
+    # -- expiry and transport progress ---------------------------------------------------------------------
     def start(self) -> None:
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.create_task(self._sweep())
+        self._progress = loop.create_task(self._make_progress())
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._progress):
+            if task is not None:
+                task.cancel()
         for lease in self.leases.drain():
             self._free(lease)
+            self.metrics.lease_released()
 
     async def _sweep(self) -> None:
         period = min(1.0, self.leases.lease_seconds / 4)
@@ -89,3 +103,14 @@ class PrefillRole:
             for lease in self.leases.expire_due():
                 log.warning("lease on request %s expired before the decoder released it", lease.request_id)
                 self._free(lease)
+                self.metrics.lease_expired()
+
+    async def _make_progress(self) -> None:
+        """On one host, a decoder's READ of our blocks completes only while we poll our transport (measured:
+        UCX's control messages travel over loopback TCP), so poll every millisecond while a lease is held."""
+        while True:
+            if len(self.leases):
+                self.transport.get_notifs()
+                await asyncio.sleep(PROGRESS_POLL_S)
+            else:
+                await asyncio.sleep(IDLE_POLL_S)

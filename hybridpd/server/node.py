@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from hybridpd.connector.compat import compat_fields, compat_hash
+from hybridpd.connector.compat import compat_fields, compat_hash, model_identity
 from hybridpd.connector.metadata import node_metadata
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.connector.nixl_transport import NixlTransport
@@ -57,10 +57,10 @@ class Node:
 
         transport = NixlTransport(self.engine_id, progress_thread=cfg.server.host not in LOOPBACK)
         transport.register(core.storage.tensors)
-        fields = compat_fields(model_dir=cfg.engine.model_dir, dtype=cfg.engine.dtype, groups=core.groups)
+        fields = compat_fields(model=model_identity(cfg.engine.model_dir), dtype=cfg.engine.dtype, groups=core.groups)
         hash_ = compat_hash(fields)
         metrics = ConnectorMetrics(self.registry)
-        prefill = PrefillRole(engine, engine_id=self.engine_id, advertised_host=cfg.kv_transfer.kv_host,
+        prefill = PrefillRole(engine, transport, engine_id=self.engine_id, advertised_host=cfg.kv_transfer.kv_host,
                               side_channel_port=cfg.kv_transfer.kv_port, lease_seconds=cfg.kv_transfer.lease_seconds,
                               metrics=metrics)
         decode = DecodeRole(engine, transport, engine_id=self.engine_id, compat_hash=hash_, compat_fields=fields,
@@ -72,6 +72,7 @@ class Node:
         side = SideChannelServer(PrefillSideChannel(prefill, metadata), cfg.kv_transfer.kv_host,
                                  cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token)
         await side.start()
+        prefill.side_channel_port = side.port
         prefill.start()
 
         app = create_app(engine, cfg.server, self.registry)

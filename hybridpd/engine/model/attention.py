@@ -8,31 +8,13 @@ Each step first writes the new rows' K/V (after RoPE) into the cache at
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.layers import RotaryEmbedding
 from hybridpd.engine.model.step_context import AttentionGroupMeta, StepContext
-
-
-def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, KVH, L, D], visible [B, n, L] -> [B, n, H * D].
-
-    Query head h reads KV head h // (H // KVH), as transformers' `repeat_kv` does.
-    """
-    batch, n, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    rep = heads // kv_heads
-    # [B, KVH, rep * n, D]: the query heads sharing a KV head are stacked as rows of one matmul
-    q = q.view(batch, n, kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, rep * n, dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KVH, rep * n, L]
-    scores = scores.view(batch, kv_heads, rep, n, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(batch, kv_heads, rep * n, -1)
-    out = torch.matmul(probs, v).view(batch, kv_heads, rep, n, dim)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, n, heads * dim)
 
 
 class Attention(nn.Module):
@@ -50,15 +32,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, hidden, bias=bias, dtype=dtype)
 
-    def _read_blocks(
-        self, cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """blocks [B, nb] -> K and V as [B, kv_heads, nb * block_size, head_dim] (contiguous)."""
-        batch, nb = blocks.shape
+    def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [batch * nb] -> K and V as [batch, kv_heads, nb * block_size, head_dim] (strided views).
+
+        A page's K half is contiguous, so one row-gather per half (index_select over [num_blocks, page elements])
+        copies whole blocks; the per-head order comes from a transposed view, not from a second copy.
+        """
 
         def read(kv_index: int) -> torch.Tensor:
-            pages = cache[blocks, kv_index]  # [B, nb, block_size, kv_heads, head_dim]
-            return pages.permute(0, 3, 1, 2, 4).reshape(batch, self.num_kv_heads, -1, self.head_dim).to(dtype)
+            rows = cache[:, kv_index].flatten(1).index_select(0, blocks)
+            return rows.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
         return read(0), read(1)
 
@@ -81,10 +64,20 @@ class Attention(nn.Module):
         out = torch.empty(rows, self.num_heads * self.head_dim, dtype=x.dtype)
         if meta.decode is not None:
             d = meta.decode
-            k_seq, v_seq = self._read_blocks(cache, d.blocks, x.dtype)
-            out[d.rows] = grouped_attention(q[d.rows].unsqueeze(1), k_seq, v_seq, d.visible, self.scale).squeeze(1)
+            num = d.rows.shape[0]
+            k_seq, v_seq = self._read_blocks(cache, d.blocks, num)
+            # The query heads sharing a KV head are the "query rows" of that head: no KV repeat needed.
+            q_dec = q[d.rows].view(num, self.num_kv_heads, -1, self.head_dim)
+            att = F.scaled_dot_product_attention(
+                q_dec, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=d.bias, scale=self.scale
+            )
+            out[d.rows] = att.reshape(num, -1)
         for p in meta.prefills:
-            k_seq, v_seq = self._read_blocks(cache, p.blocks[None], x.dtype)
+            k_seq, v_seq = self._read_blocks(cache, p.blocks, 1)
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)
-            out[rows_of_seq] = grouped_attention(q[rows_of_seq][None], k_seq, v_seq, p.visible[None], self.scale)[0]
+            q_seq = q[rows_of_seq].transpose(0, 1)[None]  # [1, heads, n, head_dim]
+            att = F.scaled_dot_product_attention(
+                q_seq, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=p.visible, scale=self.scale, enable_gqa=True
+            )
+            out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
         return self.o_proj(out)

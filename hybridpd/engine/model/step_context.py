@@ -18,18 +18,19 @@ from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
 
 @dataclass(frozen=True)
 class AttentionDecode:
-    """Decode rows read whole blocks: `blocks` [Sd, nb] (key l of row s is token l % block_size of block
-    l // block_size); `visible[s, 0, l]` says whether key l counts for row s."""
+    """Decode rows read whole blocks: `blocks` [Sd * nb], row s's blocks at [s * nb, (s + 1) * nb) (key l of row
+    s is token l % block_size of block l // block_size); `bias[s, 0, 0, l]` is 0 where key l counts for row s and
+    -inf where it does not (an additive attention mask in the cache's dtype)."""
 
     rows: torch.Tensor
     blocks: torch.Tensor
-    visible: torch.Tensor
+    bias: torch.Tensor
 
 
 @dataclass(frozen=True)
 class AttentionPrefill:
     """One sequence's rows [row_start, row_start + num_rows) reading whole blocks `blocks` [nb];
-    visible [n, nb * block_size]."""
+    visible [n, nb * block_size] (bool)."""
 
     row_start: int
     num_rows: int
@@ -79,13 +80,15 @@ def build_group_meta(
 ) -> AttentionGroupMeta | MambaGroupMeta:
     if isinstance(group.spec, AttentionSpec):
         window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
-        return _attention_meta(batch, group_id, group.spec.block_size, window)
+        return _attention_meta(batch, group_id, group.spec.block_size, window, group.spec.dtype)
     if isinstance(group.spec, MambaSpec):
         return _mamba_meta(batch, group_id)
     raise TypeError(f"no model support for KV spec {type(group.spec).__name__}")
 
 
-def _attention_meta(batch: ForwardBatch, g: int, block_size: int, window: int | None) -> AttentionGroupMeta:
+def _attention_meta(
+    batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype
+) -> AttentionGroupMeta:
     seqs = batch.seqs
     tables = pad_sequence([s.block_tables[g] for s in seqs], batch_first=True)
     seq_of_row = torch.repeat_interleave(
@@ -95,7 +98,7 @@ def _attention_meta(batch: ForwardBatch, g: int, block_size: int, window: int | 
     write_offsets = batch.positions % block_size
 
     decode_idx = [i for i, s in enumerate(seqs) if s.num_new == 1]
-    decode = _attention_decode(batch, tables, decode_idx, block_size, window) if decode_idx else None
+    decode = _attention_decode(batch, tables, decode_idx, block_size, window, dtype) if decode_idx else None
     prefills = []
     for row_start, s in zip(batch.row_starts, seqs):
         if s.num_new > 1:
@@ -125,7 +128,8 @@ def _attention_prefill(
 
 
 def _attention_decode(
-    batch: ForwardBatch, tables: torch.Tensor, decode_idx: list[int], block_size: int, window: int | None
+    batch: ForwardBatch, tables: torch.Tensor, decode_idx: list[int], block_size: int, window: int | None,
+    dtype: torch.dtype,
 ) -> AttentionDecode:
     """Row s reads blocks first_block_s + j for j < nb (nb = the most any row needs); block indices past the
     row's own last block are clamped to it (and masked), so they never leave the sequence's table."""
@@ -139,7 +143,8 @@ def _attention_decode(
     blocks = tables[torch.tensor(decode_idx)].gather(1, torch.minimum(logical, last_block[:, None]))
     keys = first_block[:, None] * block_size + torch.arange(num_blocks * block_size)[None, :]
     visible = (keys <= current[:, None]) & (keys >= first[:, None])
-    return AttentionDecode(rows=rows, blocks=blocks, visible=visible[:, None, :])
+    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return AttentionDecode(rows=rows, blocks=blocks.flatten(), bias=bias[:, None, None, :])
 
 
 def _mamba_meta(batch: ForwardBatch, g: int) -> MambaGroupMeta:

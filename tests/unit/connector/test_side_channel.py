@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridpd.connector.side_channel_auth import bearer_metadata
+from hybridpd.connector.lease_view import LeaseView
 from hybridpd.connector.side_channel_client import SideChannelClient
 from hybridpd.connector.side_channel_server import SideChannelServer
 from hybridpd.errors import KVTransferError
@@ -33,11 +34,11 @@ class FakeHandler:
                                    block_size=16)],
         )
 
-    def heartbeat(self, request_id: str) -> float | None:
+    def heartbeat(self, request_id: str) -> LeaseView | None:
         if request_id not in self.leases:
             return None
         self.leases[request_id] += 60.0
-        return self.leases[request_id]
+        return LeaseView(expiry=self.leases[request_id], block_ids=((3, 4, 5), (), (7,)), num_tokens=40)
 
     def release(self, request_id: str, aborted: bool) -> bool:
         self.released.append((request_id, aborted))
@@ -67,8 +68,9 @@ async def test_metadata_heartbeat_release_round_trip(server) -> None:
     try:
         meta = await client.get_metadata("decode-0")
         assert meta == handler.metadata()
-        assert await client.heartbeat("req-live") == 1060.0
-        assert await client.heartbeat("req-live") == 1120.0  # the channel is reused
+        assert await client.heartbeat("req-live") == LeaseView(
+            expiry=1060.0, block_ids=((3, 4, 5), (), (7,)), num_tokens=40)
+        assert (await client.heartbeat("req-live")).expiry == 1120.0  # the channel is reused
         with pytest.raises(KVTransferError, match="lease lost: no live lease for request req-gone") as info:
             await client.heartbeat("req-gone")
         assert info.value.peer == f"127.0.0.1:{srv.port}"
