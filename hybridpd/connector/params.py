@@ -64,8 +64,8 @@ def _field(obj: dict[str, Any], name: str, kind: type, *, optional: bool = False
         raise InvalidRequestError(f"kv_transfer_params.{name} must be an integer", f"kv_transfer_params.{name}")
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
         raise InvalidRequestError(f"kv_transfer_params.{name} must be a finite number", f"kv_transfer_params.{name}")
-    if kind is str and not isinstance(value, str):
-        raise InvalidRequestError(f"kv_transfer_params.{name} must be a string", f"kv_transfer_params.{name}")
+    if kind is str and (not isinstance(value, str) or not value):
+        raise InvalidRequestError(f"kv_transfer_params.{name} must be a non-empty string", f"kv_transfer_params.{name}")
     if kind is bool and not isinstance(value, bool):
         raise InvalidRequestError(f"kv_transfer_params.{name} must be a boolean", f"kv_transfer_params.{name}")
     return value
@@ -100,10 +100,12 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
         return None
     port = _field(raw, "remote_port", int)
     if not 0 < port < 65536:
-        raise InvalidRequestError(f"kv_transfer_params.remote_port is out of range: {port}", "kv_transfer_params")
+        raise InvalidRequestError(f"kv_transfer_params.remote_port is out of range: {port}",
+                                  "kv_transfer_params.remote_port")
     num_tokens = _field(raw, "remote_num_tokens", int)
     if num_tokens < 0:
-        raise InvalidRequestError("kv_transfer_params.remote_num_tokens must be >= 0", "kv_transfer_params")
+        raise InvalidRequestError("kv_transfer_params.remote_num_tokens must be >= 0",
+                                  "kv_transfer_params.remote_num_tokens")
     return RemotePrefillParams(
         remote_engine_id=_field(raw, "remote_engine_id", str),
         remote_request_id=_field(raw, "remote_request_id", str),
