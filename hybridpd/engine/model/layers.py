@@ -18,9 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        """`weight * (x / rms(x))`, the normalisation in float32 and the weight applied in x's dtype."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -34,8 +35,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = y.float() * F.silu(gate.float())
-        grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        grouped = F.rms_norm(h.view(*h.shape[:-1], -1, self.group_size), (self.group_size,), eps=self.eps)
         return self.weight * grouped.view(h.shape).to(y.dtype)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.layers import GatedRMSNorm
-from hybridpd.engine.model.ssd import chunked_scan, recurrent_step
+from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, MambaPrefill, StepContext
 
 
@@ -78,8 +78,11 @@ class Mamba2Mixer(nn.Module):
             [self.intermediate, self.groups * self.d_state, self.groups * self.d_state], dim=-1
         )
         per_group = self.heads // self.groups
-        B = B.view(rows, self.groups, self.d_state).repeat_interleave(per_group, dim=1)
-        C = C.view(rows, self.groups, self.d_state).repeat_interleave(per_group, dim=1)
+        # Expanded views (stride 0 over a group's heads): no copy where the consumer reads them as they are.
+        B = B.view(rows, self.groups, 1, self.d_state).expand(rows, self.groups, per_group, self.d_state)
+        C = C.view(rows, self.groups, 1, self.d_state).expand(rows, self.groups, per_group, self.d_state)
+        B = B.reshape(rows, self.heads, self.d_state)
+        C = C.reshape(rows, self.heads, self.d_state)
         return xs.view(rows, self.heads, self.head_dim), B, C
 
     def _prefill(
@@ -120,16 +123,20 @@ class Mamba2Mixer(nn.Module):
         self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
         conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
     ) -> None:
-        window = torch.cat([conv_cache[d.slots].to(xbc.dtype), xbc[d.rows, None, :]], dim=1)  # [S, d_conv, C]
-        conv_out = torch.einsum("skc,ck->sc", window, self.conv1d.weight[:, 0, :])
+        """One recurrent step for every decode row. Slots are read and written with whole-row gathers
+        (`index_select` / `index_copy_` over dim 0), and the state is updated in place in its gathered copy."""
+        conv_prev = conv_cache.index_select(0, d.slots).to(xbc.dtype)  # [S, d_conv - 1, C]
+        window = torch.cat([conv_prev, xbc[d.rows, None, :]], dim=1)  # [S, d_conv, C]
+        conv_out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
         if self.conv1d.bias is not None:
             conv_out = conv_out + self.conv1d.bias
         xs, B, C = self._split_xbc(F.silu(conv_out))
         A = -torch.exp(self.A_log.float())
-        out, state = recurrent_step(ssm_cache[d.slots].float(), xs, dt[d.rows], A, B, C)
+        state = ssm_cache.index_select(0, d.slots).float()
+        out = recurrent_step_(state, xs, dt[d.rows], A, B, C)
         y[d.rows] = (out + self.D.float()[None, :, None] * xs).reshape(len(d.rows), self.intermediate)
-        conv_cache[d.slots] = window[:, 1:].to(conv_cache.dtype)
-        ssm_cache[d.slots] = state.to(ssm_cache.dtype)
+        conv_cache.index_copy_(0, d.slots, window[:, 1:].to(conv_cache.dtype))
+        ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
         for index, slot in d.saves:
             conv_cache[slot] = conv_cache[d.slots[index]]
             ssm_cache[slot] = ssm_cache[d.slots[index]]

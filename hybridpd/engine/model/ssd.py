@@ -87,11 +87,11 @@ def chunked_scan(
     return ScanResult(y=y, boundary_states=boundary, first_boundary=start - front)
 
 
-def recurrent_step(
+def recurrent_step_(
     state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched single step. state [S, H, P, N], x [S, H, P], dt [S, H], A [H], B/C [S, H, N] -> (y [S,H,P], state)."""
+) -> torch.Tensor:
+    """Batched single step, updating `state` in place. state [S, H, P, N], x [S, H, P], dt [S, H], A [H],
+    B/C [S, H, N] -> y [S, H, P]."""
     decay = torch.exp(dt * A[None, :])[..., None, None]
-    state = state * decay + (dt[..., None] * x)[..., None] * B[:, :, None, :]
-    y = torch.einsum("shpn,shn->shp", state, C)
-    return y, state
+    state.mul_(decay).add_((dt[..., None] * x)[..., None] * B[:, :, None, :])
+    return torch.matmul(state, C[..., None])[..., 0]
