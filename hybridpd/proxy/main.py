@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for one node's GET /health")
     token = parser.add_mutually_exclusive_group()
     token.add_argument("--cluster-token", default=None,
-                       help="sent to nodes as `Authorization: Bearer` on calls that carry kv_transfer_params")
+                       help="sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry kv_transfer_params")
     token.add_argument("--cluster-token-file", type=Path, default=None, help="read the cluster token from a file")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 

@@ -19,6 +19,7 @@ from hybridpd.proxy.config import ProxyConfig, Upstream
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.routing import Router
+from hybridpd.server.app import CLUSTER_TOKEN_HEADER
 
 _ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
 
@@ -71,9 +72,10 @@ class UpstreamClient:
         )
 
     def _headers(self, request_id: str, body: dict[str, Any]) -> dict[str, str]:
+        """The node checks the cluster token only on calls that carry kv_transfer_params; only those get it."""
         headers = {"X-Request-Id": request_id}
         if self._config.cluster_token is not None and "kv_transfer_params" in body:
-            headers["Authorization"] = f"Bearer {self._config.cluster_token}"
+            headers[CLUSTER_TOKEN_HEADER] = self._config.cluster_token
         return headers
 
     @contextlib.asynccontextmanager

@@ -1,10 +1,11 @@
-"""The proxy in front of real nodes (2 prefill + 1 decode on the tiny checkpoint, via LocalCluster):
-greedy outputs equal a colocated node's, streamed or not, completions and chat; then nodes are killed
-one by one and the proxy retries, or answers 502 naming the node, without hanging."""
+"""The proxy in front of real nodes (2 prefill + 1 decode on the tiny checkpoint, via LocalCluster, every
+process given the same cluster token): greedy outputs equal a colocated node's, streamed or not,
+completions and chat; a proxy without the token (or with a wrong one) gets the node's 401 passed through;
+then nodes are killed one by one and the proxy retries, or answers 502 naming the node, without hanging."""
 
 from __future__ import annotations
 
-import importlib
+import asyncio
 import json
 import os
 import signal
@@ -16,25 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
+from hybridpd.bench.prometheus import KV_BYTES_READ_METRIC, counter_sum
 from hybridpd.launcher.cluster import LocalCluster
-from hybridpd.launcher.ports import free_cluster_ports
+from hybridpd.launcher.ports import free_cluster_ports, free_port
 from hybridpd.launcher.spec import ClusterInfo, ClusterSpec
+from hybridpd.proxy.app import build_app
+from hybridpd.proxy.config import ProxyConfig, Role, Upstream
 
 REQUEST_TIMEOUT = 120.0
-
-
-def _serve_exists() -> bool:
-    """`hybridpd serve` exists when its module imports (it is being written alongside these tests)."""
-    try:
-        importlib.import_module("hybridpd.server.main")
-    except ImportError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _serve_exists(), reason="hybridpd.server.main (`hybridpd serve`) is not importable yet")
+CLUSTER_TOKEN = "e2e-cluster-token"
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +37,15 @@ def cluster(tmp_path_factory) -> Iterator[tuple[LocalCluster, ClusterInfo]]:
     model = tmp_path_factory.mktemp("tiny-model")
     subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(model)],
                    check=True, timeout=300)
+    token_file = tmp_path_factory.mktemp("secret") / "token"
+    token_file.write_text(CLUSTER_TOKEN + "\n")
     proxy_port, base_port = free_cluster_ports(3)
     spec = ClusterSpec(
         num_prefill=2, num_decode=1, model_dir=model, port=proxy_port, base_port=base_port,
         run_dir=tmp_path_factory.mktemp("run"), startup_timeout=240.0, stop_grace=10.0,
-        proxy_args=("--prefill-timeout", "60", "--decode-timeout", "60", "--connect-timeout", "2"),
+        serve_args=("--kv-cache-memory", "64MiB", "--cluster-token-file", str(token_file)),
+        proxy_args=("--prefill-timeout", "60", "--decode-timeout", "60", "--connect-timeout", "2",
+                    "--cluster-token-file", str(token_file)),
     )
     local = LocalCluster(spec)
     try:
@@ -100,6 +99,51 @@ def test_greedy_output_through_the_proxy_equals_a_colocated_node(cluster, path, 
     assert local_status == 200, local_raw
     assert _text(path, raw, stream) == _text(path, local_raw, stream)
     assert _text(path, raw, stream) != ""
+
+
+def _kv_bytes_read(info: ClusterInfo) -> float:
+    with urllib.request.urlopen(info.decode[0].metrics_url, timeout=10) as response:
+        return counter_sum(response.read().decode(), KV_BYTES_READ_METRIC) or 0.0
+
+
+async def _post_through_inprocess_proxy(info: ClusterInfo, token: str | None) -> tuple[int, dict[str, Any]]:
+    """One completion through a second proxy (in this process) in front of the same nodes."""
+    config = ProxyConfig(
+        prefillers=tuple(Upstream(role=Role.PREFILL, host="127.0.0.1", port=n.port) for n in info.prefill),
+        decoders=tuple(Upstream(role=Role.DECODE, host="127.0.0.1", port=n.port) for n in info.decode),
+        prefill_timeout=60.0, decode_timeout=60.0, cluster_token=token,
+    )
+    runner = web.AppRunner(build_app(config), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION) as resp:
+                return resp.status, await resp.json()
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("token, status", [
+    (None, 401),                   # the node's own 401 passes through the proxy as a 4xx, not a 502
+    ("not-the-token", 401),
+    (CLUSTER_TOKEN, 200),
+])
+async def test_the_cluster_token_reaches_the_nodes(cluster, token, status):
+    _, info = cluster
+    read_before = await asyncio.to_thread(_kv_bytes_read, info)
+    answer_status, answer = await _post_through_inprocess_proxy(info, token)
+    assert answer_status == status, answer
+    read_after = await asyncio.to_thread(_kv_bytes_read, info)
+    if status == 401:
+        assert answer["error"]["type"] == "authentication_error"
+        assert "X-HybridPD-Cluster-Token" in answer["error"]["message"]
+        assert read_after == read_before
+    else:
+        assert answer["choices"][0]["text"] != ""
+        assert read_after > read_before  # the decode node pulled KV over the token-checked side channel
 
 
 def test_killed_nodes_mean_retry_then_502_naming_the_node(cluster):

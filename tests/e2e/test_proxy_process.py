@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from hybridpd.launcher.ports import free_port
+from hybridpd.server.app import CLUSTER_TOKEN_HEADER
 
 DEADLINE = 60.0
 SSE = b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'
@@ -23,7 +24,7 @@ async def _node(request: web.Request) -> web.StreamResponse:
     if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
         return web.json_response({"kv_transfer_params": {"do_remote_prefill": True, "remote_port": 1}})
     assert body["kv_transfer_params"] == {"do_remote_prefill": True, "remote_port": 1}
-    assert request.headers["Authorization"] == "Bearer tok"
+    assert request.headers[CLUSTER_TOKEN_HEADER] == "tok"
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await out.prepare(request)
     await out.write(SSE)

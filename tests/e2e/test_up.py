@@ -9,7 +9,6 @@ uses those ports), and kills whatever is left in a `finally`, so a failing test 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -110,15 +109,6 @@ def test_up_rejects_bad_flags_with_exit_2(argv, message):
     assert message in result.stderr
 
 
-def _serve_exists() -> bool:
-    """`hybridpd serve` exists when its module imports (it is being written alongside these tests)."""
-    try:
-        importlib.import_module("hybridpd.server.main")
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
@@ -137,7 +127,6 @@ def _get(url: str) -> tuple[int, bytes]:
         return 0, b""
 
 
-@pytest.mark.skipif(not _serve_exists(), reason="hybridpd.server.main (`hybridpd serve`) is not importable yet")
 def test_up_serves_through_the_proxy_and_sigterm_leaves_no_child(tmp_path, cluster_ports, tiny_checkpoint):
     proxy_port, base_port = cluster_ports
     up = subprocess.Popen(

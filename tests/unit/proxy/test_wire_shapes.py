@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hybridpd.proxy.bodies import decode_body, prefill_body
+from hybridpd.server.app import CLUSTER_TOKEN_HEADER
 
 from .fake_node import SSE_CHUNKS, Behavior, remote_params
 
@@ -80,16 +81,17 @@ async def test_prefill_then_decode_through_the_proxy(make_harness, path, client_
     assert decode.body == {**client_body, "kv_transfer_params": remote_params(h.prefill_ports[0])}
     assert prefill.headers["X-Request-Id"] == "abc-1-prefill"
     assert decode.headers["X-Request-Id"] == "abc-1"
-    assert prefill.headers["Authorization"] == decode.headers["Authorization"] == "Bearer s3cret"
+    assert prefill.headers[CLUSTER_TOKEN_HEADER] == decode.headers[CLUSTER_TOKEN_HEADER] == "s3cret"
+    assert "Authorization" not in prefill.headers and "Authorization" not in decode.headers
 
 
-async def test_no_token_means_no_authorization_header_and_ids_are_generated(make_harness):
+async def test_no_token_means_no_token_header_and_ids_are_generated(make_harness):
     h = await make_harness([Behavior.OK], [Behavior.OK])
     async with h.session.post(h.url + "/v1/completions", json={"prompt": "x"}) as resp:
         assert resp.status == 200
         request_id = resp.headers["X-Request-Id"]
     assert len(request_id) >= 16
-    assert "Authorization" not in h.prefill[0].received[0].headers
+    assert CLUSTER_TOKEN_HEADER not in h.prefill[0].received[0].headers
     assert h.decode[0].received[0].headers["X-Request-Id"] == request_id
 
 
