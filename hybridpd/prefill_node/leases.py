@@ -35,9 +35,10 @@ class Lease:
 class LeaseTable:
     """Thread-safe: the engine thread adds leases, the event loop renews, releases and expires them."""
 
-    def __init__(self, lease_seconds: float, clock: Callable[[], float]) -> None:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float], *, remembered: int = _REMEMBERED) -> None:
         self.lease_seconds = lease_seconds
         self.clock = clock
+        self.remembered = remembered
         self._lock = threading.Lock()
         self._held: dict[str, Lease] = {}
         self._done: OrderedDict[str, LeaseState] = OrderedDict()
@@ -48,6 +49,7 @@ class LeaseTable:
                       expiry=self.clock() + self.lease_seconds)
         with self._lock:
             self._held[request_id] = lease
+            self._done.pop(request_id, None)
         return lease
 
     def renew(self, request_id: str) -> Lease:
@@ -109,6 +111,7 @@ class LeaseTable:
         raise LookupError(f"the lease on request {request_id} was already {state.value}")
 
     def _remember(self, request_id: str, state: LeaseState) -> None:
+        self._done.pop(request_id, None)   # a reused id counts as the newest, so the bound evicts older ones
         self._done[request_id] = state
-        while len(self._done) > _REMEMBERED:
+        while len(self._done) > self.remembered:
             self._done.popitem(last=False)
