@@ -1,0 +1,150 @@
+"""LeaseTable with a fake clock: every lease is freed exactly once, and a late call gets a precise reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpd.prefill_node.leases import LeaseTable
+
+BLOCKS = ((1, 2), (), (9,))
+LEASE_S = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def table(clock: FakeClock) -> LeaseTable:
+    return LeaseTable(LEASE_S, clock)
+
+
+def test_add_holds_exactly_what_it_was_given(table, clock):
+    lease = table.add("r", BLOCKS, 33)
+    assert (lease.request_id, lease.block_ids, lease.num_tokens, lease.expiry) == ("r", BLOCKS, 33, 1010.0)
+    assert len(table) == 1
+    assert table.next_expiry() == 1010.0
+
+
+@pytest.mark.parametrize("advance, expected_expiry", [(0.0, 1010.0), (4.0, 1014.0), (9.999, 1019.999)])
+def test_renew_extends_from_now(table, clock, advance, expected_expiry):
+    table.add("r", BLOCKS, 33)
+    clock.now += advance
+    lease = table.renew("r")
+    assert lease.expiry == pytest.approx(expected_expiry)
+    assert lease.block_ids == BLOCKS
+    assert table.next_expiry() == pytest.approx(expected_expiry)
+    clock.now = expected_expiry - 0.001
+    assert table.expire_due() == []          # the renewal kept it alive past its first expiry
+
+
+@pytest.mark.parametrize("setup, reason", [
+    ([], "no lease is held"),
+    ([("add",), ("advance", LEASE_S)], "has expired"),
+    ([("add",), ("advance", LEASE_S + 5)], "has expired"),
+    ([("add",), ("release",)], "already released"),
+    ([("add",), ("advance", LEASE_S), ("sweep",)], "already expired"),
+    ([("add",), ("drain",)], "already released"),
+])
+def test_renew_says_why_it_cannot(table, clock, setup, reason):
+    for action, *args in setup:
+        if action == "add":
+            table.add("r", BLOCKS, 33)
+        elif action == "advance":
+            clock.now += args[0]
+        elif action == "release":
+            table.release("r")
+        elif action == "sweep":
+            table.expire_due()
+        elif action == "drain":
+            table.drain()
+    with pytest.raises(LookupError, match=reason):
+        table.renew("r")
+
+
+def test_release_returns_the_live_lease_once(table, clock):
+    table.add("r", BLOCKS, 33)
+    clock.now += LEASE_S - 1
+    lease = table.release("r")
+    assert lease is not None and lease.block_ids == BLOCKS
+    assert table.release("r") is None
+    assert len(table) == 0 and table.next_expiry() is None
+    clock.now += 100
+    assert table.expire_due() == []
+    assert table.num_expired == 0
+
+
+def test_release_of_unknown_is_none(table):
+    assert table.release("never") is None
+
+
+def test_release_after_expiry_is_none_and_the_sweep_frees_once(table, clock):
+    table.add("r", BLOCKS, 33)
+    clock.now += LEASE_S                       # expiry is inclusive: due at exactly expiry
+    assert table.release("r") is None          # too late: the decoder must not trust its READ
+    due = table.expire_due()
+    assert [lease.request_id for lease in due] == ["r"]
+    assert table.expire_due() == []
+    assert table.release("r") is None
+    assert table.num_expired == 1 and len(table) == 0
+
+
+def test_expire_due_takes_only_the_due_ones(table, clock):
+    table.add("a", BLOCKS, 1)
+    clock.now += 3
+    table.add("b", BLOCKS, 2)
+    clock.now += 3
+    table.add("c", BLOCKS, 3)
+    table.renew("a")                           # a: 1016, b: 1013, c: 1016
+    clock.now = 1013.0
+    assert [lease.request_id for lease in table.expire_due()] == ["b"]
+    assert table.next_expiry() == 1016.0
+    clock.now = 1016.0
+    assert sorted(lease.request_id for lease in table.expire_due()) == ["a", "c"]
+    assert table.num_expired == 3 and len(table) == 0
+
+
+def test_drain_ends_every_lease_once(table, clock):
+    for rid in ("a", "b", "c"):
+        table.add(rid, BLOCKS, 5)
+    table.release("b")
+    drained = table.drain()
+    assert sorted(lease.request_id for lease in drained) == ["a", "c"]
+    assert table.drain() == [] and len(table) == 0
+    clock.now += 100
+    assert table.expire_due() == []
+    assert all(table.release(rid) is None for rid in ("a", "b", "c"))
+
+
+def test_a_reused_request_id_is_leased_again(table, clock):
+    table.add("r", BLOCKS, 33)
+    table.release("r")
+    table.add("r", ((4,), (), (5,)), 20)
+    assert table.renew("r").block_ids == ((4,), (), (5,))
+    assert table.release("r") is not None
+
+
+@pytest.mark.parametrize("ids, forgotten, remembered", [
+    (["a", "b", "c", "d", "e"], ["a", "b"], ["c", "d", "e"]),
+    (["a", "b", "a", "c", "d"], ["b"], ["a", "c", "d"]),      # a reused id is the newest again
+])
+def test_the_memory_of_finished_leases_is_bounded_and_keeps_the_newest(clock, ids, forgotten, remembered):
+    table = LeaseTable(LEASE_S, clock, remembered=3)
+    for rid in ids:
+        table.add(rid, BLOCKS, 1)
+        table.release(rid)
+    for rid in forgotten:
+        with pytest.raises(LookupError, match="no lease is held"):
+            table.renew(rid)
+    for rid in remembered:
+        with pytest.raises(LookupError, match="already released"):
+            table.renew(rid)
