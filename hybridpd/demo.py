@@ -46,6 +46,10 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:8.1f} ms"
 
 
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.2f} MiB"
+
+
 def summary(result: dict[str, Any]) -> str:
     hit = result.get("prefix_cache_hit_rate")
     return "\n".join([
@@ -54,7 +58,7 @@ def summary(result: dict[str, Any]) -> str:
         f"TTFT mean / p99             : {_ms(result.get('mean_ttft_ms'))} / {_ms(result.get('p99_ttft_ms'))}",
         f"ITL  mean / p99             : {_ms(result.get('mean_itl_ms'))} / {_ms(result.get('p99_itl_ms'))}",
         f"decode-side prefix hit rate : {'n/a' if hit is None else f'{hit:.1%}'}",
-        f"KV bytes read (decode pull) : {result.get('kv_bytes_read')}",
+        f"KV read by the decode node  : {_mib(result.get('kv_bytes_read'))}",
         "=======================================================",
     ])
 

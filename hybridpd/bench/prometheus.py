@@ -32,12 +32,24 @@ def _split_sample(line: str) -> tuple[str, str] | None:
     return (name, rest[0]) if rest else None
 
 
+def _declares(line: str, name: str) -> bool:
+    """`# TYPE name counter` (newer clients) or `# TYPE name-without-_total counter` (older ones)."""
+    words = line.split()
+    family = name.removesuffix("_total")
+    return len(words) >= 3 and words[:2] == ["#", "TYPE"] and words[2] in (name, family)
+
+
 def counter_sum(text: str, name: str) -> float | None:
-    """The sum of every sample named exactly `name` (all label sets), None if there is none."""
+    """The sum of every sample named exactly `name` (all label sets); None if the page neither has a
+    sample nor declares the counter. A labelled counter shows no sample until its first label set is
+    used (a decode node before its first pull), so a declared counter without samples counts as 0."""
     total, found = 0.0, False
     for raw in text.splitlines():
         line = raw.strip()
-        if not line or line.startswith("#") or not line.startswith(name):
+        if line.startswith("#"):
+            found = found or _declares(line, name)
+            continue
+        if not line or not line.startswith(name):
             continue
         sample = _split_sample(line)
         if sample is None or sample[0] != name:

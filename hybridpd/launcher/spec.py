@@ -98,4 +98,6 @@ class ClusterInfo:
             lines.append(
                 f"  {node.name:<10} {node.url}  side channel :{node.kv_port}  metrics {node.metrics_url}"
             )
+        lines.append(f"  bench with: hybridpd bench --base-url {self.proxy_url} --metrics-url "
+                     + " ".join(node.metrics_url for node in self.decode))
         return "\n".join(lines)

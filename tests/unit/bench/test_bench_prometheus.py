@@ -26,6 +26,11 @@ other_metric{x="hybridpd:kv_bytes_read_total"} 5
         ("# only comments\nprocess_cpu_seconds_total 3\n", None),
         ("", None),
         ("hybridpd:kv_bytes_read_total{peer=\"a\"} NaN\n", None),
+        # declared but no label set used yet (a decode node before its first pull): 0, not missing
+        ("# HELP hybridpd:kv_bytes_read_total h\n# TYPE hybridpd:kv_bytes_read_total counter\n", 0.0),
+        ("# TYPE hybridpd:kv_bytes_read counter\n", 0.0),
+        ("# TYPE hybridpd:kv_bytes_read_seconds histogram\n", None),
+        ("# HELP hybridpd:kv_bytes_read_total only a help line\n", None),
     ],
 )
 def test_counter_sum(text, expected):

@@ -50,3 +50,5 @@ def test_describe_lists_every_endpoint_and_metrics_url():
     text = info.describe()
     for expected in ("http://127.0.0.1:8000", "decode-0", "http://127.0.0.1:8101/metrics", ":9101", "/tmp/run"):
         assert expected in text
+    assert ("hybridpd bench --base-url http://127.0.0.1:8000 --metrics-url http://127.0.0.1:8101/metrics"
+            in text.splitlines()[-1])
