@@ -1,0 +1,131 @@
+"""P/D correctness with two real nodes: greedy tokens through prefill-then-decode (driven as vLLM's toy proxy
+does) equal colocated tokens, for prompt lengths around the block size, prompts longer than every window,
+8 requests in flight at once, and a streamed decode call. After each scenario both nodes hold no lease and have
+every block back in the pool.
+
+The tiny preset has windows 5 and 11 and Mamba chunk 8; it runs at block size 16 (windows inside one or two
+blocks) and 4 (windows spanning several blocks, some freed to the null block as they slide out).
+
+The colocated reference comes from the prefill node (same checkpoint and flags as the decode node), asked before
+the P/D run; the decode node never saw the prompt, so its hit is 0 and it pulls everything it needs.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from hybridpd.engine.model.presets import write_checkpoint
+from tests.e2e.test_pd_toy_proxy import (
+    assert_drained,
+    colocated_token_ids,
+    decode_call,
+    decode_call_streamed,
+    greedy_body,
+    metric_total,
+    pd_token_ids,
+    prefill_call,
+    start_nodes,
+    stop_all,
+)
+
+LARGEST_WINDOW = 11
+IN_FLIGHT = 8
+BARRIER_TIMEOUT_S = 120.0
+NODE_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--kv-load-timeout", "10")
+
+
+@pytest.fixture(scope="module", params=[16, 4], ids=lambda bs: f"block{bs}")
+def pair(request, tmp_path_factory):
+    torch.set_num_threads(1)
+    block_size = request.param
+    model_dir = write_checkpoint("tiny", tmp_path_factory.mktemp("tiny"))
+    args = (*NODE_ARGS, "--block-size", str(block_size))
+    nodes = start_nodes(model_dir, tmp_path_factory.mktemp("logs"), {"prefill": args, "decode": args})
+    try:
+        yield nodes["prefill"], nodes["decode"], block_size
+    finally:
+        stop_all(nodes.values())
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def _lengths(block_size: int) -> dict[str, int]:
+    return {
+        "one": 1, "two": 2, "block-1": block_size - 1, "block": block_size, "block+1": block_size + 1,
+        "window+1": LARGEST_WINDOW + 1, "3blocks+3": 3 * block_size + 3, "long": 150,
+    }
+
+
+@pytest.mark.parametrize("case", ["one", "two", "block-1", "block", "block+1", "window+1", "3blocks+3", "long"])
+def test_prefill_then_decode_equals_colocated(pair, case):
+    prefill, decode, block_size = pair
+    length = _lengths(block_size)[case]
+    body = greedy_body(_prompt(length, seed=1000 + length))
+    expected = colocated_token_ids(prefill, body)
+    bytes_before = metric_total(decode, "hybridpd:kv_bytes_read_total")
+
+    params = prefill_call(prefill, body)
+    if length == 1:  # nothing to transfer: the decoder computes the one prompt token itself
+        assert all(ids == [] for ids in params["remote_block_ids"]), params
+    status, answer = decode_call(decode, body, params)
+
+    assert status == 200, answer
+    assert answer["choices"][0]["token_ids"] == expected
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the decoder never saw this prompt
+    bytes_read = metric_total(decode, "hybridpd:kv_bytes_read_total") - bytes_before
+    assert (bytes_read > 0) == (length > 1), bytes_read
+    assert_drained(prefill, decode)
+
+
+def test_eight_requests_in_flight(pair):
+    """All 8 prefill calls answer first (a barrier), then the 8 decode calls pull and decode together."""
+    prefill, decode, block_size = pair
+    lengths = [2, block_size - 1, block_size + 1, 12, 33, 70, 101, 150]
+    bodies = [greedy_body(_prompt(n, seed=2000 + i), max_tokens=6 + i) for i, n in enumerate(lengths)]
+    expected = [colocated_token_ids(prefill, body) for body in bodies]
+    barrier = threading.Barrier(IN_FLIGHT, timeout=BARRIER_TIMEOUT_S)
+
+    def run(body: dict) -> tuple[int, dict]:
+        params = prefill_call(prefill, body)
+        barrier.wait()
+        return decode_call(decode, body, params)
+
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        answers = list(pool.map(run, bodies))
+
+    for (status, answer), want in zip(answers, expected):
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == want
+    assert_drained(prefill, decode)
+
+
+@pytest.mark.parametrize("length", [1, 40])
+def test_streamed_decode_call_equals_colocated(pair, length):
+    prefill, decode, _ = pair
+    body = greedy_body(_prompt(length, seed=3000 + length), max_tokens=10)
+    expected = colocated_token_ids(prefill, body)
+
+    streamed = decode_call_streamed(decode, body, prefill_call(prefill, body))
+
+    assert list(streamed.token_ids) == expected
+    assert streamed.finish_reason == "length"
+    assert streamed.usage["completion_tokens"] == 10 and streamed.usage["prompt_tokens"] == length
+    assert_drained(prefill, decode)
+
+
+def test_roles_swap_request_by_request(pair):
+    """Every node is kv_both: the decode node prefills for the prefill node, and outputs still agree."""
+    prefill, decode, _ = pair
+    body = greedy_body(_prompt(60, seed=4000))
+    expected = colocated_token_ids(decode, body)
+    token_ids, usage = pd_token_ids(decode, prefill, body)
+    assert token_ids == expected and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_drained(prefill, decode)
