@@ -22,11 +22,11 @@ class Detokenizer:
     def step(self, output_ids: list[int], final: bool) -> tuple[str, str | None]:
         """Returns (new text to release, the stop string that matched or None)."""
         self.text = self.tokenizer.decode(output_ids)
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
-            if at != -1:
-                self.text = self.text[:at]
-                return self._release(len(self.text)), stop
+        match = self._first_stop()
+        if match is not None:
+            at, stop = match
+            self.text = self.text[:at]
+            return self._release(len(self.text)), stop
         end = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):
@@ -34,6 +34,17 @@ class Detokenizer:
             if self.stop:
                 end -= max(len(s) for s in self.stop) - 1
         return self._release(max(end, self.emitted)), None
+
+    def _first_stop(self) -> tuple[int, str] | None:
+        """The stop string that occurs first in the text not yet released (one token may add several: the earliest
+        ends the output, whatever its place in the list). No match can start before `emitted`: the held-back
+        tail is as long as the longest stop string minus one."""
+        matches = []
+        for stop in self.stop:
+            at = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
+            if at != -1:
+                matches.append((at, stop))
+        return min(matches, key=lambda m: m[0], default=None)
 
     def _release(self, end: int) -> str:
         new = self.text[self.emitted : end]
