@@ -1,0 +1,138 @@
+"""Detokenizer: what is released step by step, stop strings across token boundaries, held-back text, UTF-8."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from hybridpd.engine.detokenizer import Detokenizer
+from hybridpd.engine.tokenizer import ByteTokenizer
+
+
+class PieceTokenizer:
+    """Each id decodes to a fixed multi-character piece (like a BPE vocabulary)."""
+
+    eos_token_id = None
+
+    def __init__(self, pieces: Sequence[str]) -> None:
+        self.pieces = list(pieces)
+        self.vocab_size = len(pieces)
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+    def apply_chat_template(self, messages) -> str:
+        raise NotImplementedError
+
+
+BYTES = ByteTokenizer(258)
+
+
+def drive(detok: Detokenizer, ids: Sequence[int], *, finish: bool = True) -> tuple[list[str], str | None]:
+    """Step token by token like the engine does (final on the last step), stopping at a stop string."""
+    pieces: list[str] = []
+    for i in range(len(ids)):
+        new, stop = detok.step(list(ids[: i + 1]), final=finish and i == len(ids) - 1)
+        pieces.append(new)
+        if stop is not None:
+            return pieces, stop
+    return pieces, None
+
+
+@pytest.mark.parametrize("text, stop, expected_text, expected_stop", [
+    ("hello world", (), "hello world", None),
+    ("hello world", ("wor",), "hello ", "wor"),
+    ("hello world", ("o",), "hell", "o"),
+    ("hello world", ("hello",), "", "hello"),
+    ("hello world", ("xyz",), "hello world", None),
+    ("hello world", ("ld",), "hello wor", "ld"),
+    ("hello world", ("world!",), "hello world", None),        # a prefix of a stop at the end is released at the end
+    ("hello world", ("xyz", "lo w"), "hel", "lo w"),
+    ("aaab", ("aab",), "a", "aab"),                            # overlapping prefixes
+    ("abababc", ("ababc",), "ab", "ababc"),
+])
+def test_bytes_one_token_at_a_time(text, stop, expected_text, expected_stop):
+    detok = Detokenizer(BYTES, stop)
+    pieces, matched = drive(detok, BYTES.encode(text))
+    assert "".join(pieces) == expected_text
+    assert matched == expected_stop
+
+
+PIECES = ["hel", "lo", " wo", "rld", "!", "a", "bc", "abc", "\n\n", "x"]
+
+
+@pytest.mark.parametrize("ids, stop, expected_text, expected_stop", [
+    ([0, 1, 2, 3], (" world",), "hello", " world"),            # the stop spans three tokens
+    ([0, 1, 2, 3], ("lo w",), "hel", "lo w"),                  # starts mid-token, ends mid-token
+    ([0, 1, 2, 3, 4], ("d!",), "hello worl", "d!"),
+    ([7], ("bc", "a"), "", "a"),                               # one token holds two stops: the earlier one wins
+    ([5, 6], ("bc", "ab"), "", "ab"),
+    ([9, 7], ("c", "b"), "xa", "b"),
+    ([0, 8, 1], ("\n\n",), "hel", "\n\n"),
+    ([0, 1], ("hello",), "", "hello"),
+    ([0, 1, 2], ("lo", "hello wo"), "hel", "lo"),
+])
+def test_multi_character_tokens(ids, stop, expected_text, expected_stop):
+    detok = Detokenizer(PieceTokenizer(PIECES), stop)
+    pieces, matched = drive(detok, ids)
+    assert "".join(pieces) == expected_text
+    assert matched == expected_stop
+
+
+@pytest.mark.parametrize("text, stop, steps", [
+    # (released text after each non-final step): the last len(longest stop) - 1 characters wait
+    ("abcdef", ("xyz",), ["", "", "a", "b", "c"]),
+    ("abcdef", ("xy", "uvwxyz"), ["", "", "", "", ""]),
+    ("abcdef", ("q",), ["a", "b", "c", "d", "e"]),
+    ("abcdef", (), ["a", "b", "c", "d", "e"]),
+])
+def test_held_back_text_waits_until_it_is_decided(text, stop, steps):
+    detok = Detokenizer(BYTES, stop)
+    ids = BYTES.encode(text)
+    released = [detok.step(ids[: i + 1], final=False)[0] for i in range(len(ids) - 1)]
+    assert released == steps
+    last, matched = detok.step(ids, final=True)
+    assert "".join(released) + last == text and matched is None
+
+
+@pytest.mark.parametrize("text", ["é", "€uro", "a😀b", "日本語", "x\u00a0y"])
+def test_incomplete_utf8_is_never_released(text):
+    detok = Detokenizer(BYTES, ())
+    ids = BYTES.encode(text)
+    pieces, _ = drive(detok, ids)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("ids, expected", [
+    (list("ok".encode()) + [0xE2, 0x82], "ok\ufffd"),      # cut inside a character: the final flush shows it
+    (list("ok".encode()) + [0xFF], "ok\ufffd"),            # never valid
+    (list("ok".encode()) + [256, 257], "ok"),              # special ids decode to nothing
+])
+def test_final_flush_releases_everything(ids, expected):
+    detok = Detokenizer(BYTES, ("zz",))
+    pieces, matched = drive(detok, ids)
+    assert "".join(pieces) == expected and matched is None
+
+
+def test_stop_made_of_multibyte_characters():
+    detok = Detokenizer(BYTES, ("€",))
+    pieces, matched = drive(detok, BYTES.encode("5 € each"))
+    assert "".join(pieces) == "5 " and matched == "€"
+
+
+def test_release_never_repeats_or_goes_back():
+    detok = Detokenizer(BYTES, ("END",))
+    ids = BYTES.encode("one two three END four")
+    total = ""
+    for i in range(len(ids)):
+        new, matched = detok.step(ids[: i + 1], final=False)
+        total += new
+        assert "one two three ".startswith(total)
+        if matched is not None:
+            break
+    assert total == "one two three " and matched == "END"
