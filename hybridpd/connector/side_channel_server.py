@@ -30,7 +30,8 @@ class SideChannelHandler(Protocol):
     def metadata(self) -> pb.NodeMetadata: ...
 
     def heartbeat(self, request_id: str) -> LeaseView | None:
-        """Extends the lease and returns it (new expiry, leased blocks); None if unknown or already expired."""
+        """Extends the lease and returns it (new expiry, leased blocks); None if unknown or already expired, or
+        raises LookupError whose message says why (expired, already released, never held): the reader sees it."""
         ...
 
     def release(self, request_id: str, aborted: bool) -> bool:
@@ -55,7 +56,10 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         await self._authorize(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        lease = self._handler.heartbeat(request.request_id)
+        try:
+            lease = self._handler.heartbeat(request.request_id)
+        except LookupError as exc:
+            return pb.HeartbeatResponse(ok=False, reason=str(exc))
         if lease is None:
             return pb.HeartbeatResponse(ok=False, reason=f"no live lease for request {request.request_id}")
         return pb.HeartbeatResponse(ok=True, lease_expiry=lease.expiry, num_tokens=lease.num_tokens,

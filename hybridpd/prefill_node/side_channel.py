@@ -15,11 +15,9 @@ class PrefillSideChannel:
     def metadata(self) -> pb.NodeMetadata:
         return self._metadata
 
-    def heartbeat(self, request_id: str) -> LeaseView | None:
-        try:
-            lease = self._role.heartbeat(request_id)
-        except LookupError:
-            return None
+    def heartbeat(self, request_id: str) -> LeaseView:
+        """Renews the lease; raises LookupError saying why not (expired, already released, never held)."""
+        lease = self._role.heartbeat(request_id)
         return LeaseView(expiry=lease.expiry, block_ids=lease.block_ids, num_tokens=lease.num_tokens)
 
     def release(self, request_id: str, aborted: bool) -> bool:
