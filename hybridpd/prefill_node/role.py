@@ -88,13 +88,28 @@ class PrefillRole:
         self._sweeper = loop.create_task(self._sweep())
         self._progress = loop.create_task(self._make_progress())
 
-    async def stop(self) -> None:
+    async def wait_released(self, timeout: float) -> bool:
+        """True once no lease is held (decoders released them, or they expired) within `timeout` seconds.
+        Graceful shutdown waits here, with the side channel and transport progress still running, so that
+        decoders already pulling from this node finish."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(self.leases):
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(IDLE_POLL_S)
+        return True
+
+    async def stop(self) -> int:
+        """Stop the sweeper and progress tasks and end every lease still held (their blocks are freed on the
+        engine thread, so call this before the engine stops); returns how many leases it ended."""
         for task in (self._sweeper, self._progress):
             if task is not None:
                 task.cancel()
-        for lease in self.leases.drain():
+        leases = self.leases.drain()
+        for lease in leases:
             self._free(lease)
             self.metrics.lease_released()
+        return len(leases)
 
     async def _sweep(self) -> None:
         period = min(1.0, self.leases.lease_seconds / 4)

@@ -1,8 +1,10 @@
 """A kv_both node: the engine, its connector (transport + side channel, both roles) and the HTTP server.
 
 Start order: engine (model + KV cache) -> transport registers the group tensors -> side channel (gRPC) ->
-HTTP. Stop order on SIGTERM/SIGINT: stop admitting HTTP requests, let running ones finish within the grace, abort
-the rest, release every lease, stop the side channel, close the transport, exit 0.
+HTTP. Stop order on SIGTERM/SIGINT: stop admitting HTTP requests (503); within one `--shutdown-grace`, let running
+requests finish and decoders pulling from us release their leases (the side channel and transport stay up); then
+release the leases left (freeing their blocks), abort the requests left, stop the side channel, close the
+transport, exit 0.
 """
 
 from __future__ import annotations
@@ -89,12 +91,17 @@ class Node:
               f"{cfg.kv_transfer.kv_host}:{side.port} engine {self.engine_id}", flush=True)
 
         await self.stopping.wait()
-        log.info("shutting down (grace %.1f s)", cfg.server.shutdown_grace)
+        grace = cfg.server.shutdown_grace
+        log.info("shutting down (grace %.1f s)", grace)
         admission = app[ADMISSION_KEY]
         admission.close()
-        await admission.wait_idle(cfg.server.shutdown_grace)
+        deadline = loop.time() + grace
+        await admission.wait_idle(grace)
+        await prefill.wait_released(max(0.0, deadline - loop.time()))
+        aborted = engine.num_active_requests
+        released = await prefill.stop()  # frees on the engine thread: before the engine stops
+        log.info("drained: %d request(s) aborted, %d lease(s) released at shutdown", aborted, released)
         await engine.shutdown(0.0)
-        await prefill.stop()
         await decode.close()
         await side.stop(1.0)
         await runner.cleanup()
