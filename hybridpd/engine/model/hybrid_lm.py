@@ -95,7 +95,9 @@ class HybridLM(nn.Module):
             cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         ctx = StepContext(
             rope_cos=cos, rope_sin=sin,
-            groups=tuple(build_group_meta(batch, g, group) for g, group in enumerate(kv.groups)),
+            groups=tuple(
+                build_group_meta(batch, g, group, self.config.mamba_chunk_size) for g, group in enumerate(kv.groups)
+            ),
         )
         h = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
         for layer in self.model.layers:

@@ -17,7 +17,8 @@ from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.layers import GatedRMSNorm
 from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
-from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, MambaPrefill, StepContext
+from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
+from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, StepContext
 
 
 class Mamba2Mixer(nn.Module):
@@ -67,57 +68,47 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(x.shape[0], self.intermediate, dtype=torch.float32)
         if meta.decode is not None:
             self._decode(meta.decode, xbc, dt, y, conv_cache, ssm_cache)
-        for p in meta.prefills:
-            self._prefill(p, xbc, dt, y, conv_cache, ssm_cache)
+        if meta.prefill is not None:
+            self._prefill(meta.prefill, xbc, dt, y, conv_cache, ssm_cache)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _split_xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[rows, conv_dim] -> x [rows, H, P], B and C [rows, H, N] (each group's B/C repeated over its heads)."""
-        rows = conv_out.shape[0]
+        """[..., conv_dim] -> x [..., H, P], B and C [..., H, N] (each group's B/C repeated over its heads)."""
+        lead = conv_out.shape[:-1]
         xs, B, C = conv_out.float().split(
             [self.intermediate, self.groups * self.d_state, self.groups * self.d_state], dim=-1
         )
         per_group = self.heads // self.groups
         # Expanded views (stride 0 over a group's heads): no copy where the consumer reads them as they are.
-        B = B.view(rows, self.groups, 1, self.d_state).expand(rows, self.groups, per_group, self.d_state)
-        C = C.view(rows, self.groups, 1, self.d_state).expand(rows, self.groups, per_group, self.d_state)
-        B = B.reshape(rows, self.heads, self.d_state)
-        C = C.reshape(rows, self.heads, self.d_state)
-        return xs.view(rows, self.heads, self.head_dim), B, C
+        B = B.unflatten(-1, (self.groups, 1, self.d_state)).expand(*lead, self.groups, per_group, self.d_state)
+        C = C.unflatten(-1, (self.groups, 1, self.d_state)).expand(*lead, self.groups, per_group, self.d_state)
+        B = B.reshape(*lead, self.heads, self.d_state)
+        C = C.reshape(*lead, self.heads, self.d_state)
+        return xs.unflatten(-1, (self.heads, self.head_dim)), B, C
 
     def _prefill(
-        self, p: MambaPrefill, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
+        self, lay: MambaPrefillLayout, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
         conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
     ) -> None:
-        rows = slice(p.row_start, p.row_start + p.num_rows)
-        if p.num_computed > 0:
-            conv_prev = conv_cache[p.slot].to(xbc.dtype)
-            initial = ssm_cache[p.slot].float()
-        else:
-            conv_prev = xbc.new_zeros(self.conv_state_shape)
-            initial = torch.zeros(self.ssm_state_shape, dtype=torch.float32)
-        # inputs[i] is the xBC of token num_computed - (d_conv - 1) + i
-        inputs = torch.cat([conv_prev, xbc[rows]], dim=0)
-        conv_out = F.conv1d(inputs.T[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)[0].T
-        xs, B, C = self._split_xbc(F.silu(conv_out))
+        """All prefill sequences at once, in the layouts of mamba_layout.py."""
+        prev = conv_cache.index_select(0, lay.slots).to(xbc.dtype).reshape(-1, self.conv_dim)
+        source = torch.cat([xbc, prev, xbc.new_zeros(1, self.conv_dim)])
+        inputs = source[lay.conv_index]  # [P, width + n_max, conv_dim]; inputs[i, j] = token c_i - width + j
+        conv_out = F.conv1d(inputs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        conv_rows = F.silu(conv_out.transpose(1, 2)).reshape(-1, self.conv_dim)  # [P * n_max, conv_dim]
+        conv_rows = torch.cat([conv_rows, conv_rows.new_zeros(1, self.conv_dim)])
+        xs, B, C = self._split_xbc(conv_rows[lay.scan_index])  # [P, L, ...]
+        dt_scan = torch.cat([dt, dt.new_zeros(1, self.heads)])[lay.dt_index]
+        initial = ssm_cache.index_select(0, lay.slots).float()
+        initial = torch.where(lay.resumed[:, None, None, None], initial, torch.zeros((), dtype=initial.dtype))
         A = -torch.exp(self.A_log.float())
-        scan = chunked_scan(xs, dt[rows], A, B, C, initial, p.num_computed, self.chunk_size)
-        y[rows] = (scan.y + self.D.float()[None, :, None] * xs).reshape(p.num_rows, self.intermediate)
-
-        end = p.num_computed + p.num_rows
-        for num_tokens, slot in (*p.saves, (end, p.slot)):
-            if num_tokens != end and num_tokens % self.chunk_size:
-                raise ValueError(
-                    f"mamba save at {num_tokens} tokens: not a multiple of mamba_chunk_size ({self.chunk_size}) "
-                    f"nor the step's end ({end})"
-                )
-            chunk_index = (
-                scan.boundary_states.shape[0] - 1 if num_tokens == end
-                else (num_tokens - scan.first_boundary) // self.chunk_size
-            )
-            first_input = num_tokens - p.num_computed
-            conv_cache[slot] = inputs[first_input : first_input + self.d_conv - 1].to(conv_cache.dtype)
-            ssm_cache[slot] = scan.boundary_states[chunk_index].to(ssm_cache.dtype)
+        scan_y, boundary = chunked_scan(xs, dt_scan, A, B, C, initial, self.chunk_size)
+        scan_y = (scan_y + self.D.float()[None, None, :, None] * xs).reshape(-1, self.intermediate)
+        y[lay.out_rows] = scan_y.index_select(0, lay.out_index)
+        states = boundary.reshape(-1, *self.ssm_state_shape).index_select(0, lay.state_index)
+        ssm_cache.index_copy_(0, lay.save_slots, states.to(ssm_cache.dtype))
+        conv_states = inputs.reshape(-1, self.conv_dim)[lay.conv_save_index]  # [V, width, conv_dim]
+        conv_cache.index_copy_(0, lay.save_slots, conv_states.to(conv_cache.dtype))
 
     def _decode(
         self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,

@@ -1,8 +1,9 @@
 """Per-step metadata, computed once per forward and shared by every layer of a KV group.
 
 A sequence with one new token is a *decode* row: attention over all decode rows of a group is one batched
-gather + matmul; Mamba decode rows (num_computed > 0) are one batched recurrent step. Other sequences
-(prefill chunks) are handled one by one.
+gather + attention; Mamba decode rows (num_computed > 0) are one batched recurrent step, and all other
+Mamba sequences one batched convolution and chunked scan (mamba_layout.py). Attention prefill chunks are handled
+one by one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
+from hybridpd.engine.model.mamba_layout import MambaPrefillLayout, PrefillSeq, build_prefill_layout
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,9 @@ class MambaDecode:
 
 
 @dataclass(frozen=True)
-class MambaPrefill:
-    row_start: int
-    num_rows: int
-    num_computed: int
-    slot: int
-    saves: tuple[tuple[int, int], ...]  # (num_tokens, slot)
-
-
-@dataclass(frozen=True)
 class MambaGroupMeta:
     decode: MambaDecode | None
-    prefills: tuple[MambaPrefill, ...]
+    prefill: MambaPrefillLayout | None  # every other sequence, convolved and scanned together
 
 
 @dataclass(frozen=True)
@@ -76,13 +69,13 @@ class StepContext:
 
 
 def build_group_meta(
-    batch: ForwardBatch, group_id: int, group: KVCacheGroup
+    batch: ForwardBatch, group_id: int, group: KVCacheGroup, mamba_chunk_size: int
 ) -> AttentionGroupMeta | MambaGroupMeta:
     if isinstance(group.spec, AttentionSpec):
         window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
         return _attention_meta(batch, group_id, group.spec.block_size, window, group.spec.dtype)
     if isinstance(group.spec, MambaSpec):
-        return _mamba_meta(batch, group_id)
+        return _mamba_meta(batch, group_id, mamba_chunk_size, group.spec.conv_state_shape[0])
     raise TypeError(f"no model support for KV spec {type(group.spec).__name__}")
 
 
@@ -147,7 +140,7 @@ def _attention_decode(
     return AttentionDecode(rows=rows, blocks=blocks.flatten(), bias=bias[:, None, None, :])
 
 
-def _mamba_meta(batch: ForwardBatch, g: int) -> MambaGroupMeta:
+def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:
     decode_rows, decode_slots, decode_saves, prefills = [], [], [], []
     for row_start, s in zip(batch.row_starts, batch.seqs):
         slot = int(s.block_tables[g][0])
@@ -160,7 +153,7 @@ def _mamba_meta(batch: ForwardBatch, g: int) -> MambaGroupMeta:
             decode_rows.append(row_start)
             decode_slots.append(slot)
         else:
-            prefills.append(MambaPrefill(
+            prefills.append(PrefillSeq(
                 row_start=row_start, num_rows=s.num_new, num_computed=s.num_computed, slot=slot, saves=tuple(saves)
             ))
     decode = None
@@ -168,4 +161,5 @@ def _mamba_meta(batch: ForwardBatch, g: int) -> MambaGroupMeta:
         decode = MambaDecode(
             rows=torch.tensor(decode_rows), slots=torch.tensor(decode_slots), saves=tuple(decode_saves)
         )
-    return MambaGroupMeta(decode=decode, prefills=tuple(prefills))
+    prefill = build_prefill_layout(prefills, batch.input_ids.shape[0], chunk_size, conv_width) if prefills else None
+    return MambaGroupMeta(decode=decode, prefill=prefill)
