@@ -1,10 +1,11 @@
 """Continuous batching with chunked prefill, preemption by recompute, and requests that wait for remote KV.
 
-Each step: running requests first (decodes and unfinished prefills, in admission order), then waiting requests
-while the token budget, `max_num_seqs` and free blocks allow. When a running request cannot get blocks, the most
-recently admitted running request that is not yet scheduled this step is preempted (its blocks freed, its tokens
-recomputed later); if none is left, the request itself is. A request whose prompt was prefilled remotely gets its
-blocks allocated, is handed to the loader and leaves the queues until its KV has arrived: it never blocks others.
+Each step: running requests first (decodes and unfinished prefills, in admission order), then requests whose
+remote KV has arrived, then waiting requests, while the token budget, `max_num_seqs` and free blocks allow. When
+a running request cannot get blocks, the most recently admitted running request that is not yet scheduled this
+step is preempted (its blocks freed, its tokens recomputed later); if none is left, the request itself is. A
+request whose prompt was prefilled remotely gets its blocks allocated, is handed to the loader and leaves the
+queues until its KV has arrived: it never blocks others (and does not count against `max_num_seqs` meanwhile).
 """
 
 from __future__ import annotations
@@ -108,8 +109,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_prompt_tokens - 1
             self.kv.commit(seq, seq.num_computed_tokens)
             # From here on the request is an ordinary local one: a preemption recomputes it here.
-            seq.remote_prefill = None
-            seq.skip_mamba_align = False
+            self._drop_remote_prefill(seq)
             seq.status = RequestStatus.RUNNING
             self.loaded.append(seq)
         return seq
@@ -123,18 +123,22 @@ class Scheduler:
     def recompute_locally(self, seq: Sequence) -> None:
         """Drop the remote prefill of `seq` (its load failed) and queue it to prefill here."""
         self.kv.free(seq.request_id)
-        seq.remote_prefill = None
-        seq.skip_mamba_align = False
+        self._drop_remote_prefill(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _drop_remote_prefill(seq: Sequence) -> None:
+        seq.remote_prefill = None
+        seq.skip_mamba_align = False
 
     # -- one step -----------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
-        while self.loaded:
+        while self.loaded and len(self.running) < self.config.max_num_seqs:
             self.running.append(self.loaded.popleft())
 
         i = 0
@@ -157,6 +161,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.remote_prefill is not None and self.loader is None:
+                self._drop_remote_prefill(seq)  # nothing can pull it: prefill here, with a hit every group serves
             hit = self.kv.get_computed_blocks(seq)
             if seq.remote_prefill is not None and self.loader is not None:
                 external = seq.num_prompt_tokens - 1 - hit.num_tokens
