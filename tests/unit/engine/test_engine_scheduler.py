@@ -1,0 +1,321 @@
+"""The scheduler over a real KVCacheManager on tiny specs; no model: steps sample made-up tokens.
+
+After every step the pool invariant must hold (`step` checks it), and every scenario ends with all blocks free.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpd.connector.spans import needed_span
+from hybridpd.engine.request import FinishReason, RequestStatus
+
+from .sched_harness import (
+    EOS,
+    HYBRID,
+    REMOTE_DECODE,
+    FakeLoader,
+    all_free,
+    fa,
+    make_kv,
+    make_scheduler,
+    make_seq,
+    mamba,
+    remote_params,
+    step,
+    sw,
+)
+
+MAX_STEPS = 500
+
+
+def run_to_end(sched, on_plan=lambda plan: None) -> int:
+    steps = 0
+    while sched.has_work():
+        plan, _ = step(sched)
+        on_plan(plan)
+        steps += 1
+        assert steps < MAX_STEPS, "no progress"
+    return steps
+
+
+@pytest.mark.parametrize("budget, boundary", [(5, None), (16, None), (33, None), (16, 8), (8, 8), (40, 16)])
+def test_token_budget_is_respected_and_everyone_finishes(budget, boundary):
+    specs = (fa(4), sw(5, 4), mamba(8)) if boundary != 16 else (fa(4), sw(5, 4), mamba(16))
+    kv = make_kv(specs)
+    sched = make_scheduler(kv, budget=budget, chunk_boundary=boundary)
+    seqs = [make_seq(f"r{i}", n, max_tokens=4, base=i) for i, n in enumerate((40, 3, 17, 25))]
+    for seq in seqs:
+        sched.add(seq)
+
+    def within_budget(plan):
+        assert plan.num_tokens <= budget
+
+    run_to_end(sched, within_budget)
+    assert [(s.finish_reason, len(s.output_token_ids)) for s in seqs] == [(FinishReason.LENGTH, 4)] * 4
+    assert all_free(kv)
+
+
+@pytest.mark.parametrize("boundary, expected_b", [(None, 15), (8, 8)])
+def test_decodes_come_before_prefills(boundary, expected_b):
+    sched = make_scheduler(make_kv(), budget=16, chunk_boundary=boundary)
+    a, b = make_seq("a", 8, max_tokens=10), make_seq("b", 40, base=3)
+    sched.add(a)
+    step(sched)
+    sched.add(b)
+    plan, _ = step(sched)
+    assert [(item.seq.request_id, item.num_new_tokens) for item in plan.scheduled] == [("a", 1), ("b", expected_b)]
+    assert plan.scheduled[0].samples and not plan.scheduled[1].samples
+
+
+@pytest.mark.parametrize("budget, boundary, prompt_len, expected_chunks", [
+    (20, 8, 40, [16, 16, 8]),
+    (13, 8, 40, [8, 8, 8, 8, 8]),
+    (32, 8, 70, [32, 32, 6]),
+    (20, 16, 50, [16, 16, 18]),
+    (20, 16, 60, [16, 16, 16, 12]),
+    (64, 8, 40, [40]),
+    (8, 8, 17, [8, 8, 1]),
+    (20, None, 50, [20, 20, 10]),
+    (5, 8, 20, [5, 3, 5, 3, 4]),    # a budget below the boundary still makes progress, and re-aligns
+])
+def test_unfinished_prefill_chunks_end_on_the_mamba_boundary(budget, boundary, prompt_len, expected_chunks):
+    specs = (fa(4), sw(5, 4), mamba(boundary or 8))
+    kv = make_kv(specs)
+    sched = make_scheduler(kv, budget=budget, chunk_boundary=boundary)
+    seq = make_seq("a", prompt_len, max_tokens=1)
+    sched.add(seq)
+    chunks = []
+    while sched.has_work():
+        plan, _ = step(sched)
+        chunks.append(plan.scheduled[0].num_new_tokens)
+    assert chunks == expected_chunks
+    assert all_free(kv)
+
+
+def test_a_prefix_hit_keeps_chunks_aligned():
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=12, chunk_boundary=8)
+    sched.add(make_seq("a", 24, max_tokens=1))
+    run_to_end(sched)
+    b = make_seq("b", 40, max_tokens=1)     # its first 24 tokens are a's prompt
+    sched.add(b)
+    plan, _ = step(sched)
+    assert b.num_cached_tokens == 24        # a multiple of LCM(4, 8): the Mamba state at 24 was saved
+    assert plan.scheduled[0].num_new_tokens == 8   # 24 + 12 would end at 36: cut back to 32
+
+
+@pytest.mark.parametrize("max_num_seqs, num_requests", [(1, 3), (2, 5), (3, 3)])
+def test_max_num_seqs_is_respected(max_num_seqs, num_requests):
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=64, max_num_seqs=max_num_seqs)
+    seqs = [make_seq(f"r{i}", 9 + i, max_tokens=3, base=i) for i in range(num_requests)]
+    for seq in seqs:
+        sched.add(seq)
+
+    def check(plan):
+        assert len(plan.scheduled) <= max_num_seqs and len(sched.running) <= max_num_seqs
+
+    run_to_end(sched, check)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+    assert all_free(kv)
+
+
+def test_loaded_remote_requests_wait_for_room_under_max_num_seqs():
+    kv, loader = make_kv(), FakeLoader()
+    sched = make_scheduler(kv, max_num_seqs=2, loader=loader)
+    a, b = make_seq("a", 8, max_tokens=3), make_seq("b", 8, max_tokens=6, base=1)
+    remote = make_seq("remote", 20, kv_transfer=remote_params(20), base=5)
+    sched.add(a)
+    sched.add(remote)
+    sched.add(b)
+    step(sched)                                       # a runs, remote loads (not counted), b runs
+    assert sched.running == [a, b] and list(sched.loading) == ["remote"]
+    sched.finish_load("remote", ok=True)
+    while not a.is_finished:
+        plan, _ = step(sched)
+        assert len(sched.running) <= 2 and remote not in [item.seq for item in plan.scheduled]
+    plan, _ = step(sched)                             # a finished: room for the loaded request
+    assert [item.seq for item in plan.scheduled] == [b, remote]
+
+    def at_most_two_running(plan):
+        assert len(sched.running) <= 2
+
+    run_to_end(sched, at_most_two_running)
+    assert remote.finish_reason is FinishReason.LENGTH and all_free(kv)
+
+
+def test_preemption_takes_the_last_admitted_and_requeues_it_first():
+    kv = make_kv((fa(4),), blocks=7)        # 6 usable blocks: 16 tokens each do not fit twice
+    sched = make_scheduler(kv)
+    a, b, c = make_seq("a", 8, max_tokens=8), make_seq("b", 8, max_tokens=8, base=1), make_seq("c", 10, base=2)
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    while not preempted:
+        plan, _ = step(sched)
+        preempted = list(plan.preempted)
+        if len(a.all_token_ids) == 9:
+            sched.add(c)                     # waits: no room for it behind a and b
+    assert preempted == [b]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert kv.block_table("b") == ((),)
+    assert list(sched.waiting)[:2] == [b, c]
+    assert [item.seq for item in plan.scheduled] == [a]
+    outputs_before = len(b.output_token_ids)
+    run_to_end(sched)
+    assert [(s.finish_reason, len(s.output_token_ids)) for s in (a, b)] == [(FinishReason.LENGTH, 8)] * 2
+    assert outputs_before > 0 and b.output_token_ids[:outputs_before] == [7] * outputs_before
+    assert all_free(kv)
+
+
+def test_a_request_preempts_itself_when_nothing_else_can_go():
+    kv = make_kv((fa(4),), blocks=4)        # 3 usable blocks: 12 tokens
+    sched = make_scheduler(kv)
+    a = make_seq("a", 8, max_tokens=8)
+    sched.add(a)
+    preempted = []
+    for _ in range(10):
+        plan, _ = step(sched)
+        preempted.extend(plan.preempted)
+        if preempted:
+            break
+    assert preempted == [a] and a.status is RequestStatus.PREEMPTED and all_free(kv)
+    sched.finish(a, FinishReason.ABORT)
+    assert not sched.has_work() and all_free(kv)
+
+
+@pytest.mark.parametrize("prompt_len", [2, 9, 20, 33])
+def test_remote_prefill_waits_for_the_loader_with_the_right_targets(prompt_len):
+    kv, loader = make_kv(), FakeLoader()
+    sched = make_scheduler(kv, loader=loader)
+    seq = make_seq("r", prompt_len, kv_transfer=remote_params(prompt_len))
+    sched.add(seq)
+    plan, _ = step(sched)
+    assert plan.scheduled == ()
+    assert seq.status is RequestStatus.WAITING_FOR_REMOTE_KV and sched.loading == {"r": seq}
+    assert not sched.has_work() and sched.num_unfinished() == 1
+    (rid, hit, blocks), = loader.started
+    assert (rid, hit) == ("r", 0)
+    for spec, load, table in zip(HYBRID, blocks.load, blocks.block_tables):
+        start, end = needed_span(spec, prompt_len - 1)
+        assert [i for i, _ in load] == list(range(start, end)), spec.kind
+        assert all(table[i] == local for i, local in load)
+    sched.finish_load("r", ok=True)
+    assert seq.num_computed_tokens == prompt_len - 1 and seq.status is RequestStatus.RUNNING
+    assert seq.remote_prefill is None
+    plan, touched = step(sched)
+    assert [(item.seq, item.num_new_tokens, item.samples) for item in plan.scheduled] == [(seq, 1, True)]
+    assert touched == [seq] and seq.output_token_ids == [7]
+    run_to_end(sched)
+    assert seq.finish_reason is FinishReason.LENGTH and all_free(kv)
+
+
+def test_remote_prefill_pulls_only_what_the_local_hit_lacks():
+    kv, loader = make_kv(), FakeLoader()
+    sched = make_scheduler(kv, loader=loader)
+    sched.add(make_seq("local", 20, max_tokens=1))
+    run_to_end(sched)
+    sched.add(make_seq("r", 20, kv_transfer=remote_params(20)))
+    step(sched)
+    (_, hit, blocks), = loader.started
+    assert hit == 16                                   # full attention alone decides (Mamba skipped)
+    assert [[i for i, _ in load] for load in blocks.load] == [[4], [4], [0]]
+    sched.finish_load("r", ok=True)
+    run_to_end(sched)
+    assert all_free(kv)
+
+
+def test_abort_while_loading_frees_the_blocks_only_when_the_load_stops():
+    kv, loader = make_kv(), FakeLoader()
+    sched = make_scheduler(kv, loader=loader)
+    seq = make_seq("r", 20, kv_transfer=remote_params(20))
+    sched.add(seq)
+    step(sched)
+    held = kv.block_table("r")
+    free_before = [kv.num_free_blocks(g) for g in range(3)]
+    sched.finish(seq, FinishReason.ABORT)
+    assert seq.is_finished and kv.block_table("r") == held           # a READ may still be writing into them
+    assert [kv.num_free_blocks(g) for g in range(3)] == free_before
+    kv.check_invariants()
+    assert sched.finish_load("r", ok=True) is None
+    assert all_free(kv) and sched.num_unfinished() == 0
+    assert sched.finish_load("r", ok=True) is None                     # a second completion is ignored
+
+
+def test_failed_load_can_recompute_locally():
+    kv, loader = make_kv(), FakeLoader()
+    sched = make_scheduler(kv, loader=loader)
+    other = make_seq("other", 6, base=9)
+    seq = make_seq("r", 20, kv_transfer=remote_params(20))
+    sched.add(seq)
+    step(sched)
+    sched.add(other)
+    assert sched.finish_load("r", ok=False) is seq
+    sched.recompute_locally(seq)
+    assert list(sched.waiting) == [seq, other]
+    assert seq.status is RequestStatus.WAITING and seq.num_computed_tokens == 0 and not seq.skip_mamba_align
+    plan, _ = step(sched)
+    assert plan.scheduled[0].seq is seq and plan.scheduled[0].num_new_tokens == 20
+    run_to_end(sched)
+    assert seq.finish_reason is FinishReason.LENGTH and len(seq.output_token_ids) == 4 and all_free(kv)
+
+
+def test_a_remote_prefill_without_a_loader_is_computed_here_with_the_common_hit():
+    kv = make_kv()
+    sched = make_scheduler(kv)
+    sched.add(make_seq("local", 20, max_tokens=1))
+    run_to_end(sched)
+    seq = make_seq("r", 24, kv_transfer=remote_params(24))
+    sched.add(seq)
+    plan, _ = step(sched)
+    item, = plan.scheduled
+    assert seq.num_cached_tokens == 16 and item.num_new_tokens == 8      # every group decides: LCM(4, 8)
+    assert all(load == () for load in item.blocks.load)
+    run_to_end(sched)
+    assert all_free(kv)
+
+
+@pytest.mark.parametrize("prompt_len, budget", [(20, 64), (20, 8), (2, 64), (1, 64)])
+def test_a_prefill_role_request_stops_at_n_minus_1_without_sampling(prompt_len, budget):
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=budget)
+    seq = make_seq("p", prompt_len, kv_transfer=REMOTE_DECODE)
+    sched.add(seq)
+    computed = []
+    touched = []
+    while not touched:
+        plan, touched = step(sched)
+        assert not any(item.samples for item in plan.scheduled)
+        computed.append(seq.num_computed_tokens)
+        assert len(computed) < 20
+    assert touched == [seq] and seq.num_computed_tokens == prompt_len - 1 and seq.output_token_ids == []
+    sched.detach(seq)                                  # the engine's hold: blocks stay, queues forget it
+    assert not sched.has_work() and seq.status is RequestStatus.FINISHED
+    assert any(kv.block_table("p")[0]) == (prompt_len > 1)   # full attention holds the N-1 tokens
+    kv.free("p")
+    assert all_free(kv)
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, ignore_eos, max_model_len, tokens, reason, num_out", [
+    (10, 5, False, 4096, [3, EOS, 3], FinishReason.STOP, 2),
+    (10, 5, True, 4096, [3, EOS, 3, 3, 3], FinishReason.LENGTH, 5),
+    (10, 3, False, 4096, [3, 3, 3], FinishReason.LENGTH, 3),
+    (10, 1, False, 4096, [EOS], FinishReason.STOP, 1),          # EOS wins over max_tokens on the same token
+    (10, 9, False, 12, [3, 3], FinishReason.LENGTH, 2),         # max_model_len
+    (11, 9, False, 12, [3], FinishReason.LENGTH, 1),
+])
+def test_finish_reasons(prompt_len, max_tokens, ignore_eos, max_model_len, tokens, reason, num_out):
+    kv = make_kv()
+    sched = make_scheduler(kv, max_model_len=max_model_len)
+    seq = make_seq("a", prompt_len, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sched.add(seq)
+    feed = iter(tokens)
+    while sched.has_work():
+        plan = sched.schedule()
+        sampled = {item.seq.request_id: next(feed) for item in plan.scheduled if item.samples}
+        sched.update(plan, sampled)
+        kv.check_invariants()
+    assert (seq.finish_reason, len(seq.output_token_ids)) == (reason, num_out)
+    assert seq.output_token_ids == tokens[:num_out]
+    assert all_free(kv)
