@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +58,12 @@ def start_nodes(model_dir: Path, log_dir: Path, args_by_name: Mapping[str, Seque
     return started
 
 
-def stop_all(nodes: Sequence[NodeProcess] | Any) -> None:
-    for node in nodes:
-        node.stop()
+def stop_all(nodes: Iterable[NodeProcess]) -> None:
+    """SIGTERM every node at once (each waits out its own shutdown grace), killing any that does not exit."""
+    nodes = list(nodes)
+    if nodes:
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            list(pool.map(NodeProcess.stop, nodes))
 
 
 def colocated_token_ids(node: NodeProcess, body: Mapping[str, Any]) -> list[int]:
