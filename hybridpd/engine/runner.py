@@ -44,7 +44,7 @@ class ModelRunner:
                 SeqEntry(
                     num_computed=start,
                     num_new=n,
-                    block_tables=tuple(torch.tensor(t, dtype=torch.long) for t in item.blocks.block_tables),
+                    block_tables=item.blocks.block_tables,
                     mamba_saves=tuple(ops.saves if ops is not None else () for ops in item.blocks.mamba),
                 )
             )

@@ -42,11 +42,10 @@ class PagedRunner:
     def mamba_group_ids(self) -> list[int]:
         return [g for g, group in enumerate(self.groups) if isinstance(group.spec, MambaSpec)]
 
-    def tables(self, seq: int) -> tuple[torch.Tensor, ...]:
+    def tables(self, seq: int) -> tuple[tuple[int, ...], ...]:
         first = 1 + seq * self.blocks_per_seq
         return tuple(
-            torch.tensor([1 + seq]) if isinstance(g.spec, MambaSpec)
-            else torch.arange(first, first + self.blocks_per_seq)
+            (1 + seq,) if isinstance(g.spec, MambaSpec) else tuple(range(first, first + self.blocks_per_seq))
             for g in self.groups
         )
 

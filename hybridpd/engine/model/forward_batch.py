@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ import torch
 class SeqEntry:
     """One sequence of a step.
 
-    `block_tables[g]` (group order of `KVCacheStorage.groups`), int64:
+    `block_tables[g]` (group order of `KVCacheStorage.groups`), block ids as Python ints:
     - attention groups: logical block index -> block id (0 = the null block, only where a sliding window no
       longer needs that block);
     - Mamba groups: `[state_slot]`, the running state; read when `num_computed > 0`, written at the step's end.
@@ -22,7 +23,7 @@ class SeqEntry:
 
     num_computed: int
     num_new: int
-    block_tables: tuple[torch.Tensor, ...]
+    block_tables: tuple[Sequence[int], ...]
     mamba_saves: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property

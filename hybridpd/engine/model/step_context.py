@@ -8,10 +8,10 @@ one by one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
@@ -82,22 +82,27 @@ def build_group_meta(
 def _attention_meta(
     batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype
 ) -> AttentionGroupMeta:
-    seqs = batch.seqs
-    tables = pad_sequence([s.block_tables[g] for s in seqs], batch_first=True)
-    seq_of_row = torch.repeat_interleave(
-        torch.arange(len(seqs)), torch.tensor([s.num_new for s in seqs]), output_size=batch.input_ids.shape[0]
-    )
-    write_blocks = tables[seq_of_row, batch.positions // block_size]
-    write_offsets = batch.positions % block_size
-
-    decode_idx = [i for i, s in enumerate(seqs) if s.num_new == 1]
-    decode = _attention_decode(batch, tables, decode_idx, block_size, window, dtype) if decode_idx else None
+    write_blocks: list[int] = []
+    decode_rows: list[int] = []
+    decode_seqs: list[SeqEntry] = []
     prefills = []
-    for row_start, s in zip(batch.row_starts, seqs):
-        if s.num_new > 1:
-            prefills.append(_attention_prefill(row_start, s, s.block_tables[g], block_size, window))
+    for row_start, s in zip(batch.row_starts, batch.seqs):
+        table = s.block_tables[g]
+        if s.num_new == 1:
+            write_blocks.append(table[s.num_computed // block_size])
+            decode_rows.append(row_start)
+            decode_seqs.append(s)
+            continue
+        for logical in range(s.num_computed // block_size, (s.end - 1) // block_size + 1):
+            rows_in_block = min(s.end, (logical + 1) * block_size) - max(s.num_computed, logical * block_size)
+            write_blocks.extend([table[logical]] * rows_in_block)
+        prefills.append(_attention_prefill(row_start, s, table, block_size, window))
+    decode = None
+    if decode_rows:
+        decode = _attention_decode(decode_rows, decode_seqs, g, block_size, window, dtype)
     return AttentionGroupMeta(
-        write_blocks=write_blocks, write_offsets=write_offsets, decode=decode, prefills=tuple(prefills)
+        write_blocks=torch.tensor(write_blocks, dtype=torch.long), write_offsets=batch.positions % block_size,
+        decode=decode, prefills=tuple(prefills),
     )
 
 
@@ -106,7 +111,7 @@ def _first_visible(position: int, window: int | None) -> int:
 
 
 def _attention_prefill(
-    row_start: int, s: SeqEntry, table: torch.Tensor, block_size: int, window: int | None
+    row_start: int, s: SeqEntry, table: Sequence[int], block_size: int, window: int | None
 ) -> AttentionPrefill:
     first_block = _first_visible(s.num_computed, window) // block_size
     last_block = (s.end - 1) // block_size
@@ -115,29 +120,31 @@ def _attention_prefill(
     visible = keys[None, :] <= queries[:, None]
     if window is not None:
         visible &= keys[None, :] > queries[:, None] - window
-    return AttentionPrefill(
-        row_start=row_start, num_rows=s.num_new, blocks=table[first_block : last_block + 1], visible=visible
-    )
+    blocks = torch.tensor(table[first_block : last_block + 1], dtype=torch.long)
+    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=visible)
 
 
 def _attention_decode(
-    batch: ForwardBatch, tables: torch.Tensor, decode_idx: list[int], block_size: int, window: int | None,
-    dtype: torch.dtype,
+    rows: list[int], seqs: list[SeqEntry], g: int, block_size: int, window: int | None, dtype: torch.dtype
 ) -> AttentionDecode:
     """Row s reads blocks first_block_s + j for j < nb (nb = the most any row needs); block indices past the
-    row's own last block are clamped to it (and masked), so they never leave the sequence's table."""
-    starts = batch.row_starts
-    rows = torch.tensor([starts[i] for i in decode_idx])
-    current = torch.tensor([batch.seqs[i].num_computed for i in decode_idx])
-    first = torch.zeros_like(current) if window is None else (current - window + 1).clamp(min=0)
-    first_block, last_block = first // block_size, current // block_size
-    num_blocks = int((last_block - first_block).max()) + 1
-    logical = first_block[:, None] + torch.arange(num_blocks)[None, :]
-    blocks = tables[torch.tensor(decode_idx)].gather(1, torch.minimum(logical, last_block[:, None]))
-    keys = first_block[:, None] * block_size + torch.arange(num_blocks * block_size)[None, :]
-    visible = (keys <= current[:, None]) & (keys >= first[:, None])
+    row's own last block repeat it (and are masked), so they never leave the sequence's table."""
+    firsts = [_first_visible(s.num_computed, window) for s in seqs]
+    spans = [(f // block_size, s.num_computed // block_size) for f, s in zip(firsts, seqs)]
+    num_blocks = max(last - first for first, last in spans) + 1
+    blocks: list[int] = []
+    for (first, last), s in zip(spans, seqs):
+        table = s.block_tables[g]
+        blocks.extend(table[first : last + 1])
+        blocks.extend([table[last]] * (num_blocks - (last - first + 1)))
+    first_key = torch.tensor([first * block_size for first, _ in spans])
+    keys = first_key[:, None] + torch.arange(num_blocks * block_size)[None, :]
+    current = torch.tensor([s.num_computed for s in seqs])
+    visible = (keys <= current[:, None]) & (keys >= torch.tensor(firsts)[:, None])
     bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return AttentionDecode(rows=rows, blocks=blocks.flatten(), bias=bias[:, None, None, :])
+    return AttentionDecode(
+        rows=torch.tensor(rows), blocks=torch.tensor(blocks, dtype=torch.long), bias=bias[:, None, None, :]
+    )
 
 
 def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:
