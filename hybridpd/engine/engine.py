@@ -18,7 +18,7 @@ from hybridpd.connector.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
-from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec, group_layers
+from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig, LayerKind
 from hybridpd.engine.model.loader import load_model
@@ -137,6 +137,19 @@ class LLMEngine:
                 f"{len(ids)} prompt tokens + {request.sampling.max_tokens} max_tokens = {total}",
                 "max_tokens",
             )
+        self._validate_fits(len(ids), total)
+
+    def _validate_fits(self, num_prompt_tokens: int, total: int) -> None:
+        """A request whose full-attention KV (the last sampled token is never computed) exceeds a group's whole
+        pool could only preempt itself forever: refuse it up front."""
+        for g, group in enumerate(self.groups):
+            if not isinstance(group.spec, FullAttentionSpec):
+                continue
+            need = -(-(total - 1) // group.spec.block_size)
+            if need > self.kv.num_blocks(g):
+                raise InvalidRequestError(
+                    f"the request needs {need} KV blocks for {num_prompt_tokens} prompt tokens + max_tokens, but "
+                    f"this node's KV cache has {self.kv.num_blocks(g)} per group", "max_tokens")
 
     def _validate_remote(self, params: RemotePrefillParams, num_prompt_tokens: int) -> None:
         """The remote prefill must cover exactly this prompt but its last token, in this node's group layout."""
@@ -220,8 +233,11 @@ class LLMEngine:
         if seq.finish_reason is FinishReason.STOP:  # ended by EOS, which is not part of the text
             text_ids = text_ids[:-1]
         new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished)
-        if stop is not None and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
+        if stop is not None:  # a stop string wins over max_tokens or EOS reached by the same token
+            if seq.is_finished:
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP)
             seq.stop_reason = stop
         new_ids = tuple(seq.output_token_ids[tracked.sent_tokens :])
         tracked.sent_tokens = len(seq.output_token_ids)
