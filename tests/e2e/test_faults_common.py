@@ -17,7 +17,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,20 @@ class NodeSlot:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._node.proc.pid, signal.SIGCONT)
             self._node.stop()
+
+
+def start_all(slots: Iterable[NodeSlot]) -> list[NodeProcess]:
+    """Start (or reuse) every slot's node concurrently: start-up is mostly waiting on imports and the model."""
+    slots = list(slots)
+    with ThreadPoolExecutor(len(slots)) as pool:
+        return list(pool.map(NodeSlot.get, slots))
+
+
+def stop_all(slots: Iterable[NodeSlot]) -> None:
+    """SIGTERM every slot's node concurrently and wait for each (SIGKILL after a grace)."""
+    slots = list(slots)
+    with ThreadPoolExecutor(len(slots)) as pool:
+        list(pool.map(NodeSlot.stop, slots))
 
 
 @dataclass

@@ -27,6 +27,8 @@ from tests.e2e.test_faults_common import (
     metric,
     prompt,
     remote_prefill,
+    start_all,
+    stop_all,
     wait_for,
 )
 
@@ -42,10 +44,9 @@ def nodes(tmp_path_factory) -> Iterator[tuple[Any, Any]]:
     slots = [NodeSlot(model, logs, (*NODE_ARGS, "--kv-lease-seconds", str(LEASE_S)), "prefill"),
              NodeSlot(model, logs, NODE_ARGS, "decode")]
     try:
-        yield tuple(slot.get() for slot in slots)
+        yield tuple(start_all(slots))
     finally:
-        for slot in slots:
-            slot.stop()
+        stop_all(slots)
 
 
 def _with(**fields: Any) -> Callable[[Params], Params]:
