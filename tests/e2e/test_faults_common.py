@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,19 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) 
 def metric(node: NodeProcess, name: str) -> float:
     """The sum over labels of one metric (0 when absent)."""
     return sum(node.metric_values(name).values())
+
+
+def scrape(url: str, name: str, having: str = "") -> float:
+    """The sum of metric `name` at `url`/metrics (a node's or the proxy's) over the samples whose label text
+    contains `having` (e.g. 'role="prefill"'; "" = every sample)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if match and having in (match.group(1) or ""):
+            total += float(match.group(2))
+    return total
 
 
 def assert_clean(*nodes: NodeProcess, timeout: float = WAIT_S) -> None:
@@ -181,6 +195,20 @@ class ProxyProcess:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def post_json(self, path: str, body: Any, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, Any]:
+        """(status, parsed JSON answer); a non-JSON answer is returned as text."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
