@@ -31,6 +31,9 @@ class AsyncEngine:
         self.vocab_size = engine.model_config.vocab_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # Ids whose consumer left before the end: busy until the engine thread has aborted them, so that a new
+        # request with the same id never receives the old one's outputs.
+        self._closing: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -69,7 +72,7 @@ class AsyncEngine:
             raise ServerOverloadedError("the node is shutting down")
         self.engine.validate(request)
         rid = request.request_id
-        if rid in self._queues:
+        if rid in self._queues or rid in self._closing:
             raise ServerOverloadedError(f"request id {rid} is already in flight")
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[rid] = outputs
@@ -83,7 +86,8 @@ class AsyncEngine:
         finally:
             self._queues.pop(rid, None)
             if not finished:
-                self.call_soon(lambda: self.engine.abort(rid))
+                self._closing.add(rid)
+                self.call_soon(lambda: self._abort_abandoned(rid))
 
     def call_soon(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the engine thread between two steps; a RequestOutput it returns goes to its request."""
@@ -99,6 +103,13 @@ class AsyncEngine:
                               num_cached_tokens=0, num_output_tokens=0, finished=True,
                               finish_reason=FinishReason.ERROR, error=exc)
             ])
+
+    def _abort_abandoned(self, request_id: str) -> None:
+        """Abort a request whose consumer left; its last output is for nobody. Outputs reach the loop in the order
+        they were sent, so once `_closing` forgets the id no output of the old request is still on its way."""
+        self.engine.abort(request_id)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._closing.discard, request_id)
 
     def _run(self) -> None:
         try:
