@@ -31,6 +31,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, hidden, bias=bias, dtype=dtype)
+        # One [q + 2 kv, hidden] weight for the three projections. q/k/v_proj keep their names (the checkpoint's),
+        # but their parameters become views of it: loading a state dict copies into them in place, which fills
+        # the fused weight, so it can never go stale.
+        self.register_buffer("qkv_weight", self._fuse("weight"), persistent=False)
+        self.register_buffer("qkv_bias", self._fuse("bias") if bias else None, persistent=False)
+        self.split = (q_size + kv_size, kv_size)
+
+    def _fuse(self, name: str) -> torch.Tensor:
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        fused = torch.cat([p.get_parameter(name).detach() for p in projections])
+        start = 0
+        for p in projections:
+            size = p.get_parameter(name).shape[0]
+            setattr(p, name, nn.Parameter(fused[start : start + size], requires_grad=False))
+            start += size
+        return fused
 
     def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks [batch * nb] -> K and V as [batch, kv_heads, nb * block_size, head_dim] (strided views).
@@ -47,12 +63,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        qk, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
         if ctx.rope_cos is not None:
-            q = RotaryEmbedding.apply(q, ctx.rope_cos, ctx.rope_sin)
-            k = RotaryEmbedding.apply(k, ctx.rope_cos, ctx.rope_sin)
+            qk = RotaryEmbedding.apply(qk, ctx.rope_cos, ctx.rope_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
 
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, AttentionGroupMeta):
@@ -61,17 +77,20 @@ class Attention(nn.Module):
         cache[meta.write_blocks, 0, meta.write_offsets] = k.to(cache.dtype)
         cache[meta.write_blocks, 1, meta.write_offsets] = v.to(cache.dtype)
 
-        out = torch.empty(rows, self.num_heads * self.head_dim, dtype=x.dtype)
+        only_decode = meta.decode is not None and not meta.prefills  # then the decode rows are all rows, in order
+        out = None if only_decode else torch.empty(rows, self.num_heads * self.head_dim, dtype=x.dtype)
         if meta.decode is not None:
             d = meta.decode
             num = d.rows.shape[0]
             k_seq, v_seq = self._read_blocks(cache, d.blocks, num)
             # The query heads sharing a KV head are the "query rows" of that head: no KV repeat needed.
-            q_dec = q[d.rows].view(num, self.num_kv_heads, -1, self.head_dim)
+            q_dec = (q if only_decode else q[d.rows]).reshape(num, self.num_kv_heads, -1, self.head_dim)
             att = F.scaled_dot_product_attention(
                 q_dec, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=d.bias, scale=self.scale
-            )
-            out[d.rows] = att.reshape(num, -1)
+            ).reshape(num, -1)
+            if only_decode:
+                return self.o_proj(att)
+            out[d.rows] = att
         for p in meta.prefills:
             k_seq, v_seq = self._read_blocks(cache, p.blocks, 1)
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)

@@ -37,8 +37,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
         mixer = self.get_submodule(self.mixer_name)
-        h = h + mixer(self.input_layernorm(h), ctx, kv) * self.residual_multiplier
-        return h + self.shared_mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
+        h = torch.add(h, mixer(self.input_layernorm(h), ctx, kv), alpha=self.residual_multiplier)
+        return torch.add(h, self.shared_mlp(self.post_attention_layernorm(h)), alpha=self.residual_multiplier)
 
 
 class HybridBackbone(nn.Module):

@@ -65,9 +65,13 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt_raw = self.in_proj(x).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
         dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
+        if meta.prefill is None and meta.decode is not None:  # only decode rows: all of them, in order
+            y = self._decode(meta.decode, xbc, dt, conv_cache, ssm_cache)
+            return self.out_proj(self.norm(y, gate).to(x.dtype))
         y = torch.empty(x.shape[0], self.intermediate, dtype=torch.float32)
         if meta.decode is not None:
-            self._decode(meta.decode, xbc, dt, y, conv_cache, ssm_cache)
+            d = meta.decode
+            y[d.rows] = self._decode(d, xbc[d.rows], dt[d.rows], conv_cache, ssm_cache)
         if meta.prefill is not None:
             self._prefill(meta.prefill, xbc, dt, y, conv_cache, ssm_cache)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
@@ -111,23 +115,23 @@ class Mamba2Mixer(nn.Module):
         conv_cache.index_copy_(0, lay.save_slots, conv_states.to(conv_cache.dtype))
 
     def _decode(
-        self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
-        conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
-    ) -> None:
-        """One recurrent step for every decode row. Slots are read and written with whole-row gathers
-        (`index_select` / `index_copy_` over dim 0), and the state is updated in place in its gathered copy."""
+        self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """One recurrent step for the decode rows (xbc [S, conv_dim], dt [S, H]) -> y [S, intermediate] float32.
+        Slots are read and written with whole-row gathers (`index_select` / `index_copy_` over dim 0), and the
+        state is updated in place in its gathered copy."""
         conv_prev = conv_cache.index_select(0, d.slots).to(xbc.dtype)  # [S, d_conv - 1, C]
-        window = torch.cat([conv_prev, xbc[d.rows, None, :]], dim=1)  # [S, d_conv, C]
+        window = torch.cat([conv_prev, xbc[:, None, :]], dim=1)  # [S, d_conv, C]
         conv_out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
         if self.conv1d.bias is not None:
             conv_out = conv_out + self.conv1d.bias
         xs, B, C = self._split_xbc(F.silu(conv_out))
         A = -torch.exp(self.A_log.float())
         state = ssm_cache.index_select(0, d.slots).float()
-        out = recurrent_step_(state, xs, dt[d.rows], A, B, C)
-        y[d.rows] = (out + self.D.float()[None, :, None] * xs).reshape(len(d.rows), self.intermediate)
+        out = recurrent_step_(state, xs, dt, A, B, C)
         conv_cache.index_copy_(0, d.slots, window[:, 1:].to(conv_cache.dtype))
         ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
         for index, slot in d.saves:
             conv_cache[slot] = conv_cache[d.slots[index]]
             ssm_cache[slot] = ssm_cache[d.slots[index]]
+        return torch.addcmul(out, self.D.float()[None, :, None], xs).reshape(-1, self.intermediate)
