@@ -5,13 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from hybridpd.engine.model.presets import default_model_dir
 from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
-from hybridpd.server.node import Node
+from hybridpd.server.node import LOOPBACK, Node
 
 __all__ = ["add_arguments", "run"]
+
+UCX_DEVICES_VAR = "UCX_NET_DEVICES"
+LOOPBACK_DEVICE = "lo"
+
+
+def confine_transport(host: str) -> None:
+    """A node told to listen on loopback keeps the transport there too: UCX otherwise opens a TCP listener on
+    every network device. Set before the transport starts; an explicit UCX_NET_DEVICES is left as it is."""
+    if host in LOOPBACK:
+        os.environ.setdefault(UCX_DEVICES_VAR, LOOPBACK_DEVICE)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     except BadArgumentsError as exc:
         print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 2
+    confine_transport(configs.server.host)
     try:
         return asyncio.run(Node(configs).run())
     except (ValueError, FileNotFoundError) as exc:  # a checkpoint or cache configuration that cannot work
