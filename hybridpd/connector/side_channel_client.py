@@ -41,7 +41,7 @@ class SideChannelClient:
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
             reason = f"side channel did not answer within {self._timeout_s:g}s"
         elif code == grpc.StatusCode.UNAUTHENTICATED:
-            reason = "side channel rejected the cluster token (missing or different --cluster-token)"
+            reason = "side channel rejected the cluster token: UNAUTHENTICATED (missing or different --cluster-token)"
         else:
             reason = f"side channel error {code.name}: {e.details()}"
         return KVTransferError(self.peer, reason)
