@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from hybridpd.errors import InvalidRequestError
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -32,4 +35,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """A temperature below 1e-5 is greedy (as in vLLM): dividing logits by it would overflow."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -124,8 +124,6 @@ def test_no_logprobs_unless_asked():
     assert sample_one(random_logits(0), SamplingParams(temperature=1.0), gen(0)).logprob is None
 
 
-@pytest.mark.xfail(strict=True, reason="reported bug: logits / a tiny temperature overflow to inf, softmax gives NaN "
-                                       "and multinomial raises (the engine thread would die)")
 @pytest.mark.parametrize("temperature", [1e-40])
 def test_a_tiny_temperature_behaves_like_greedy(temperature):
     logits = random_logits(1)
