@@ -152,3 +152,42 @@ def test_small_preset_one_step(tmp_path):
     runner = PagedRunner(model, 16, max_seqs=1, max_len=256)
     close(runner.step([(0, ids[:200])])[0], expected[:200])
     close(runner.step([(0, ids[200:])])[0], expected[200:])
+
+
+def _copy_prefix(runner: PagedRunner, src_seq: int, dst_seq: int, spare: int, num_tokens: int) -> None:
+    """Give dst_seq src_seq's first num_tokens: its attention blocks, and the Mamba state saved in `spare`."""
+    for g, group in enumerate(runner.groups):
+        if isinstance(group.spec, AttentionSpec):
+            src, dst = runner.tables(src_seq)[g], runner.tables(dst_seq)[g]
+            for logical in range(-(-num_tokens // BLOCK_SIZE)):
+                runner.kv.copy_block(g, src[logical], dst[logical])
+        else:
+            runner.kv.copy_block(g, spare, runner.tables(dst_seq)[g][0])
+
+
+def test_batched_prefills_save_and_resume(tiny):
+    """Several Mamba prefills in one step (one batched scan): different lengths and chunk offsets, each saving
+    a state at a chunk boundary; then two sequences resumed from those saves prefill next to a fresh one."""
+    model, ref = tiny
+    seqs = {0: tokens(12, 24), 1: tokens(13, 22), 2: tokens(14, 25)}
+    seqs[3] = seqs[1][:16] + tokens(15, 9)   # resumes from sequence 1's state at 16
+    seqs[4] = seqs[0][:16] + tokens(16, 5)   # resumes from sequence 0's state at 16
+    seqs[5] = tokens(17, 11)                 # fresh, in a slot a previous sequence used
+    expected = {s: reference_logits(ref, ids) for s, ids in seqs.items()}
+    runner = PagedRunner(model, BLOCK_SIZE, max_seqs=6, max_len=32)
+    done = dict.fromkeys(seqs, 0)
+
+    def run(plan: list[tuple[int, int]], saves: dict[int, list[tuple[int, int]]], start_at=None) -> None:
+        done.update(start_at or {})
+        work = [(s, seqs[s][done[s] : done[s] + n]) for s, n in plan]
+        for (s, n), logits in zip(plan, runner.step(work, saves=saves, start_at=start_at)):
+            close(logits, expected[s][done[s] : done[s] + n])
+            done[s] += n
+
+    run([(5, 9)], {})                                                       # dirties slot 6 (sequence 5's)
+    run([(0, 13), (1, 21), (2, 5)], {1: [(16, runner.spare_slot(0))]}, start_at={5: 0})
+    run([(0, 11), (1, 1), (2, 20)], {0: [(16, runner.spare_slot(1))]})
+    _copy_prefix(runner, 1, 3, runner.spare_slot(0), 16)
+    _copy_prefix(runner, 0, 4, runner.spare_slot(1), 16)
+    run([(3, 9), (4, 5), (5, 11)], {}, start_at={3: 16, 4: 16, 5: 0})
+    assert done == {0: 24, 1: 22, 2: 25, 3: 25, 4: 21, 5: 11}
