@@ -63,7 +63,7 @@ class SideChannelClient:
             raise self._error(e) from None
         if not reply.ok:
             raise KVTransferError(self.peer, f"lease lost: {reply.reason}")
-        return LeaseView(expiry=reply.lease_expiry, num_tokens=reply.num_tokens,
+        return LeaseView(expiry=reply.lease_expiry, num_tokens=reply.num_tokens, prompt_digest=reply.prompt_digest,
                          block_ids=tuple(tuple(group.ids) for group in reply.block_ids))
 
     async def release(self, request_id: str, aborted: bool) -> bool:

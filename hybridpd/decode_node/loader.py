@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from hybridpd.config import KVLoadFailurePolicy, KVTransferConfig
 from hybridpd.connector.compat import describe_mismatch
+from hybridpd.connector.lease_view import prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.connector.params import RemotePrefillParams
 from hybridpd.connector.side_channel_client import SideChannelClient
@@ -41,6 +42,7 @@ class PullJob:
     params: RemotePrefillParams
     hit_tokens: int
     load: tuple[tuple[tuple[int, int], ...], ...]   # per group: (logical block, local block)
+    prompt_digest: bytes                            # of this request's first N-1 prompt tokens
 
 
 class DecodeRole:
@@ -61,7 +63,8 @@ class DecodeRole:
     # -- engine thread ------------------------------------------------------------------------------------------
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
         assert seq.remote_prefill is not None
-        job = PullJob(request_id=seq.request_id, params=seq.remote_prefill, hit_tokens=hit_tokens, load=blocks.load)
+        job = PullJob(request_id=seq.request_id, params=seq.remote_prefill, hit_tokens=hit_tokens, load=blocks.load,
+                      prompt_digest=prompt_digest(seq.prompt_token_ids[: seq.remote_prefill.remote_num_tokens]))
         self._loop.call_soon_threadsafe(self._spawn, job)
 
     # -- event loop ---------------------------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class DecodeRole:
         if lease.num_tokens != params.remote_num_tokens:
             raise KVTransferError(params.peer, f"the lease covers {lease.num_tokens} tokens, the request claims "
                                                f"{params.remote_num_tokens}")
+        if lease.prompt_digest != job.prompt_digest:
+            raise KVTransferError(params.peer, f"request {params.remote_request_id} was prefilled for another prompt")
         reads = self._reads(job, lease.block_ids)
         page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
         started = time.perf_counter()

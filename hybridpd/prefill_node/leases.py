@@ -28,6 +28,7 @@ class Lease:
     request_id: str
     block_ids: tuple[tuple[int, ...], ...]   # per group: exactly what the decoder may read
     num_tokens: int
+    prompt_digest: bytes = b""                # connector.lease_view.prompt_digest of those tokens
     expiry: float
     state: LeaseState = LeaseState.HELD
 
@@ -44,8 +45,9 @@ class LeaseTable:
         self._done: OrderedDict[str, LeaseState] = OrderedDict()
         self.num_expired = 0
 
-    def add(self, request_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int) -> Lease:
-        lease = Lease(request_id=request_id, block_ids=block_ids, num_tokens=num_tokens,
+    def add(self, request_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int,
+            prompt_digest: bytes = b"") -> Lease:
+        lease = Lease(request_id=request_id, block_ids=block_ids, num_tokens=num_tokens, prompt_digest=prompt_digest,
                       expiry=self.clock() + self.lease_seconds)
         with self._lock:
             self._held[request_id] = lease

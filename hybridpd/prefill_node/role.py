@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from hybridpd.connector.lease_view import prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.connector.params import RemotePrefillParams
 from hybridpd.connector.spans import needed_span
@@ -53,7 +54,8 @@ class PrefillRole:
             core.kv.free(seq.request_id)
             expiry = None
         else:
-            expiry = self.leases.add(seq.request_id, block_ids, num_tokens).expiry
+            digest = prompt_digest(seq.prompt_token_ids[:num_tokens])
+            expiry = self.leases.add(seq.request_id, block_ids, num_tokens, digest).expiry
             self.metrics.lease_acquired()
         return RemotePrefillParams(
             remote_engine_id=self.engine_id,

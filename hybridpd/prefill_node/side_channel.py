@@ -18,7 +18,8 @@ class PrefillSideChannel:
     def heartbeat(self, request_id: str) -> LeaseView:
         """Renews the lease; raises LookupError saying why not (expired, already released, never held)."""
         lease = self._role.heartbeat(request_id)
-        return LeaseView(expiry=lease.expiry, block_ids=lease.block_ids, num_tokens=lease.num_tokens)
+        return LeaseView(expiry=lease.expiry, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
+                         prompt_digest=lease.prompt_digest)
 
     def release(self, request_id: str, aborted: bool) -> bool:
         return self._role.release(request_id, aborted)
