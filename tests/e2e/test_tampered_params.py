@@ -187,3 +187,16 @@ def test_side_channel_port_that_nobody_listens_on_fails_fast_naming_it(nodes):
     assert code == 502, answer
     assert f"127.0.0.1:{closed}" in error_message(answer) and "unreachable" in error_message(answer), answer
     assert_clean(prefill, decode)  # the prefill node's own lease ends by expiry
+
+
+def test_a_live_lease_cannot_be_read_for_another_prompt(nodes):
+    """Request A's own params (live lease, right ids) sent with prompt B of the same length: the lease is tied
+    to A's tokens (the heartbeat carries their digest), so B never gets A's KV."""
+    prefill, decode = nodes
+    body_a = completion(prompt("digest A"))
+    body_b = completion(prompt("digest B"))
+    assert len(body_a["prompt"]) == len(body_b["prompt"])
+    params_a = remote_prefill(prefill, body_a)
+    code, answer = _decode(decode, body_b, params_a)
+    assert code == 502 and "prefilled for another prompt" in error_message(answer), answer
+    assert_clean(prefill, decode)
