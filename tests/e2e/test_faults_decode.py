@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hybridpd.engine.model.presets import write_checkpoint
-from tests.e2e.test_faults_common import (
+from tests.e2e.faults import (
     NODE_ARGS,
     REQUEST_TIMEOUT_S,
     NodeSlot,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hybridpd.engine.model.presets import write_checkpoint
-from tests.e2e.test_faults_common import (
+from tests.e2e.faults import (
     NODE_ARGS,
     NodeSlot,
     ProxyProcess,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from hybridpd.engine.model.presets import write_checkpoint
 from tests.e2e.nodes import NodeProcess, free_port
-from tests.e2e.test_faults_common import (
+from tests.e2e.faults import (
     NodeSlot,
     ProxyProcess,
     assert_clean,

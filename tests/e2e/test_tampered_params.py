@@ -17,7 +17,7 @@ import pytest
 
 from hybridpd.engine.model.presets import write_checkpoint
 from tests.e2e.nodes import free_port
-from tests.e2e.test_faults_common import (
+from tests.e2e.faults import (
     NODE_ARGS,
     NodeSlot,
     assert_clean,
