@@ -18,7 +18,7 @@ from hybridpd.connector.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
-from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec, group_layers
+from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig, LayerKind
 from hybridpd.engine.model.loader import load_model
@@ -106,18 +106,16 @@ class LLMEngine:
 
     def _block_counts(self) -> tuple[int, ...]:
         cache, seqs = self.config.cache, self.config.scheduler.max_num_seqs
+        mode = cache.mamba_cache_mode if cache.enable_prefix_caching else MambaCacheMode.NONE
         if cache.num_blocks is not None:
-            return blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs)
-        return blocks_for_memory(self.groups, cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, max_num_seqs=seqs)
+            return blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs, mamba_cache_mode=mode)
+        memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        return blocks_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode)
 
     def set_remote(self, loader: RemoteKVLoader, hold_handler: HoldHandler, decode_skip_mamba_align: bool) -> None:
         self.scheduler.loader = loader
         self.hold_handler = hold_handler
         self.decode_skip_mamba_align = decode_skip_mamba_align
-
-    @property
-    def has_mamba_groups(self) -> bool:
-        return any(isinstance(g.spec, MambaSpec) for g in self.groups)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
