@@ -121,9 +121,10 @@ class FakeTransport:
         self._states[handle] = state
         return state
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int) -> bool:
         self._reads.pop(handle, None)
         self._states.pop(handle, None)
+        return True
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         notifs, self._inbox = self._inbox, []

@@ -174,20 +174,25 @@ class NixlTransport:
             self._done[handle] = state
         return state
 
-    def release(self, handle: int) -> None:
-        """Frees the handle; a READ still in flight is cancelled (its local blocks hold undefined bytes)."""
+    def release(self, handle: int) -> bool:
+        """Frees the handle; a READ still in flight is cancelled (its local blocks hold undefined bytes). False
+        when NIXL refuses to cancel it: the handle stays pollable until the READ ends."""
+        xfer = self._xfers.get(handle)
+        if xfer is not None and not self._release_xfer(xfer):
+            return False
         self._done.pop(handle, None)
-        xfer = self._xfers.pop(handle, None)
-        if xfer is not None:
-            self._release_xfer(xfer)
+        self._xfers.pop(handle, None)
+        return True
 
-    def _release_xfer(self, xfer: _Xfer) -> None:
+    def _release_xfer(self, xfer: _Xfer) -> bool:
         if xfer.handle is None:
-            return
+            return True
         try:
             xfer.handle.release()
-        except Exception as e:  # an in-flight READ that cannot be cancelled: NIXL keeps it until teardown
+        except Exception as e:  # an in-flight READ that cannot be cancelled
             log.warning("transport: releasing a READ from %s: %s: %s", xfer.peer_name, type(e).__name__, e)
+            return False
+        return True
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """Also drives this agent's progress (see the module docstring): call it every few ms on a source."""

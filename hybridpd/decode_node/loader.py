@@ -59,6 +59,7 @@ class DecodeRole:
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
         self._peers: dict[tuple[str, int], str] = {}   # side channel address -> transport name of its engine
         self._tasks: set[asyncio.Task] = set()
+        self._stuck: set[str] = set()   # requests whose abandoned READ may still write into their blocks
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
@@ -104,6 +105,9 @@ class DecodeRole:
                 await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True), 2.0)
             except Exception:  # the peer may be gone; its lease then expires by itself
                 pass
+        if job.request_id in self._stuck:  # fail it now; its blocks are freed once the stuck READ has stopped
+            self.engine.call_soon(lambda: self.engine.engine.fail(job.request_id, error))
+            return
         recompute = self.config.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
         self.engine.call_soon(lambda: self.engine.engine.fail_load(job.request_id, error, recompute=recompute))
 
@@ -165,16 +169,34 @@ class DecodeRole:
         try:
             await self._wait_read(handle, client, params, lease.expiry)
         finally:
-            self.transport.release(handle)
+            if not self.transport.release(handle):
+                self._keep_blocks_until_stopped(job.request_id, handle)
         seconds = time.perf_counter() - started
         if not await client.release(params.remote_request_id, aborted=False):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
         self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
 
+    def _keep_blocks_until_stopped(self, request_id: str, handle: int) -> None:
+        """A READ we gave up on (timeout, cancel) could not be cancelled: it may still write into the request's
+        blocks, so they stay allocated until it has stopped; only then does the engine free them."""
+        self._stuck.add(request_id)
+
+        async def drain() -> None:
+            while self.transport.poll(handle) not in (TransferState.DONE, TransferState.FAILED):
+                await asyncio.sleep(_POLL_MAX_S)
+            self.transport.release(handle)
+            self._stuck.discard(request_id)
+            self.engine.call_soon(lambda: self.engine.engine.scheduler.finish_load(request_id, ok=False))
+
+        task = self._loop.create_task(drain())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _wait_read(self, handle: int, client: SideChannelClient, params: RemotePrefillParams,
                          expiry: float) -> None:
-        """Poll the READ to its end (it writes into our blocks, so it is never abandoned half-way), renewing the
-        lease whenever half of its remaining time has passed."""
+        """Poll the READ to its end, renewing the lease whenever half of its remaining time has passed. If the
+        pull's deadline cancels this wait, `_pull` cancels the READ or, failing that, keeps the blocks until it
+        stops (see `_keep_blocks_until_stopped`)."""
         delay = _POLL_FIRST_S
         renew_at = time.time() + (expiry - time.time()) / 2
         while True:
