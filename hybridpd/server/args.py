@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--seed", type=int, default=0)
 
     pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--kv-host", default=None,
+                    help="address the side channel binds and that decoders are told to reach (default: --host); "
+                         "set it to this host's routable address when --host is 0.0.0.0")
     pd.add_argument("--kv-port", type=int, default=0,
                     help=f"gRPC side-channel port (0 = HTTP port + {KV_PORT_OFFSET})")
     pd.add_argument("--kv-lease-seconds", type=float, default=60.0)
@@ -148,7 +151,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")
         kv_transfer = KVTransferConfig(
-            kv_host=args.host,
+            kv_host=args.kv_host or args.host,
             kv_port=kv_port,
             lease_seconds=args.kv_lease_seconds,
             load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
