@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     except BadArgumentsError as exc:
         print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 2
-    confine_transport(configs.server.host)
+    confine_transport(configs.kv_transfer.kv_host)
     try:
         return asyncio.run(Node(configs).run())
     except (ValueError, FileNotFoundError) as exc:  # a checkpoint or cache configuration that cannot work

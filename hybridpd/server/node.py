@@ -57,7 +57,7 @@ class Node:
         engine = AsyncEngine(core, cfg.server.served_model_name)
         engine.start()
 
-        transport = NixlTransport(self.engine_id, progress_thread=cfg.server.host not in LOOPBACK)
+        transport = NixlTransport(self.engine_id, progress_thread=cfg.kv_transfer.kv_host not in LOOPBACK)
         transport.register(core.storage.tensors)
         fields = compat_fields(model=model_identity(cfg.engine.model_dir), dtype=cfg.engine.dtype, groups=core.groups)
         hash_ = compat_hash(fields)
