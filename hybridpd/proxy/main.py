@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from aiohttp import web
 
+from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 
@@ -31,10 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds without a byte from the decode node before the call fails")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node")
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for one node's GET /health")
-    token = parser.add_mutually_exclusive_group()
-    token.add_argument("--cluster-token", default=None,
-                       help="sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry kv_transfer_params")
-    token.add_argument("--cluster-token-file", type=Path, default=None, help="read the cluster token from a file")
+    add_token_arguments(parser, "sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry "
+                                "kv_transfer_params")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -46,15 +44,6 @@ def _upstreams(role: Role, hosts: list[str], ports: list[int]) -> tuple[Upstream
             f"one to one (give a host for every port)"
         )
     return tuple(Upstream(role=role, host=host, port=port) for host, port in zip(hosts, ports))
-
-
-def _cluster_token(args: argparse.Namespace) -> str | None:
-    if args.cluster_token_file is None:
-        return args.cluster_token
-    try:
-        return args.cluster_token_file.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read --cluster-token-file {args.cluster_token_file}: {exc.strerror}") from exc
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -69,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_timeout=args.decode_timeout,
         connect_timeout=args.connect_timeout,
         health_timeout=args.health_timeout,
-        cluster_token=_cluster_token(args),
+        cluster_token=read_token(args),
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.config import (
     CacheConfig,
     EngineConfig,
@@ -98,18 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-load-timeout", type=float, default=30.0)
     pd.add_argument("--no-decode-skip-mamba-align", dest="decode_skip_mamba_align", action="store_false",
                     help="(debug) let Mamba groups limit the decode side's local prefix hit")
-    token = pd.add_mutually_exclusive_group()
-    token.add_argument("--cluster-token", default=None, help="shared secret for the side channel and KV requests")
-    token.add_argument("--cluster-token-file", type=Path, default=None)
-
-
-def _cluster_token(args: argparse.Namespace) -> str | None:
-    if args.cluster_token_file is None:
-        return args.cluster_token
-    try:
-        return args.cluster_token_file.read_text().strip()
-    except OSError as exc:
-        raise BadArgumentsError(f"--cluster-token-file: cannot read {args.cluster_token_file}: {exc.strerror}") from exc
+    add_token_arguments(pd, "shared secret for the side channel and KV requests")
 
 
 def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], Path]) -> NodeConfigs:
@@ -140,7 +130,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 max_model_len=args.max_model_len,
             ),
         )
-        cluster_token = _cluster_token(args)
+        cluster_token = read_token(args)
         server = ServerConfig(
             host=args.host,
             port=args.port,
