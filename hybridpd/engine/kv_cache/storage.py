@@ -34,6 +34,9 @@ class KVCacheStorage:
         self._slots = {
             layer: LayerSlot(gid, i) for gid, g in enumerate(groups) for i, layer in enumerate(g.layer_ids)
         }
+        # Views are built once per layer: `tensors` never changes identity, so a view can never go stale.
+        self._attention_views: dict[int, torch.Tensor] = {}
+        self._mamba_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def slot(self, layer_id: int) -> LayerSlot:
         return self._slots[layer_id]
@@ -45,6 +48,12 @@ class KVCacheStorage:
 
     def attention_view(self, layer_id: int) -> torch.Tensor:
         """(num_blocks, 2, block_size, num_kv_heads, head_size) view of one attention layer (0 = K, 1 = V)."""
+        view = self._attention_views.get(layer_id)
+        if view is None:
+            view = self._attention_views[layer_id] = self._build_attention_view(layer_id)
+        return view
+
+    def _build_attention_view(self, layer_id: int) -> torch.Tensor:
         spec = self.groups[self._slots[layer_id].group_id].spec
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"layer {layer_id} is not an attention layer")
@@ -55,6 +64,12 @@ class KVCacheStorage:
 
     def mamba_views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_blocks, *conv_state_shape) and (num_blocks, *ssm_state_shape) views of one Mamba layer."""
+        views = self._mamba_views.get(layer_id)
+        if views is None:
+            views = self._mamba_views[layer_id] = self._build_mamba_views(layer_id)
+        return views
+
+    def _build_mamba_views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.groups[self._slots[layer_id].group_id].spec
         if not isinstance(spec, MambaSpec):
             raise TypeError(f"layer {layer_id} is not a Mamba layer")

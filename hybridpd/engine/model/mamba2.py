@@ -90,6 +90,14 @@ class Mamba2Mixer(nn.Module):
         C = C.reshape(*lead, self.heads, self.d_state)
         return xs.unflatten(-1, (self.heads, self.head_dim)), B, C
 
+    def _split_xbc_grouped(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[..., conv_dim] -> x [..., H, P], B and C [..., G, N] (per group, as `chunked_scan` takes them)."""
+        xs, B, C = conv_out.float().split(
+            [self.intermediate, self.groups * self.d_state, self.groups * self.d_state], dim=-1
+        )
+        grouped = (self.groups, self.d_state)
+        return xs.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, grouped), C.unflatten(-1, grouped)
+
     def _prefill(
         self, lay: MambaPrefillLayout, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
         conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
@@ -101,7 +109,7 @@ class Mamba2Mixer(nn.Module):
         conv_out = F.conv1d(inputs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
         conv_rows = F.silu(conv_out.transpose(1, 2)).reshape(-1, self.conv_dim)  # [P * n_max, conv_dim]
         conv_rows = torch.cat([conv_rows, conv_rows.new_zeros(1, self.conv_dim)])
-        xs, B, C = self._split_xbc(conv_rows[lay.scan_index])  # [P, L, ...]
+        xs, B, C = self._split_xbc_grouped(conv_rows[lay.scan_index])  # [P, L, ...]
         dt_scan = torch.cat([dt, dt.new_zeros(1, self.heads)])[lay.dt_index]
         initial = ssm_cache.index_select(0, lay.slots).float()
         initial = torch.where(lay.resumed[:, None, None, None], initial, torch.zeros((), dtype=initial.dtype))

@@ -36,29 +36,39 @@ def chunked_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scan S sequences at once, each already laid out on whole chunks aligned to absolute positions.
 
-    x [S, L, H, P], dt [S, L, H] (after softplus/clamp; 0 on padding), A [H] (negative), B/C [S, L, H, N]
-    (already per head), initial_state [S, H, P, N]: the state at position 0 of each row. L is a multiple of
-    `chunk_size`. All float32. Returns y [S, L, H, P] (without the D skip) and the states at every chunk
-    boundary [S, L / chunk_size + 1, H, P, N] ([k] = the state after k chunks). Padding (dt = 0, x = 0) leaves
-    the state as it is, so trailing padding chunks repeat the last real boundary state.
+    x [S, L, H, P], dt [S, L, H] (after softplus/clamp; 0 on padding), A [H] (negative), B/C [S, L, G, N] per
+    group (head h belongs to group h // (H / G)), initial_state [S, H, P, N]: the state at position 0 of each
+    row. L is a multiple of `chunk_size`. All float32. Returns y [S, L, H, P] (without the D skip) and the states
+    at every chunk boundary [S, L / chunk_size + 1, H, P, N] ([k] = the state after k chunks). Padding (dt = 0,
+    x = 0) leaves the state as it is, so trailing padding chunks repeat the last real boundary state.
+
+    B and C stay per group: every product that involves them is taken per group (C.B, B x, C state) and the
+    per-head decays are applied to the other factor, so nothing is expanded to heads.
     """
     seqs, length, heads, head_dim = x.shape
-    d_state = B.shape[-1]
+    groups, d_state = B.shape[-2], B.shape[-1]
+    per_group = heads // groups
     chunks = length // chunk_size
     xdt = (x * dt[..., None]).view(seqs, chunks, chunk_size, heads, head_dim)
-    B = B.reshape(seqs, chunks, chunk_size, heads, d_state)
-    C = C.reshape(seqs, chunks, chunk_size, heads, d_state)
+    B = B.reshape(seqs, chunks, chunk_size, groups, d_state)
+    C = C.reshape(seqs, chunks, chunk_size, groups, d_state)
     a = (dt * A).view(seqs, chunks, chunk_size, heads).transpose(2, 3)  # [S, c, H, l]
     a_cum = torch.cumsum(a, dim=-1)
 
     # Diagonal blocks: y[l] += sum_{s <= l} (C_l . B_s) exp(a[s+1..l]) xdt_s
     decay = torch.exp(_segment_sums(a))  # [S, c, H, l, s]
-    scores = torch.einsum("bclhn,bcshn->bchls", C, B) * decay
+    cb = torch.einsum("bclgn,bcsgn->bcgls", C, B)  # [S, c, G, l, s]
+    scores = (decay.view(seqs, chunks, groups, per_group, chunk_size, chunk_size) * cb[:, :, :, None]).view(
+        seqs, chunks, heads, chunk_size, chunk_size
+    )
     y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
 
     # Each chunk's own contribution to the state at its end.
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [S, c, H, l]
-    chunk_states = torch.einsum("bclhn,bclhp->bchpn", B * to_end.transpose(2, 3)[..., None], xdt)
+    weighted = (xdt * to_end.transpose(2, 3)[..., None]).reshape(seqs, chunks, chunk_size, groups, per_group, head_dim)
+    chunk_states = torch.einsum("bclgn,bclgjp->bcgjpn", B, weighted).reshape(
+        seqs, chunks, heads, head_dim, d_state
+    )
 
     # States at every boundary: boundary k = sum_j exp(total[j..k-1]) * contribution_j (j = 0 is the initial state).
     totals = F.pad(a_cum[..., -1].transpose(1, 2), (1, 0))  # [S, H, c + 1], totals[:, :, k] = decay of chunk k - 1
@@ -66,9 +76,10 @@ def chunked_scan(
     contributions = torch.cat([initial_state[:, None], chunk_states], dim=1)  # [S, c + 1, H, P, N]
     boundary = torch.einsum("bhkj,bjhpn->bkhpn", carry, contributions)
 
-    # Off-diagonal: the state entering chunk c, decayed to each position and read out by C.
-    C_in = C * torch.exp(a_cum).transpose(2, 3)[..., None]
-    y = y + torch.einsum("bclhn,bchpn->bclhp", C_in, boundary[:, :-1])
+    # Off-diagonal: the state entering chunk c, read out by C and decayed to each position.
+    entering = boundary[:, :-1].reshape(seqs, chunks, groups, per_group, head_dim, d_state)
+    y_in = torch.einsum("bclgn,bcgjpn->bclgjp", C, entering).reshape(seqs, chunks, chunk_size, heads, head_dim)
+    y = y + y_in * torch.exp(a_cum).transpose(2, 3)[..., None]
     return y.reshape(seqs, length, heads, head_dim), boundary
 
 
@@ -78,5 +89,6 @@ def recurrent_step_(
     """Batched single step, updating `state` in place. state [S, H, P, N], x [S, H, P], dt [S, H], A [H],
     B/C [S, H, N] -> y [S, H, P]."""
     decay = torch.exp(dt * A[None, :])[..., None, None]
-    state.mul_(decay).add_((dt[..., None] * x)[..., None] * B[:, :, None, :])
-    return torch.matmul(state, C[..., None])[..., 0]
+    state.mul_(decay).addcmul_((dt[..., None] * x)[..., None], B[:, :, None, :])
+    # A multiply-and-sum, not a matmul: a batch of [P, N] @ [N] matvecs is slow through BLAS.
+    return (state * C[:, :, None, :]).sum(-1)
