@@ -126,19 +126,26 @@ class Mamba2Mixer(nn.Module):
         self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
     ) -> torch.Tensor:
         """One recurrent step for the decode rows (xbc [S, conv_dim], dt [S, H]) -> y [S, intermediate] float32.
-        Slots are read and written with whole-row gathers (`index_select` / `index_copy_` over dim 0), and the
-        state is updated in place in its gathered copy."""
-        conv_prev = conv_cache.index_select(0, d.slots).to(xbc.dtype)  # [S, d_conv - 1, C]
-        window = torch.cat([conv_prev, xbc[:, None, :]], dim=1)  # [S, d_conv, C]
+        When the slots form a progression (`d.slot_slice`), the states are updated in place in the cache (a
+        strided view); otherwise they are read and written with whole-row gathers (`index_select` /
+        `index_copy_` over dim 0) and updated in place in the gathered copy."""
+        in_place = d.slot_slice is not None and ssm_cache.dtype == torch.float32
+        if in_place:
+            conv_prev, state = conv_cache[d.slot_slice], ssm_cache[d.slot_slice]
+        else:
+            conv_prev, state = conv_cache.index_select(0, d.slots), ssm_cache.index_select(0, d.slots).float()
+        window = torch.cat([conv_prev.to(xbc.dtype), xbc[:, None, :]], dim=1)  # [S, d_conv, C]
         conv_out = (window * self.conv1d.weight[:, 0, :].T).sum(1)
         if self.conv1d.bias is not None:
             conv_out = conv_out + self.conv1d.bias
         xs, B, C = self._split_xbc(F.silu(conv_out))
         A = -torch.exp(self.A_log.float())
-        state = ssm_cache.index_select(0, d.slots).float()
         out = recurrent_step_(state, xs, dt, A, B, C)
-        conv_cache.index_copy_(0, d.slots, window[:, 1:].to(conv_cache.dtype))
-        ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
+        if in_place:
+            conv_prev.copy_(window[:, 1:])
+        else:
+            conv_cache.index_copy_(0, d.slots, window[:, 1:].to(conv_cache.dtype))
+            ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
         for index, slot in d.saves:
             conv_cache[slot] = conv_cache[d.slots[index]]
             ssm_cache[slot] = ssm_cache[d.slots[index]]

@@ -53,6 +53,17 @@ class MambaDecode:
     rows: torch.Tensor   # [Sd] rows of T
     slots: torch.Tensor  # [Sd] running state slots
     saves: tuple[tuple[int, int], ...]  # (index into rows, slot): copy that row's new state to slot
+    # When the slots are an ascending arithmetic progression (the usual case: slots taken in admission order),
+    # the slice that selects exactly them, in order: a view, so the states are updated where they are.
+    slot_slice: slice | None = None
+
+
+def _progression(values: list[int]) -> slice | None:
+    """The slice `s` with `range(...)[s] == values` if `values` is ascending with one constant step, else None."""
+    step = values[1] - values[0] if len(values) > 1 else 1
+    if step < 1 or any(b - a != step for a, b in zip(values, values[1:])):
+        return None
+    return slice(values[0], values[-1] + 1, step)
 
 
 @dataclass(frozen=True)
@@ -166,7 +177,8 @@ def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -
     decode = None
     if decode_rows:
         decode = MambaDecode(
-            rows=torch.tensor(decode_rows), slots=torch.tensor(decode_slots), saves=tuple(decode_saves)
+            rows=torch.tensor(decode_rows), slots=torch.tensor(decode_slots), saves=tuple(decode_saves),
+            slot_slice=_progression(decode_slots),
         )
     prefill = build_prefill_layout(prefills, batch.input_ids.shape[0], chunk_size, conv_width) if prefills else None
     return MambaGroupMeta(decode=decode, prefill=prefill)
