@@ -2,7 +2,8 @@
 
 Each step first writes the new rows' K/V (after RoPE) into the cache at
 `(block_tables[g][pos // block_size], pos % block_size)`, then every query reads its keys back from the cache:
-`[0, pos]` for full attention, `(pos - W, pos]` for a window.
+`[0, pos]` for full attention, `(pos - W, pos]` for a window. Sequences with nothing computed before this step
+read their keys straight from this step's K/V instead, batched when they have the same length.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class Attention(nn.Module):
         cache[meta.write_blocks, 0, meta.write_offsets] = k.to(cache.dtype)
         cache[meta.write_blocks, 1, meta.write_offsets] = v.to(cache.dtype)
 
-        only_decode = meta.decode is not None and not meta.prefills  # then the decode rows are all rows, in order
+        # Only decode rows: then they are all rows, in order.
+        only_decode = meta.decode is not None and not meta.prefills and not meta.fresh
         out = None if only_decode else torch.empty(rows, self.num_heads * self.head_dim, dtype=x.dtype)
         if meta.decode is not None:
             d = meta.decode
@@ -91,6 +93,15 @@ class Attention(nn.Module):
             if only_decode:
                 return self.o_proj(att)
             out[d.rows] = att
+        for run in meta.fresh:
+            rows_of_run = slice(run.row_start, run.row_start + run.num_seqs * run.num_rows)
+            shape = (run.num_seqs, run.num_rows, -1, self.head_dim)
+            att = F.scaled_dot_product_attention(
+                q[rows_of_run].reshape(shape).transpose(1, 2), k[rows_of_run].reshape(shape).transpose(1, 2),
+                v[rows_of_run].reshape(shape).transpose(1, 2), attn_mask=run.visible,
+                is_causal=run.visible is None, scale=self.scale, enable_gqa=True,
+            )
+            out[rows_of_run] = att.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         for p in meta.prefills:
             k_seq, v_seq = self._read_blocks(cache, p.blocks, 1)
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)

@@ -41,11 +41,25 @@ class AttentionPrefill:
 
 
 @dataclass(frozen=True)
+class FreshPrefillRun:
+    """`num_seqs` consecutive sequences with nothing computed yet and `num_rows` new rows each, rows
+    [row_start, row_start + num_seqs * num_rows): their keys are exactly their own new rows, so attention reads
+    this step's K/V directly (no cache read) in one batched call. `visible` [n, n] (bool) for a window, None for
+    full attention (causal)."""
+
+    row_start: int
+    num_seqs: int
+    num_rows: int
+    visible: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class AttentionGroupMeta:
     write_blocks: torch.Tensor   # [T] where each new row's K/V goes
     write_offsets: torch.Tensor  # [T]
     decode: AttentionDecode | None
-    prefills: tuple[AttentionPrefill, ...]
+    prefills: tuple[AttentionPrefill, ...]  # sequences that read earlier keys from the cache
+    fresh: tuple[FreshPrefillRun, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,7 @@ def _attention_meta(
     decode_rows: list[int] = []
     decode_seqs: list[SeqEntry] = []
     prefills = []
+    fresh: list[list[int]] = []  # [row_start, num_seqs, num_rows] runs
     for row_start, s in zip(batch.row_starts, batch.seqs):
         table = s.block_tables[g]
         if s.num_new == 1:
@@ -107,14 +122,30 @@ def _attention_meta(
         for logical in range(s.num_computed // block_size, (s.end - 1) // block_size + 1):
             rows_in_block = min(s.end, (logical + 1) * block_size) - max(s.num_computed, logical * block_size)
             write_blocks.extend([table[logical]] * rows_in_block)
-        prefills.append(_attention_prefill(row_start, s, table, block_size, window))
+        if s.num_computed > 0:
+            prefills.append(_attention_prefill(row_start, s, table, block_size, window))
+        elif fresh and fresh[-1][2] == s.num_new and fresh[-1][0] + fresh[-1][1] * s.num_new == row_start:
+            fresh[-1][1] += 1
+        else:
+            fresh.append([row_start, 1, s.num_new])
     decode = None
     if decode_rows:
         decode = _attention_decode(decode_rows, decode_seqs, g, block_size, window, dtype)
     return AttentionGroupMeta(
         write_blocks=torch.tensor(write_blocks, dtype=torch.long), write_offsets=batch.positions % block_size,
         decode=decode, prefills=tuple(prefills),
+        fresh=tuple(
+            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, visible=_band(n, window)) for r, k, n in fresh
+        ),
     )
+
+
+def _band(n: int, window: int | None) -> torch.Tensor | None:
+    """[n, n] visibility of queries 0..n-1 over keys 0..n-1 in a window; None (causal) for full attention."""
+    if window is None:
+        return None
+    queries, keys = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (keys <= queries) & (keys > queries - window)
 
 
 def _first_visible(position: int, window: int | None) -> int:
