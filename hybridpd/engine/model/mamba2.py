@@ -108,15 +108,22 @@ class Mamba2Mixer(nn.Module):
         inputs = source[lay.conv_index]  # [P, width + n_max, conv_dim]; inputs[i, j] = token c_i - width + j
         conv_out = F.conv1d(inputs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
         conv_rows = F.silu(conv_out.transpose(1, 2)).reshape(-1, self.conv_dim)  # [P * n_max, conv_dim]
-        conv_rows = torch.cat([conv_rows, conv_rows.new_zeros(1, self.conv_dim)])
-        xs, B, C = self._split_xbc_grouped(conv_rows[lay.scan_index])  # [P, L, ...]
-        dt_scan = torch.cat([dt, dt.new_zeros(1, self.heads)])[lay.dt_index]
+        if lay.aligned:
+            xs, B, C = self._split_xbc_grouped(conv_rows.view(lay.num_seqs, -1, self.conv_dim))
+            dt_scan = dt.view(lay.num_seqs, -1, self.heads)
+        else:
+            conv_rows = torch.cat([conv_rows, conv_rows.new_zeros(1, self.conv_dim)])
+            xs, B, C = self._split_xbc_grouped(conv_rows[lay.scan_index])  # [P, L, ...]
+            dt_scan = torch.cat([dt, dt.new_zeros(1, self.heads)])[lay.dt_index]
         initial = ssm_cache.index_select(0, lay.slots).float()
         initial = torch.where(lay.resumed[:, None, None, None], initial, torch.zeros((), dtype=initial.dtype))
         A = -torch.exp(self.A_log.float())
         scan_y, boundary = chunked_scan(xs, dt_scan, A, B, C, initial, self.chunk_size)
         scan_y = (scan_y + self.D.float()[None, None, :, None] * xs).reshape(-1, self.intermediate)
-        y[lay.out_rows] = scan_y.index_select(0, lay.out_index)
+        if lay.aligned:
+            y.copy_(scan_y)
+        else:
+            y[lay.out_rows] = scan_y.index_select(0, lay.out_index)
         states = boundary.reshape(-1, *self.ssm_state_shape).index_select(0, lay.state_index)
         ssm_cache.index_copy_(0, lay.save_slots, states.to(ssm_cache.dtype))
         conv_states = inputs.reshape(-1, self.conv_dim)[lay.conv_save_index]  # [V, width, conv_dim]

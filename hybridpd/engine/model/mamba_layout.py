@@ -40,6 +40,10 @@ class MambaPrefillLayout:
     state_index: torch.Tensor     # [V] rows of the flattened boundary states to store
     conv_save_index: torch.Tensor  # [V, K - 1] rows of the flattened X to store as conv states
     save_slots: torch.Tensor      # [V] where: the saves asked for, then each sequence's running slot
+    # True when the layouts are the identity: the step is these sequences only, in order, each with n_max rows
+    # starting on a chunk boundary, and n_max a multiple of chunk_size. Then the conv output rows ARE the scan
+    # layout, dt needs no gather and the scan output rows are the step's rows.
+    aligned: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +93,11 @@ def build_prefill_layout(
             entry = (i * (chunks + 1) + k, list(range(first_input, first_input + conv_width)), slot)
             (running if num_tokens == end and slot == s.slot else saves).append(entry)
     entries = saves + running
+    aligned = (
+        length == max_rows and num_step_rows == num * max_rows
+        and all(f == 0 and s.num_rows == max_rows and s.row_start == i * max_rows
+                for i, (f, s) in enumerate(zip(fronts, seqs)))
+    )
     return MambaPrefillLayout(
         num_seqs=num,
         max_rows=max_rows,
@@ -103,4 +112,5 @@ def build_prefill_layout(
         state_index=torch.tensor([e[0] for e in entries], dtype=torch.long),
         conv_save_index=torch.tensor([e[1] for e in entries], dtype=torch.long).view(len(entries), conv_width),
         save_slots=torch.tensor([e[2] for e in entries], dtype=torch.long),
+        aligned=aligned,
     )
