@@ -49,26 +49,27 @@ def chunked_scan(
     groups, d_state = B.shape[-2], B.shape[-1]
     per_group = heads // groups
     chunks = length // chunk_size
-    xdt = (x * dt[..., None]).view(seqs, chunks, chunk_size, heads, head_dim)
-    B = B.reshape(seqs, chunks, chunk_size, groups, d_state)
-    C = C.reshape(seqs, chunks, chunk_size, groups, d_state)
+    # Working layout [S, c, H, l, P]: per (sequence, chunk, head) plain matrices, so every product is a matmul
+    # with a contiguous output. B and C stay per group [S, c, G, 1, l, N] and broadcast over the group's heads.
+    xdt = (x * dt[..., None]).view(seqs, chunks, chunk_size, heads, head_dim).transpose(2, 3).contiguous()
+    B = B.reshape(seqs, chunks, chunk_size, groups, d_state).transpose(2, 3)[:, :, :, None]
+    C = C.reshape(seqs, chunks, chunk_size, groups, d_state).transpose(2, 3)[:, :, :, None]
     a = (dt * A).view(seqs, chunks, chunk_size, heads).transpose(2, 3)  # [S, c, H, l]
     a_cum = torch.cumsum(a, dim=-1)
 
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        """[S, c, H, ...] -> [S, c, G, H / G, ...]."""
+        return t.view(seqs, chunks, groups, per_group, *t.shape[3:])
+
     # Diagonal blocks: y[l] += sum_{s <= l} (C_l . B_s) exp(a[s+1..l]) xdt_s
     decay = torch.exp(_segment_sums(a))  # [S, c, H, l, s]
-    cb = torch.einsum("bclgn,bcsgn->bcgls", C, B)  # [S, c, G, l, s]
-    scores = (decay.view(seqs, chunks, groups, per_group, chunk_size, chunk_size) * cb[:, :, :, None]).view(
-        seqs, chunks, heads, chunk_size, chunk_size
-    )
-    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+    scores = by_group(decay).mul_(torch.matmul(C, B.transpose(-1, -2)))  # [S, c, G, H / G, l, s]
+    y = torch.matmul(scores.view(seqs, chunks, heads, chunk_size, chunk_size), xdt)  # [S, c, H, l, P]
 
-    # Each chunk's own contribution to the state at its end.
+    # Each chunk's own contribution to the state at its end: sum_l exp(a[l+1..end]) xdt_l B_l^T.
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [S, c, H, l]
-    weighted = (xdt * to_end.transpose(2, 3)[..., None]).reshape(seqs, chunks, chunk_size, groups, per_group, head_dim)
-    chunk_states = torch.einsum("bclgn,bclgjp->bcgjpn", B, weighted).reshape(
-        seqs, chunks, heads, head_dim, d_state
-    )
+    weighted = by_group(xdt * to_end[..., None]).transpose(-1, -2)  # [S, c, G, H / G, P, l]
+    chunk_states = torch.matmul(weighted, B).view(seqs, chunks, heads, head_dim, d_state)
 
     # States at every boundary: boundary k = sum_j exp(total[j..k-1]) * contribution_j (j = 0 is the initial state).
     totals = F.pad(a_cum[..., -1].transpose(1, 2), (1, 0))  # [S, H, c + 1], totals[:, :, k] = decay of chunk k - 1
@@ -76,11 +77,11 @@ def chunked_scan(
     contributions = torch.cat([initial_state[:, None], chunk_states], dim=1)  # [S, c + 1, H, P, N]
     boundary = torch.einsum("bhkj,bjhpn->bkhpn", carry, contributions)
 
-    # Off-diagonal: the state entering chunk c, read out by C and decayed to each position.
-    entering = boundary[:, :-1].reshape(seqs, chunks, groups, per_group, head_dim, d_state)
-    y_in = torch.einsum("bclgn,bcgjpn->bclgjp", C, entering).reshape(seqs, chunks, chunk_size, heads, head_dim)
-    y = y + y_in * torch.exp(a_cum).transpose(2, 3)[..., None]
-    return y.reshape(seqs, length, heads, head_dim), boundary
+    # Off-diagonal: the state entering each chunk, read out by C and decayed to each position.
+    entering = by_group(boundary[:, :-1]).transpose(-1, -2)  # [S, c, G, H / G, N, P]
+    y_in = torch.matmul(C, entering).view(seqs, chunks, heads, chunk_size, head_dim)
+    y.addcmul_(y_in, torch.exp(a_cum)[..., None])
+    return y.transpose(2, 3).reshape(seqs, length, heads, head_dim), boundary
 
 
 def recurrent_step_(
