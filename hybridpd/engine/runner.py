@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
+from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
 from hybridpd.engine.model.hybrid_lm import HybridLM
 from hybridpd.engine.sampling import SampledToken, sample
 from hybridpd.engine.scheduler import SchedulerPlan
@@ -49,10 +49,10 @@ class ModelRunner:
                 )
             )
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            input_ids=int64_tensor(input_ids),
+            positions=int64_tensor(positions),
             seqs=tuple(entries),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            logits_indices=int64_tensor(logits_rows),
         )
 
     def _copy_hit_states(self, plan: SchedulerPlan) -> None:

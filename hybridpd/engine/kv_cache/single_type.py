@@ -52,6 +52,8 @@ class GroupPlan:
 
     def free_blocks_needed(self, pool: BlockPool) -> int:
         """Free-queue blocks this plan needs (saves excluded: they are best effort)."""
+        if not self.append and self.copy_from is None:  # the usual decode step: nothing new to hold
+            return 0
         return self.append.count(FRESH) + pool.free_blocks_consumed(self.touched)
 
 
@@ -97,11 +99,12 @@ class SingleTypeManager(abc.ABC):
         """What this call needs; reads the pool, changes nothing."""
 
     def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
-        self.pool.touch(plan.touched)   # before allocating, so that no touched block is evicted
-        fresh = iter(self.pool.allocate(plan.append.count(FRESH)))
         table = self._tables.setdefault(request_id, [])
         self._num_hashed.setdefault(request_id, 0)
-        table.extend(next(fresh) if b == FRESH else b for b in plan.append)
+        if plan.append or plan.copy_from is not None:  # else nothing to touch or allocate (most decode steps)
+            self.pool.touch(plan.touched)   # before allocating, so that no touched block is evicted
+            fresh = iter(self.pool.allocate(plan.append.count(FRESH)))
+            table.extend(next(fresh) if b == FRESH else b for b in plan.append)
         return GroupStep(table=tuple(table), mamba=None, load=tuple((i, table[i]) for i in plan.load))
 
     def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:

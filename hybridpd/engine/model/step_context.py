@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
-from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
+from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout, PrefillSeq, build_prefill_layout
 
 
@@ -132,7 +132,7 @@ def _attention_meta(
     if decode_rows:
         decode = _attention_decode(decode_rows, decode_seqs, g, block_size, window, dtype)
     return AttentionGroupMeta(
-        write_blocks=torch.tensor(write_blocks, dtype=torch.long), write_offsets=batch.positions % block_size,
+        write_blocks=int64_tensor(write_blocks), write_offsets=batch.positions % block_size,
         decode=decode, prefills=tuple(prefills),
         fresh=tuple(
             FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, visible=_band(n, window)) for r, k, n in fresh
@@ -162,7 +162,7 @@ def _attention_prefill(
     visible = keys[None, :] <= queries[:, None]
     if window is not None:
         visible &= keys[None, :] > queries[:, None] - window
-    blocks = torch.tensor(table[first_block : last_block + 1], dtype=torch.long)
+    blocks = int64_tensor(table[first_block : last_block + 1])
     return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=visible)
 
 
@@ -179,13 +179,16 @@ def _attention_decode(
         table = s.block_tables[g]
         blocks.extend(table[first : last + 1])
         blocks.extend([table[last]] * (num_blocks - (last - first + 1)))
-    first_key = torch.tensor([first * block_size for first, _ in spans])
-    keys = first_key[:, None] + torch.arange(num_blocks * block_size)[None, :]
-    current = torch.tensor([s.num_computed for s in seqs])
-    visible = (keys <= current[:, None]) & (keys >= torch.tensor(firsts)[:, None])
-    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    # Key l of row s is visible iff lo_s <= l <= hi_s (offsets from the row's first block).
+    bounds = torch.tensor([
+        [f - first * block_size for f, (first, _) in zip(firsts, spans)],
+        [s.num_computed - first * block_size for s, (first, _) in zip(seqs, spans)],
+    ])
+    keys = torch.arange(num_blocks * block_size)
+    visible = (keys >= bounds[0, :, None]) & (keys <= bounds[1, :, None])
+    bias = torch.zeros((), dtype=dtype).masked_fill(~visible, float("-inf"))
     return AttentionDecode(
-        rows=torch.tensor(rows), blocks=torch.tensor(blocks, dtype=torch.long), bias=bias[:, None, None, :]
+        rows=int64_tensor(rows), blocks=int64_tensor(blocks), bias=bias[:, None, None, :]
     )
 
 
@@ -208,7 +211,7 @@ def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -
     decode = None
     if decode_rows:
         decode = MambaDecode(
-            rows=torch.tensor(decode_rows), slots=torch.tensor(decode_slots), saves=tuple(decode_saves),
+            rows=int64_tensor(decode_rows), slots=int64_tensor(decode_slots), saves=tuple(decode_saves),
             slot_slice=_progression(decode_slots),
         )
     prefill = build_prefill_layout(prefills, batch.input_ids.shape[0], chunk_size, conv_width) if prefills else None
