@@ -31,6 +31,7 @@ class KVCacheManager:
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g))
             for g, pool in zip(groups, self._pools)
         )
+        self._block_sizes = tuple(sorted({m.block_size for m in self._managers}))  # one hash chain per size
         order = sorted(range(len(groups)), key=lambda i: self._managers[i].search_order)
         self._all_groups = tuple(order)
         self._remote_groups = tuple(i for i in order if self._managers[i].decides_remote_hit)
@@ -49,7 +50,8 @@ class KVCacheManager:
         store = self._hashes.get(req.request_id)
         if store is None:
             store = self._hashes[req.request_id] = RequestBlockHashes(req.cache_salt)
-        return [store.chain(m.block_size, req.all_token_ids) for m in self._managers]
+        by_size = {size: store.chain(size, req.all_token_ids) for size in self._block_sizes}
+        return [by_size[m.block_size] for m in self._managers]
 
     # --- the request lifecycle ---
     def get_computed_blocks(self, req: CacheRequest) -> CacheHit:
