@@ -59,14 +59,15 @@ class RotaryEmbedding:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        """[T] positions -> cos and the *signed* sin, both [T, 1, head_dim] (broadcast over heads):
+        cos = (cos f, cos f), sin = (-sin f, sin f), the sign of `rotate_half` folded in (see `apply`)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = freqs.sin()
+        cos = freqs.cos().repeat(1, 2)
+        return cos.to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """x: [T, heads, head_dim]; `x * cos + rotate_half(x) * sin` with rotate_half(x) = (-x2, x1), computed as
+        `roll(x) * signed_sin` where roll(x) = (x2, x1)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
