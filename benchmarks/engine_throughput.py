@@ -158,9 +158,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of ours, interleaved with slices of theirs")
     parser.add_argument("--skip-transformers", action="store_true", help="only measure ours (for profiling)")
-    parser.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's default trim/mmap thresholds")
+    parser.add_argument("--malloc-tuning", action="store_true",
+                        help="raise glibc's trim/mmap thresholds for the whole process (both sides)")
     args = parser.parse_args()
-    malloc_tuned = False if args.no_malloc_tuning else tune_malloc()
+    malloc_tuned = tune_malloc() if args.malloc_tuning else False
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
