@@ -98,6 +98,20 @@ class Mamba2Mixer(nn.Module):
         grouped = (self.groups, self.d_state)
         return xs.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, grouped), C.unflatten(-1, grouped)
 
+    def _causal_conv(self, inputs: torch.Tensor) -> torch.Tensor:
+        """silu(depthwise causal conv): inputs [P, d_conv - 1 + n, C] -> [P * n, C], output j from inputs j..j+K-1.
+
+        d_conv shifted multiply-adds in the [P, n, C] layout: no transposes to and from conv1d's channel-first
+        layout, which cost more than the convolution itself at these sizes."""
+        n = inputs.shape[1] - (self.d_conv - 1)
+        weight = self.conv1d.weight[:, 0, :].T  # [K, C]
+        out = inputs[:, :n] * weight[0]
+        for k in range(1, self.d_conv):
+            out.addcmul_(inputs[:, k : k + n], weight[k])
+        if self.conv1d.bias is not None:
+            out.add_(self.conv1d.bias)
+        return F.silu(out, inplace=True).view(-1, self.conv_dim)
+
     def _prefill(
         self, lay: MambaPrefillLayout, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
         conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
@@ -106,8 +120,7 @@ class Mamba2Mixer(nn.Module):
         prev = conv_cache.index_select(0, lay.slots).to(xbc.dtype).reshape(-1, self.conv_dim)
         source = torch.cat([xbc, prev, xbc.new_zeros(1, self.conv_dim)])
         inputs = source[lay.conv_index]  # [P, width + n_max, conv_dim]; inputs[i, j] = token c_i - width + j
-        conv_out = F.conv1d(inputs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        conv_rows = F.silu(conv_out.transpose(1, 2)).reshape(-1, self.conv_dim)  # [P * n_max, conv_dim]
+        conv_rows = self._causal_conv(inputs)  # [P * n_max, conv_dim]
         if lay.aligned:
             xs, B, C = self._split_xbc_grouped(conv_rows.view(lay.num_seqs, -1, self.conv_dim))
             dt_scan = dt.view(lay.num_seqs, -1, self.heads)
