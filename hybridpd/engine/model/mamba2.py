@@ -117,9 +117,15 @@ class Mamba2Mixer(nn.Module):
         conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
     ) -> None:
         """All prefill sequences at once, in the layouts of mamba_layout.py."""
-        prev = conv_cache.index_select(0, lay.slots).to(xbc.dtype).reshape(-1, self.conv_dim)
-        source = torch.cat([xbc, prev, xbc.new_zeros(1, self.conv_dim)])
-        inputs = source[lay.conv_index]  # [P, width + n_max, conv_dim]; inputs[i, j] = token c_i - width + j
+        prev = conv_cache.index_select(0, lay.slots).to(xbc.dtype)  # [P, width, conv_dim]
+        if lay.aligned:  # the new rows are [P, n_max] as they are: copy them once behind the previous inputs
+            width = self.d_conv - 1
+            inputs = xbc.new_empty(lay.num_seqs, width + lay.max_rows, self.conv_dim)
+            inputs[:, width:] = xbc.view(lay.num_seqs, lay.max_rows, self.conv_dim)
+            torch.where(lay.resumed[:, None, None], prev, torch.zeros((), dtype=prev.dtype), out=inputs[:, :width])
+        else:
+            source = torch.cat([xbc, prev.reshape(-1, self.conv_dim), xbc.new_zeros(1, self.conv_dim)])
+            inputs = source[lay.conv_index]  # [P, width + n_max, conv_dim]; inputs[i, j] = token c_i - width + j
         conv_rows = self._causal_conv(inputs)  # [P * n_max, conv_dim]
         if lay.aligned:
             xs, B, C = self._split_xbc_grouped(conv_rows.view(lay.num_seqs, -1, self.conv_dim))
