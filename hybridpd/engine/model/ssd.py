@@ -13,7 +13,6 @@ back-padded the same way (up to the longest sequence of the batch; the caller la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -71,11 +70,13 @@ def chunked_scan(
     weighted = by_group(xdt * to_end[..., None]).transpose(-1, -2)  # [S, c, G, H / G, P, l]
     chunk_states = torch.matmul(weighted, B).view(seqs, chunks, heads, head_dim, d_state)
 
-    # States at every boundary: boundary k = sum_j exp(total[j..k-1]) * contribution_j (j = 0 is the initial state).
-    totals = F.pad(a_cum[..., -1].transpose(1, 2), (1, 0))  # [S, H, c + 1], totals[:, :, k] = decay of chunk k - 1
-    carry = torch.exp(_segment_sums(totals))  # [S, H, c + 1, c + 1]
-    contributions = torch.cat([initial_state[:, None], chunk_states], dim=1)  # [S, c + 1, H, P, N]
-    boundary = torch.einsum("bhkj,bjhpn->bkhpn", carry, contributions)
+    # States at every boundary, chunk by chunk: boundary k + 1 = exp(total decay of chunk k) * boundary k + chunk k's
+    # own contribution (boundary 0 is the initial state). A few in-place steps; no [c + 1, c + 1] mixing matrix.
+    chunk_decay = torch.exp(a_cum[..., -1])[..., None, None]  # [S, c, H, 1, 1]
+    boundary = x.new_empty(seqs, chunks + 1, heads, head_dim, d_state)
+    boundary[:, 0] = initial_state
+    for k in range(chunks):
+        torch.addcmul(chunk_states[:, k], boundary[:, k], chunk_decay[:, k], out=boundary[:, k + 1])
 
     # Off-diagonal: the state entering each chunk, read out by C and decayed to each position.
     entering = by_group(boundary[:, :-1]).transpose(-1, -2)  # [S, c, G, H / G, N, P]
