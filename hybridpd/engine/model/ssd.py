@@ -79,9 +79,9 @@ def chunked_scan(
         torch.addcmul(chunk_states[:, k], boundary[:, k], chunk_decay[:, k], out=boundary[:, k + 1])
 
     # Off-diagonal: the state entering each chunk, read out by C and decayed to each position.
-    entering = by_group(boundary[:, :-1]).transpose(-1, -2)  # [S, c, G, H / G, N, P]
-    y_in = torch.matmul(C, entering).view(seqs, chunks, heads, chunk_size, head_dim)
-    y.addcmul_(y_in, torch.exp(a_cum)[..., None])
+    # Taken transposed ([P, N] @ [N, l]), so that the states are read in place rather than copied transposed.
+    y_in_t = torch.matmul(by_group(boundary[:, :-1]), C.transpose(-1, -2))  # [S, c, G, H / G, P, l]
+    y.addcmul_(y_in_t.view(seqs, chunks, heads, head_dim, chunk_size).transpose(-1, -2), torch.exp(a_cum)[..., None])
     return y.transpose(2, 3).reshape(seqs, length, heads, head_dim), boundary
 
 
