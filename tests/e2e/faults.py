@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.nodes import NodeProcess, assert_blocks_free, free_port, start_node
+from tests.e2e.nodes import NodeProcess, assert_blocks_free, free_port, kill, start_node, terminate
 
 WAIT_S = 60.0          # generous: several engineers' tests share 2 cores
 REQUEST_TIMEOUT_S = 90.0
@@ -211,18 +211,10 @@ class ProxyProcess:
             return status, raw.decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        kill(self.proc)
 
 
 def start_proxy(prefill: NodeProcess, decode: NodeProcess, log_dir: Path, *, port: int | None = None,

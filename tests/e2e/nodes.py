@@ -19,6 +19,23 @@ from pathlib import Path
 STARTUP_TIMEOUT_S = 120.0
 
 
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited after a grace."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,18 +87,10 @@ class NodeProcess:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        kill(self.proc)
 
 
 def start_node(model_dir: Path, log_dir: Path, args: Sequence[str] = (), *, name: str = "node") -> NodeProcess:
