@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hybridpd.config import SchedulerConfig
-from hybridpd.engine.kv_cache.coordinator import KVCacheManager, StepBlocks
+from hybridpd.engine.kv_cache.coordinator import CacheHit, KVCacheManager, StepBlocks
 from hybridpd.engine.request import FinishReason, RequestStatus
 from hybridpd.engine.sequence import Sequence
 
@@ -135,12 +135,17 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
         while self.loaded and len(self.running) < self.config.max_num_seqs:
             self.running.append(self.loaded.popleft())
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        if not preempted:  # blocks are short: admitting more now would only preempt again
+            self._admit_waiting(budget, scheduled)
+        return SchedulerPlan(tuple(scheduled), tuple(preempted))
 
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[Sequence]) -> int:
+        """Give every running request its next tokens, preempting from the tail when blocks run out."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -158,47 +163,54 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new, blocks))
             budget -= num_new
             i += 1
+        return budget
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+        """Admit waiting requests in order while the budget, `max_num_seqs` and free blocks allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.remote_prefill is not None and self.loader is None:
                 self._drop_remote_prefill(seq)  # nothing can pull it: prefill here, with a hit every group serves
             hit = self.kv.get_computed_blocks(seq)
-            if seq.remote_prefill is not None and self.loader is not None:
-                external = seq.num_prompt_tokens - 1 - hit.num_tokens
-                blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external)
-                if blocks is None:
-                    break
-                self.waiting.popleft()
-                seq.num_cached_tokens = hit.num_tokens
-                seq.num_computed_tokens = hit.num_tokens
-                seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                self.loading[seq.request_id] = seq
-                self.loader.start_load(seq, hit.num_tokens, blocks)
+            if seq.remote_prefill is not None:
+                if not self._start_remote_load(seq, hit):
+                    return
                 continue
-            seq.num_computed_tokens = hit.num_tokens
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0:  # a prefill-role request with a 1-token prompt: nothing to compute here
-                blocks = self.kv.allocate_slots(seq, 0, hit)
-                if blocks is None:
-                    break
-                self.waiting.popleft()
-                seq.status = RequestStatus.RUNNING
-                scheduled.append(ScheduledSeq(seq, 0, blocks))
-                self.running.append(seq)
-                continue
-            blocks = self.kv.allocate_slots(seq, num_new, hit)
-            if blocks is None:
-                seq.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = hit.num_tokens
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new, blocks))
-            budget -= num_new
-        return SchedulerPlan(tuple(scheduled), tuple(preempted))
+            item = self._admit_local(seq, hit, budget)
+            if item is None:
+                return
+            scheduled.append(item)
+            budget -= item.num_new_tokens
+
+    def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
+        """Allocate for the remotely prefilled prompt (all but its last token) and hand it to the loader."""
+        external = seq.num_prompt_tokens - 1 - hit.num_tokens
+        blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external)
+        if blocks is None:
+            return False
+        self.waiting.popleft()
+        seq.num_cached_tokens = hit.num_tokens
+        seq.num_computed_tokens = hit.num_tokens
+        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[seq.request_id] = seq
+        assert self.loader is not None
+        self.loader.start_load(seq, hit.num_tokens, blocks)
+        return True
+
+    def _admit_local(self, seq: Sequence, hit: CacheHit, budget: int) -> ScheduledSeq | None:
+        """Start prefilling `seq` after its hit (no tokens at all for a prefill-role one-token prompt)."""
+        seq.num_computed_tokens = hit.num_tokens
+        num_new = self._num_new_tokens(seq, budget)
+        blocks = self.kv.allocate_slots(seq, num_new, hit)
+        if blocks is None:
+            seq.num_computed_tokens = 0
+            return None
+        self.waiting.popleft()
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit.num_tokens
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        return ScheduledSeq(seq, num_new, blocks)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.compute_target - seq.num_computed_tokens
