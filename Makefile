@@ -21,8 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# Tests marked slow (none today: the soak and two-host tests fit `make test`'s budget); exit 5 = none selected.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow tests
+	$(BIN)/python -m pytest -q -m slow tests || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) build *.egg-info
