@@ -4,9 +4,8 @@ Both sides run the default preset's checkpoint (written into a temporary directo
 the same torch thread count. Ours: every request is added to one `LLMEngine`, then `step()` runs while it has
 work (continuous batching: one batched prefill, then batched decode steps). Theirs: `GraniteMoeHybridForCausalLM`
 (transformers' default attention implementation, KV/Mamba cache on) runs `generate` on one prompt after the
-other, greedy, exactly `output_len` new tokens. The two extension keys are patched in as in
-tests/oracle/reference.py, but the window patch here also works with a cache (the band mask is built for the
-query positions past the cached ones), because `generate` decodes with one.
+other, greedy, exactly `output_len` new tokens. It is loaded by tests/oracle/reference.py (the oracle tests'
+reference, with the two extension keys patched in; its window mask also works with `generate`'s cache).
 
 The runs are interleaved (ours, a third of theirs, ours, ...) so that other load on the machine falls on both;
 ours is the median of its runs (wall clock). Last line: JSON with `ratio` = ours / theirs (output tokens/s, wall
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import sys
 import json
 import tempfile
 import time
@@ -27,14 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-from torch import nn
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.model.presets import DEFAULT_PRESET, write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
+from tests.oracle.reference import load_reference  # noqa: E402
 
 
 # glibc's mallopt parameters (malloc.h).
@@ -89,52 +90,6 @@ def run_ours(model_dir: Path, prompts: list[tuple[int, ...]], output_len: int, t
     return Run(tokens=sum(len(o) for o in ordered), wall=wall, cpu=cpu, outputs=ordered)
 
 
-def _patch_window(attn: nn.Module, window: int) -> None:
-    """Band mask (query i sees key j iff i - window < j <= i) for a forward whose queries follow the cached keys."""
-    original = attn.forward
-
-    def forward(hidden_states, attention_mask, past_key_values=None, **kwargs):
-        n = hidden_states.shape[1]
-        past = past_key_values.get_seq_length(attn.layer_idx) if past_key_values is not None else 0
-        queries = torch.arange(past, past + n)[:, None]
-        keys = torch.arange(past + n)[None, :]
-        visible = (keys <= queries) & (keys > queries - window)
-        mask = torch.zeros(visible.shape, dtype=hidden_states.dtype).masked_fill(
-            ~visible, torch.finfo(hidden_states.dtype).min
-        )
-        return original(hidden_states, mask[None, None], past_key_values=past_key_values, **kwargs)
-
-    attn.forward = forward
-
-
-def load_transformers(model_dir: Path):
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    raw = json.loads((model_dir / "config.json").read_text())
-    config = GraniteMoeHybridConfig.from_pretrained(model_dir)
-    model = GraniteMoeHybridForCausalLM(config).float().eval()
-    layers = config.num_hidden_layers
-    kv_heads = raw.get("kv_heads_per_layer") or [None] * layers
-    windows = raw.get("sliding_window_per_layer") or [None] * layers
-    for layer, kv, window in zip(model.model.layers, kv_heads, windows):
-        attn = layer.self_attn
-        if attn is None:
-            continue
-        if kv is not None:
-            attn.k_proj = nn.Linear(config.hidden_size, kv * attn.head_dim, bias=config.attention_bias)
-            attn.v_proj = nn.Linear(config.hidden_size, kv * attn.head_dim, bias=config.attention_bias)
-            attn.num_key_value_groups = config.num_attention_heads // kv
-        if window is not None:
-            _patch_window(attn, window)
-    weights = load_file(str(model_dir / "model.safetensors"))
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"transformers load: missing {missing}, unexpected {unexpected}")
-    return model
-
-
 @torch.inference_mode()
 def run_transformers(model, prompts: list[tuple[int, ...]], output_len: int) -> Run:
     outputs = []
@@ -171,7 +126,7 @@ def main() -> None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = make_prompts(args.num_requests, args.prompt_len, min(vocab, 256), args.seed)
         run_ours(model_dir, prompts[:2], 4, args.threads)  # warm-up
-        reference = None if args.skip_transformers else load_transformers(model_dir)
+        reference = None if args.skip_transformers else load_reference(model_dir, eager=False)
         # Interleaved (ours, then a slice of theirs, ...) so that load from elsewhere on the machine falls on
         # both sides alike; ours is the median of its runs, theirs the sum over its slices.
         ours: list[Run] = []

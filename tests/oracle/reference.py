@@ -4,8 +4,9 @@ transformers knows neither extension key, so this module patches the reference m
 - `kv_heads_per_layer`: that layer's `k_proj`/`v_proj` are rebuilt with the layer's KV-head count (before the
   weights are loaded, so the checkpoint's tensors must fit them) and its `num_key_value_groups` is set;
 - `sliding_window_per_layer`: that layer's attention gets a band mask (query i sees key j iff i - W < j <= i)
-  instead of the causal one.
-Use it without a cache: `reference_logits` runs one full forward over the whole token sequence (float32, eager).
+  instead of the causal one; the mask accounts for cached keys, so `generate` works too.
+`reference_logits` runs one full forward over the whole token sequence (float32, eager); the throughput
+benchmark loads the same model with transformers' default attention and runs `generate`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from torch import nn
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 
-def _band_mask(length: int, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, length, length] mask: 0 where i - window < j <= i, the dtype's minimum elsewhere."""
-    i = torch.arange(length)[:, None]
-    j = torch.arange(length)[None, :]
+def _band_mask(past: int, length: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, length, past + length] mask for queries at positions past.. over keys 0..past+length-1:
+    0 where i - window < j <= i, the dtype's minimum elsewhere."""
+    i = torch.arange(past, past + length)[:, None]
+    j = torch.arange(past + length)[None, :]
     visible = (j <= i) & (j > i - window)
-    mask = torch.zeros(length, length, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
     return mask[None, None]
 
 
@@ -32,10 +34,9 @@ def _patch_window(attn: nn.Module, window: int) -> None:
     original = attn.forward
 
     def forward(hidden_states, attention_mask, past_key_values=None, **kwargs):
-        if past_key_values is not None:
-            raise ValueError("the patched reference supports full forwards only (use_cache=False)")
-        mask = _band_mask(hidden_states.shape[1], window, hidden_states.dtype)
-        return original(hidden_states, mask, past_key_values=None, **kwargs)
+        past = past_key_values.get_seq_length(attn.layer_idx) if past_key_values is not None else 0
+        mask = _band_mask(past, hidden_states.shape[1], window, hidden_states.dtype)
+        return original(hidden_states, mask, past_key_values=past_key_values, **kwargs)
 
     attn.forward = forward
 
@@ -47,11 +48,13 @@ def _patch_kv_heads(attn: nn.Module, kv_heads: int, config: GraniteMoeHybridConf
     attn.num_key_value_groups = config.num_attention_heads // kv_heads
 
 
-def load_reference(model_dir: Path) -> GraniteMoeHybridForCausalLM:
+def load_reference(model_dir: Path, *, eager: bool = True) -> GraniteMoeHybridForCausalLM:
+    """`eager=False` keeps transformers' default attention implementation (for speed comparisons)."""
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     config = GraniteMoeHybridConfig.from_pretrained(model_dir)
-    config._attn_implementation = "eager"
+    if eager:
+        config._attn_implementation = "eager"
     model = GraniteMoeHybridForCausalLM(config).float().eval()
 
     num_layers = config.num_hidden_layers
