@@ -80,12 +80,6 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.loading) + len(self.loaded)
 
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting, *self.loaded, *self.loading.values()):
-            if seq.request_id == request_id:
-                return seq
-        return None
-
     def finish(self, seq: Sequence, reason: FinishReason, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Take `seq` out of every queue and give its blocks back (a prefill-role hold is released elsewhere)."""
         for queue in (self.running, self.waiting, self.loaded):
