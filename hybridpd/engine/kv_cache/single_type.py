@@ -99,13 +99,16 @@ class SingleTypeManager(abc.ABC):
         """What this call needs; reads the pool, changes nothing."""
 
     def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
-        table = self._tables.setdefault(request_id, [])
-        self._num_hashed.setdefault(request_id, 0)
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = []
+            self._num_hashed[request_id] = 0
         if plan.append or plan.copy_from is not None:  # else nothing to touch or allocate (most decode steps)
             self.pool.touch(plan.touched)   # before allocating, so that no touched block is evicted
             fresh = iter(self.pool.allocate(plan.append.count(FRESH)))
             table.extend(next(fresh) if b == FRESH else b for b in plan.append)
-        return GroupStep(table=tuple(table), mamba=None, load=tuple((i, table[i]) for i in plan.load))
+        load = tuple((i, table[i]) for i in plan.load) if plan.load else ()
+        return GroupStep(table=tuple(table), mamba=None, load=load)
 
     def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
         """Offer the newly full, computed blocks to the prefix cache."""

@@ -87,10 +87,12 @@ class SlidingWindowManager(SingleTypeManager):
             return
         start = self._first_live.get(request_id, 0)
         upto = min(self.first_visible_block(num_computed), len(table))
+        if upto <= start:  # the window has not left another block behind (most steps)
+            return
         released = [table[i] for i in range(start, upto) if table[i] != NULL_BLOCK_ID]
-        table[start:upto] = [NULL_BLOCK_ID] * max(0, upto - start)
+        table[start:upto] = [NULL_BLOCK_ID] * (upto - start)
         self.pool.free(released)
-        self._first_live[request_id] = max(start, upto)
+        self._first_live[request_id] = upto
 
     def free(self, request_id: str) -> None:
         self._first_live.pop(request_id, None)
