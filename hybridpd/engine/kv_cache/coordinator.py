@@ -100,18 +100,17 @@ class KVCacheManager:
             start = self._next_start[rid]
             tokens = TokenRange(first=False, hit=0, start=start, end=start + num_new_tokens, external=False)
         chains = self._chains(req)
-        plans = [
-            m.plan(rid, hit.blocks[g] if first and hit is not None else (), tokens, chains[g])
-            for g, m in enumerate(self._managers)
-        ]
-        if any(p.free_blocks_needed(pool) > pool.num_free for p, pool in zip(plans, self._pools)):
-            return None
+        hit_blocks = hit.blocks if first and hit is not None else ((),) * len(self._managers)
+        plans = [m.plan(rid, hit_blocks[g], tokens, chains[g]) for g, m in enumerate(self._managers)]
+        for p, pool in zip(plans, self._pools):
+            if p.free_blocks_needed(pool) > pool.num_free:
+                return None
         steps = [m.apply(rid, p) for m, p in zip(self._managers, plans)]
         self._next_start[rid] = start
         return StepBlocks(
-            block_tables=tuple(s.table for s in steps),
-            mamba=tuple(s.mamba for s in steps),
-            load=tuple(s.load for s in steps),
+            block_tables=tuple([s.table for s in steps]),
+            mamba=tuple([s.mamba for s in steps]),
+            load=tuple([s.load for s in steps]),
         )
 
     def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:

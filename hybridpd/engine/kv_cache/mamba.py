@@ -68,6 +68,9 @@ class MambaManager(SingleTypeManager):
         return tuple(out)
 
     def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
+        if not (plan.append or plan.load or plan.saves) and plan.copy_from is None:  # a step inside one interval
+            slot = self._tables[request_id][0]
+            return GroupStep(table=(slot,), mamba=MambaStepOps(state_slot=slot, copy_from=None, saves=()), load=())
         step = super().apply(request_id, plan)
         (slot,) = step.table
         if plan.copy_from is not None:
