@@ -18,10 +18,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`weight * (x / rms(x))`, the normalisation in float32 and the weight applied in x's dtype."""
+        """`weight * (x / rms(x))`, the normalisation in float32 and the weight applied in x's dtype.
+
+        Spelled out rather than `F.rms_norm`, whose CPU kernel is ~8x slower on a prefill's [4096, 128]
+        (and only ~2 us faster on a decode step's [16, 128]); the result is the same to the bit."""
+        h = x.float()
+        h = h * torch.rsqrt((h * h).mean(-1, keepdim=True).add_(self.eps))
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+            return h.mul_(self.weight)
+        return self.weight * h.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

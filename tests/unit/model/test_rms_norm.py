@@ -1,0 +1,39 @@
+"""RMSNorm's spelled-out form against torch's own `F.rms_norm` (float32) and transformers' formula (bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpd.engine.model.layers import RMSNorm
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "dtype"),
+    [(1, 8, torch.float32), (16, 128, torch.float32), (4096, 128, torch.float32), (3, 64, torch.bfloat16),
+     (257, 128, torch.bfloat16)],
+)
+def test_rms_norm_matches_reference(rows: int, hidden: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(rows * hidden)
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=generator).to(dtype))
+    x = (torch.randn(rows, hidden, generator=generator) * 3).to(dtype)
+    with torch.inference_mode():
+        out = norm(x)
+    if dtype == torch.float32:
+        expected = F.rms_norm(x, (hidden,), norm.weight, 1e-5)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:  # transformers: normalise in float32, apply the weight in the input's dtype
+        h = x.float()
+        expected = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(out, expected)
+    assert out.dtype == dtype and out.shape == x.shape
+
+
+def test_rms_norm_leaves_its_input_alone() -> None:
+    x = torch.randn(4, 16)
+    before = x.clone()
+    RMSNorm(16, 1e-5, torch.float32)(x)
+    assert torch.equal(x, before)
