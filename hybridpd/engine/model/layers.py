@@ -39,11 +39,16 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = y.float() * F.silu(gate.float())
-        if self.group_size == h.shape[-1] and y.dtype == torch.float32:  # one group: the weight fuses into the norm
-            return F.rms_norm(h, (self.group_size,), self.weight, self.eps)
-        grouped = F.rms_norm(h.view(*h.shape[:-1], -1, self.group_size), (self.group_size,), eps=self.eps)
-        return self.weight * grouped.view(h.shape).to(y.dtype)
+        """The normalisation in float32; the weight applied in float32 for a float32 `y`, else in y's dtype.
+
+        Spelled out (a silu, then in-place ops on the one new tensor) rather than `F.rms_norm`, whose CPU
+        kernel is ~4x slower on a prefill's [4096, 256]; see RMSNorm."""
+        h = F.silu(gate.float()).mul_(y)
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped.mul_(torch.rsqrt((grouped * grouped).mean(-1, keepdim=True).add_(self.eps)))
+        if y.dtype == torch.float32:
+            return h.mul_(self.weight)
+        return self.weight * h.to(y.dtype)
 
 
 class DenseMLP(nn.Module):

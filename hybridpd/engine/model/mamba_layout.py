@@ -14,7 +14,7 @@ Per step and KV group (computed once, shared by that group's layers). For P pref
   `dt_index` from the step's dt rows [T] (+ one zero row).
 
 Saved states: boundary k of sequence i (the state after `c_i - front_i + k * chunk_size` tokens) is row
-i * (chunks + 1) + k of the flattened boundary states; the last boundary is the state at the step's end because
+k * P + i of the flattened boundary states (chunk-major, as `chunked_scan` returns them); the last boundary is the state at the step's end because
 trailing padding chunks repeat it. A saved conv state is the K - 1 inputs before the save point, rows of X.
 """
 
@@ -90,7 +90,7 @@ def build_prefill_layout(
                 )
             k = chunks if num_tokens == end else (num_tokens - first_boundary) // chunk_size
             first_input = i * (conv_width + max_rows) + num_tokens - s.num_computed
-            entry = (i * (chunks + 1) + k, list(range(first_input, first_input + conv_width)), slot)
+            entry = (k * num + i, list(range(first_input, first_input + conv_width)), slot)
             (running if num_tokens == end and slot == s.slot else saves).append(entry)
     entries = saves + running
     aligned = (

@@ -15,82 +15,101 @@ from __future__ import annotations
 import torch
 
 
-def _segment_sums(a: torch.Tensor) -> torch.Tensor:
-    """a [..., L] -> [..., L, L] with [i, j] = a[j+1] + ... + a[i] for j <= i, -inf above the diagonal."""
-    length = a.shape[-1]
-    cum = torch.cumsum(a, dim=-1)
-    seg = cum[..., :, None] - cum[..., None, :]
-    upper = torch.ones(length, length, dtype=torch.bool).triu(1)
-    return seg.masked_fill(upper, float("-inf"))
-
-
 def chunked_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
+    D: torch.Tensor,
     initial_state: torch.Tensor,
     chunk_size: int,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scan S sequences at once, each already laid out on whole chunks aligned to absolute positions.
 
-    x [S, L, H, P], dt [S, L, H] (after softplus/clamp; 0 on padding), A [H] (negative), B/C [S, L, G, N] per
-    group (head h belongs to group h // (H / G)), initial_state [S, H, P, N]: the state at position 0 of each
-    row. L is a multiple of `chunk_size`. All float32. Returns y [S, L, H, P] (without the D skip) and the states
-    at every chunk boundary [S, L / chunk_size + 1, H, P, N] ([k] = the state after k chunks). Padding (dt = 0,
-    x = 0) leaves the state as it is, so trailing padding chunks repeat the last real boundary state.
+    x [S, L, H, P], dt [S, L, H] (after softplus/clamp; 0 on padding), A and D [H] (A negative), B/C [S, L, G, N]
+    per group (head h belongs to group h // (H / G)), initial_state [S, H, P, N]: the state at position 0 of each
+    row. L is a multiple of `chunk_size`; the inputs may be strided views (e.g. columns of the conv output). All
+    float32. Returns y [S, L, H, P] WITH the D skip (written into `out` if given, which must be contiguous) and
+    the states at every chunk boundary, chunk-major: [L / chunk_size + 1, S, H, P, N] ([k, i] = the state of
+    row i after k chunks). Padding (dt = 0, x = 0) leaves the state as it is, so trailing padding chunks repeat
+    the last real boundary state.
 
-    B and C stay per group: every product that involves them is taken per group (C.B, B x, C state) and the
-    per-head decays are applied to the other factor, so nothing is expanded to heads.
+    The working layout is chunk-major [c, S, H, l, P]: every (chunk, sequence, head) is a plain matrix and the
+    three matmuls (diagonal blocks, chunk states, the read-out of incoming states) are single batched products
+    over ONE batch dimension c * S * H, reading their operands in place and writing contiguous outputs. The
+    chunk-major order is what lets the incoming states boundary[:-1] be such an operand without a copy, and
+    keeps the boundary recurrence on contiguous [S, H, P, N] slices. Going in and out of this layout costs one
+    elementwise pass each way, fused with work that is needed anyway (x * dt on the way in, + D x on the way out).
+    B and C stay per group: C.B is taken per group, and the per-head decays are folded into per-head copies of
+    B and C ([c, S, H, l, N], half the size of x) rather than into x.
     """
     seqs, length, heads, head_dim = x.shape
     groups, d_state = B.shape[-2], B.shape[-1]
     per_group = heads // groups
     chunks = length // chunk_size
-    # Working layout [S, c, H, l, P]: per (sequence, chunk, head) plain matrices, so every product is a matmul
-    # with a contiguous output. B and C stay per group [S, c, G, 1, l, N] and broadcast over the group's heads.
-    xdt = (x * dt[..., None]).view(seqs, chunks, chunk_size, heads, head_dim).transpose(2, 3).contiguous()
-    B = B.reshape(seqs, chunks, chunk_size, groups, d_state).transpose(2, 3)[:, :, :, None]
-    C = C.reshape(seqs, chunks, chunk_size, groups, d_state).transpose(2, 3)[:, :, :, None]
-    a = (dt * A).view(seqs, chunks, chunk_size, heads).transpose(2, 3)  # [S, c, H, l]
-    a_cum = torch.cumsum(a, dim=-1)
+
+    def chunk_major(t: torch.Tensor) -> torch.Tensor:
+        """[S, L, H, ...] -> [c, S, H, l, ...] (a view)."""
+        return t.unflatten(1, (chunks, chunk_size)).transpose(0, 1).transpose(2, 3)
 
     def by_group(t: torch.Tensor) -> torch.Tensor:
-        """[S, c, H, ...] -> [S, c, G, H / G, ...]."""
-        return t.view(seqs, chunks, groups, per_group, *t.shape[3:])
+        """[c, S, H, ...] -> [c, S, G, H / G, ...]."""
+        return t.view(chunks, seqs, groups, per_group, *t.shape[3:])
 
-    # Diagonal blocks: y[l] += sum_{s <= l} (C_l . B_s) exp(a[s+1..l]) xdt_s
-    decay = torch.exp(_segment_sums(a))  # [S, c, H, l, s]
-    scores = by_group(decay).mul_(torch.matmul(C, B.transpose(-1, -2)))  # [S, c, G, H / G, l, s]
-    y = torch.matmul(scores.view(seqs, chunks, heads, chunk_size, chunk_size), xdt)  # [S, c, H, l, P]
+    dt_c = chunk_major(dt)  # [c, S, H, l]
+    a_cum = torch.cumsum(dt_c * A[:, None], dim=-1)  # [c, S, H, l], non-increasing along l (dt >= 0, A < 0)
+    xdt = torch.mul(chunk_major(x), dt_c[..., None], out=x.new_empty(chunks, seqs, heads, chunk_size, head_dim))
+    B_c, C_c = chunk_major(B), chunk_major(C)  # [c, S, G, l, N]
 
-    # Each chunk's own contribution to the state at its end: sum_l exp(a[l+1..end]) xdt_l B_l^T.
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [S, c, H, l]
-    weighted = by_group(xdt * to_end[..., None]).transpose(-1, -2)  # [S, c, G, H / G, P, l]
-    chunk_states = torch.matmul(weighted, B).view(seqs, chunks, heads, head_dim, d_state)
+    # Diagonal blocks: y[l] = sum_{s <= l} (C_l . B_s) exp(a[s+1..l]) xdt_s. The differences a_cum[l] - a_cum[s]
+    # are <= 0 on and below the diagonal and >= 0 above it: clamping them to 0 keeps every exp finite (no -inf,
+    # which takes exp's slow path, and no overflow), and the zeros of the lower-triangular C.B mask them.
+    decay = (a_cum[..., :, None] - a_cum[..., None, :]).clamp_(max=0).exp_()  # [c, S, H, l, s]
+    by_group(decay).mul_(torch.matmul(C_c, B_c.transpose(-1, -2)).tril_()[:, :, :, None])
+    y = torch.matmul(decay, xdt)  # [c, S, H, l, P]
 
-    # States at every boundary, chunk by chunk: boundary k + 1 = exp(total decay of chunk k) * boundary k + chunk k's
-    # own contribution (boundary 0 is the initial state). A few in-place steps; no [c + 1, c + 1] mixing matrix.
-    chunk_decay = torch.exp(a_cum[..., -1])[..., None, None]  # [S, c, H, 1, 1]
-    boundary = x.new_empty(seqs, chunks + 1, heads, head_dim, d_state)
-    boundary[:, 0] = initial_state
+    # Each chunk's own contribution to the state at its end: sum_l xdt_l (exp(a[l+1..end]) B_l)^T.
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [c, S, H, l]
+    B_h = (by_group(to_end)[..., None] * B_c[:, :, :, None]).view(chunks, seqs, heads, chunk_size, d_state)
+    chunk_states = torch.matmul(xdt.transpose(-1, -2), B_h)  # [c, S, H, P, N]
+
+    # States at every boundary, chunk by chunk: boundary k + 1 = exp(total decay of chunk k) * boundary k + chunk
+    # k's own contribution. Contiguous slices; no [c + 1, c + 1] mixing matrix.
+    chunk_decay = torch.exp(a_cum[..., -1])[..., None, None]  # [c, S, H, 1, 1]
+    boundary = x.new_empty(chunks + 1, seqs, heads, head_dim, d_state)
+    boundary[0] = initial_state
     for k in range(chunks):
-        torch.addcmul(chunk_states[:, k], boundary[:, k], chunk_decay[:, k], out=boundary[:, k + 1])
+        torch.addcmul(chunk_states[k], boundary[k], chunk_decay[k], out=boundary[k + 1])
 
-    # Off-diagonal: the state entering each chunk, read out by C and decayed to each position.
-    # Taken transposed ([P, N] @ [N, l]), so that the states are read in place rather than copied transposed.
-    y_in_t = torch.matmul(by_group(boundary[:, :-1]), C.transpose(-1, -2))  # [S, c, G, H / G, P, l]
-    y.addcmul_(y_in_t.view(seqs, chunks, heads, head_dim, chunk_size).transpose(-1, -2), torch.exp(a_cum)[..., None])
-    return y.transpose(2, 3).reshape(seqs, length, heads, head_dim), boundary
+    # Off-diagonal: the state entering each chunk, read out by C decayed to each position (exp(a[1..l]) C_l),
+    # accumulated into y in place. Taken as [l, N] @ [N, P] so that the states are read transposed in place.
+    C_h = (by_group(torch.exp(a_cum))[..., None] * C_c[:, :, :, None]).view(-1, chunk_size, d_state)
+    y.view(-1, chunk_size, head_dim).baddbmm_(C_h, boundary[:-1].view(-1, head_dim, d_state).transpose(1, 2))
+
+    if out is None:
+        out = x.new_empty(seqs, length, heads, head_dim)
+    shape = (seqs, chunks, chunk_size, heads, head_dim)
+    torch.addcmul(y.permute(1, 0, 3, 2, 4), D[:, None], x.reshape(shape), out=out.view(shape))
+    return out, boundary
 
 
 def recurrent_step_(
-    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor,
 ) -> torch.Tensor:
-    """Batched single step, updating `state` in place. state [S, H, P, N], x [S, H, P], dt [S, H], A [H],
-    B/C [S, H, N] -> y [S, H, P]."""
-    decay = torch.exp(dt * A[None, :])[..., None, None]
-    state.mul_(decay).addcmul_((dt[..., None] * x)[..., None], B[:, :, None, :])
-    # A multiply-and-sum, not a matmul: a batch of [P, N] @ [N] matvecs is slow through BLAS.
-    return (state * C[:, :, None, :]).sum(-1)
+    """Batched single step, updating `state` in place. state [S, H, P, N] (each [H, P, N] contiguous), x [S, H, P],
+    dt [S, H], A and D [H], B/C [S, G, N] per group -> y [S, H, P] with the D skip.
+
+    A group's heads share B and C, so the state is taken per group as [S, G, (H / G) P, N]: B and C broadcast
+    without being expanded to heads, and the read-out y = state C is one row-vector product per (sequence,
+    group), C [1, N] @ state^T [N, (H / G) P]. That orientation matters: as state @ C (a batch of matrix-vector
+    products) BLAS is ~5x slower, and a multiply-and-sum writes and re-reads a temporary the size of the state."""
+    seqs, heads, head_dim, d_state = state.shape
+    groups = B.shape[1]
+    grouped = state.view(seqs, groups, -1, d_state)
+    state.mul_(torch.exp(dt * A)[..., None, None])
+    grouped.addcmul_((dt[..., None] * x).view(seqs, groups, -1, 1), B[:, :, None, :])
+    y = torch.matmul(C[:, :, None, :], grouped.transpose(-1, -2)).view(seqs, heads, head_dim)
+    return y.addcmul_(D[:, None], x)

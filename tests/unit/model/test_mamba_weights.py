@@ -1,0 +1,24 @@
+"""Mamba2Mixer's derived weight layouts are views of the parameters: loading a state dict cannot leave them stale."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hybridpd.engine.model.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.presets import PRESETS
+
+
+def test_conv_weight_follows_a_loaded_state_dict(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    config = HybridConfig.from_model_dir(tmp_path)
+    mixer = Mamba2Mixer(config, 0, torch.float32)
+    state = {k: torch.randn_like(v) for k, v in mixer.state_dict().items()}
+    assert "conv_weight" not in state  # not persistent: the checkpoint keeps transformers' names only
+    assert state["conv1d.weight"].shape == (mixer.conv_dim, 1, mixer.d_conv)
+    mixer.load_state_dict(state)
+    assert torch.equal(mixer.conv1d.weight, state["conv1d.weight"])
+    assert torch.equal(mixer.conv_weight, state["conv1d.weight"][:, 0, :].T)
+    assert mixer.conv_weight.is_contiguous()
