@@ -45,7 +45,9 @@ class GatedRMSNorm(nn.Module):
         kernel is ~4x slower on a prefill's [4096, 256]; see RMSNorm."""
         h = F.silu(gate.float()).mul_(y)
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        grouped.mul_(torch.rsqrt((grouped * grouped).mean(-1, keepdim=True).add_(self.eps)))
+        # sum then div_ is what mean does on CPU (the same bits), without its ~4 us of extra dispatch.
+        mean_square = (grouped * grouped).sum(-1, keepdim=True).div_(self.group_size)
+        grouped.mul_(torch.rsqrt(mean_square.add_(self.eps)))
         if y.dtype == torch.float32:
             return h.mul_(self.weight)
         return self.weight * h.to(y.dtype)

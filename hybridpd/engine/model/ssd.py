@@ -111,5 +111,7 @@ def recurrent_step_(
     grouped = state.view(seqs, groups, -1, d_state)
     state.mul_(torch.exp(dt * A)[..., None, None])
     grouped.addcmul_((dt[..., None] * x).view(seqs, groups, -1, 1), B[:, :, None, :])
-    y = torch.matmul(C[:, :, None, :], grouped.transpose(-1, -2)).view(seqs, heads, head_dim)
+    rows = seqs * groups  # one batch dimension for bmm (a view unless the slots are strided; then a copy)
+    y = torch.bmm(C.reshape(rows, 1, d_state), grouped.reshape(rows, -1, d_state).transpose(1, 2))
+    y = y.view(seqs, heads, head_dim)
     return y.addcmul_(D[:, None], x)
