@@ -64,19 +64,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
         rows = x.shape[0]
-        qk, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
-        qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        # q | k | v side by side in one row of the projection; RoPE rotates q and k in place (the projection is
+        # ours), so k and v stay adjacent and go into the cache in one write.
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if ctx.rope_cos is not None:
-            qk = RotaryEmbedding.apply(qk, ctx.rope_cos, ctx.rope_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            qk = qkv[:, : self.split[0]].view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+            RotaryEmbedding.apply_(qk, ctx.rope_cos, ctx.rope_sin)
+        q_size = self.num_heads * self.head_dim
+        q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
+        k_and_v = qkv[:, q_size:].view(rows, 2, self.num_kv_heads, self.head_dim)
+        k, v = k_and_v[:, 0], k_and_v[:, 1]
 
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, AttentionGroupMeta):
             raise TypeError(f"layer {self.layer_id} is attention but its KV group is not")
         cache = kv.attention_view(self.layer_id)  # [blocks, 2, block_size, kv_heads, head_dim]
-        cache[meta.write_blocks, 0, meta.write_offsets] = k.to(cache.dtype)
-        cache[meta.write_blocks, 1, meta.write_offsets] = v.to(cache.dtype)
+        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v.to(cache.dtype)
 
         # Only decode rows: then they are all rows, in order.
         only_decode = meta.decode is not None and not meta.prefills and not meta.fresh
@@ -96,12 +99,14 @@ class Attention(nn.Module):
         for run in meta.fresh:
             rows_of_run = slice(run.row_start, run.row_start + run.num_seqs * run.num_rows)
             shape = (run.num_seqs, run.num_rows, -1, self.head_dim)
-            att = F.scaled_dot_product_attention(
-                q[rows_of_run].reshape(shape).transpose(1, 2), k[rows_of_run].reshape(shape).transpose(1, 2),
-                v[rows_of_run].reshape(shape).transpose(1, 2), attn_mask=run.visible,
-                is_causal=run.visible is None, scale=self.scale, enable_gqa=True,
-            )
-            out[rows_of_run] = att.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
+            q_run, k_run, v_run = (t[rows_of_run].reshape(shape).transpose(1, 2) for t in (q, k, v))
+            out_run = out[rows_of_run].view(run.num_seqs, run.num_rows, self.num_heads, self.head_dim)
+            for c in run.chunks:
+                out_run[:, c.q_start : c.q_end] = F.scaled_dot_product_attention(
+                    q_run[:, :, c.q_start : c.q_end], k_run[:, :, c.k_start : c.q_end],
+                    v_run[:, :, c.k_start : c.q_end], attn_mask=c.visible, is_causal=c.visible is None,
+                    scale=self.scale, enable_gqa=True,
+                ).transpose(1, 2)
         for p in meta.prefills:
             k_seq, v_seq = self._read_blocks(cache, p.blocks, 1)
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)

@@ -74,14 +74,16 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos and the *signed* sin, both [T, 1, head_dim] (broadcast over heads):
-        cos = (cos f, cos f), sin = (-sin f, sin f), the sign of `rotate_half` folded in (see `apply`)."""
+        cos = (cos f, cos f), sin = (-sin f, sin f), the sign of `rotate_half` folded in (see `apply_`)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         sin = freqs.sin()
         cos = freqs.cos().repeat(1, 2)
         return cos.to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; `x * cos + rotate_half(x) * sin` with rotate_half(x) = (-x2, x1), computed as
-        `roll(x) * signed_sin` where roll(x) = (x2, x1)."""
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim], rotated in place: `x * cos + rotate_half(x) * sin` with rotate_half(x) =
+        (-x2, x1), computed as `roll(x) * signed_sin` where roll(x) = (x2, x1). In place, x may be a strided view
+        (the q and k columns of a fused projection), which then needs no copy out."""
+        rolled = x.roll(x.shape[-1] // 2, dims=-1)
+        return x.mul_(cos).addcmul_(rolled, sin)

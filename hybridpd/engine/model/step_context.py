@@ -41,16 +41,26 @@ class AttentionPrefill:
 
 
 @dataclass(frozen=True)
+class QueryChunk:
+    """Queries [q_start, q_end) of every sequence of a fresh run attend to keys [k_start, q_end): `visible`
+    [q_end - q_start, q_end - k_start] (bool), or None for causal with q_start == k_start == 0 (`is_causal`)."""
+
+    q_start: int
+    q_end: int
+    k_start: int
+    visible: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class FreshPrefillRun:
     """`num_seqs` consecutive sequences with nothing computed yet and `num_rows` new rows each, rows
     [row_start, row_start + num_seqs * num_rows): their keys are exactly their own new rows, so attention reads
-    this step's K/V directly (no cache read) in one batched call. `visible` [n, n] (bool) for a window, None for
-    full attention (causal)."""
+    this step's K/V directly (no cache read), one batched call per query chunk (see `_query_chunks`)."""
 
     row_start: int
     num_seqs: int
     num_rows: int
-    visible: torch.Tensor | None
+    chunks: tuple[QueryChunk, ...]
 
 
 @dataclass(frozen=True)
@@ -135,17 +145,50 @@ def _attention_meta(
         write_blocks=int64_tensor(write_blocks), write_offsets=batch.positions % block_size,
         decode=decode, prefills=tuple(prefills),
         fresh=tuple(
-            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, visible=_band(n, window)) for r, k, n in fresh
+            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, chunks=_query_chunks(n, window))
+            for r, k, n in fresh
         ),
     )
 
 
-def _band(n: int, window: int | None) -> torch.Tensor | None:
-    """[n, n] visibility of queries 0..n-1 over keys 0..n-1 in a window; None (causal) for full attention."""
-    if window is None:
-        return None
-    queries, keys = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    return (keys <= queries) & (keys > queries - window)
+# Query rows per chunk of a fresh run (see `_query_chunks`); 32 was fastest for runs of 256 rows, windows 64/160.
+QUERY_CHUNK = 32
+# torch's CPU flash kernel skips key blocks above the diagonal under `is_causal` only at its own key-block size
+# (512 keys): shorter causal runs gain from chunking, longer ones do not (measured; 1024 rows: no gain).
+CAUSAL_CHUNK_BELOW = 512
+
+
+def _query_chunks(n: int, window: int | None) -> tuple[QueryChunk, ...]:
+    """How a fresh run of n rows attends: query chunks that read only the keys some query of the chunk sees.
+
+    Why: torch's CPU flash kernel computes every (query, key) score of a call, masked or not, apart from the
+    causal skipping described at CAUSAL_CHUNK_BELOW. A window of W rows sees `chunk + W - 1` keys per chunk
+    instead of n; a causal chunk ending at row e sees e keys instead of n (half the work overall). The masks
+    depend only on n and the window, so they are built once per step and shared by the group's layers.
+    """
+    if window is None and n >= CAUSAL_CHUNK_BELOW:
+        return (QueryChunk(q_start=0, q_end=n, k_start=0, visible=None),)
+    chunks = []
+    for q_start in range(0, n, QUERY_CHUNK):
+        q_end = min(n, q_start + QUERY_CHUNK)
+        if window is None and q_start == 0:
+            chunks.append(QueryChunk(q_start=0, q_end=q_end, k_start=0, visible=None))
+            continue
+        k_start = _first_visible(q_start, window)
+        chunks.append(QueryChunk(
+            q_start=q_start, q_end=q_end, k_start=k_start,
+            visible=_visible(torch.arange(q_start, q_end), torch.arange(k_start, q_end), window),
+        ))
+    return tuple(chunks)
+
+
+def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(queries), len(keys)] bool: key position k is visible from query position q (k <= q, within the
+    window)."""
+    visible = keys[None, :] <= queries[:, None]
+    if window is not None:
+        visible &= keys[None, :] > queries[:, None] - window
+    return visible
 
 
 def _first_visible(position: int, window: int | None) -> int:
@@ -158,10 +201,7 @@ def _attention_prefill(
     first_block = _first_visible(s.num_computed, window) // block_size
     last_block = (s.end - 1) // block_size
     keys = torch.arange(first_block * block_size, (last_block + 1) * block_size)
-    queries = torch.arange(s.num_computed, s.end)
-    visible = keys[None, :] <= queries[:, None]
-    if window is not None:
-        visible &= keys[None, :] > queries[:, None] - window
+    visible = _visible(torch.arange(s.num_computed, s.end), keys, window)
     blocks = int64_tensor(table[first_block : last_block + 1])
     return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=visible)
 
@@ -170,23 +210,27 @@ def _attention_decode(
     rows: list[int], seqs: list[SeqEntry], g: int, block_size: int, window: int | None, dtype: torch.dtype
 ) -> AttentionDecode:
     """Row s reads blocks first_block_s + j for j < nb (nb = the most any row needs); block indices past the
-    row's own last block repeat it (and are masked), so they never leave the sequence's table."""
-    firsts = [_first_visible(s.num_computed, window) for s in seqs]
-    spans = [(f // block_size, s.num_computed // block_size) for f, s in zip(firsts, seqs)]
-    num_blocks = max(last - first for first, last in spans) + 1
+    row's own last block repeat it (and are masked), so they never leave the sequence's table.
+
+    Only the block lists are built per sequence in Python; the bias is a few tensor ops over all rows at once.
+    """
+    positions = [s.num_computed for s in seqs]  # the decode token's position = the key it adds
+    firsts = [_first_visible(p, window) // block_size for p in positions]
+    lasts = [p // block_size for p in positions]
+    num_blocks = max(last - first for first, last in zip(firsts, lasts)) + 1
     blocks: list[int] = []
-    for (first, last), s in zip(spans, seqs):
+    for first, last, s in zip(firsts, lasts, seqs):
         table = s.block_tables[g]
         blocks.extend(table[first : last + 1])
         blocks.extend([table[last]] * (num_blocks - (last - first + 1)))
-    # Key l of row s is visible iff lo_s <= l <= hi_s (offsets from the row's first block).
-    bounds = torch.tensor([
-        [f - first * block_size for f, (first, _) in zip(firsts, spans)],
-        [s.num_computed - first * block_size for s, (first, _) in zip(seqs, spans)],
-    ])
+    # Key l of row s sits at position first_block_s * block_size + l: hidden past the row's own position, or
+    # at/before `position - window` (l >= 0 covers the start of a window that begins at 0).
+    last_key = (int64_tensor(positions) - int64_tensor(firsts) * block_size)[:, None]
     keys = torch.arange(num_blocks * block_size)
-    visible = (keys >= bounds[0, :, None]) & (keys <= bounds[1, :, None])
-    bias = torch.zeros((), dtype=dtype).masked_fill(~visible, float("-inf"))
+    hidden = keys > last_key
+    if window is not None:
+        hidden |= keys <= last_key - window
+    bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
     return AttentionDecode(
         rows=int64_tensor(rows), blocks=int64_tensor(blocks), bias=bias[:, None, None, :]
     )
