@@ -94,7 +94,7 @@ class Attention(nn.Module):
                 q_dec, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=d.bias, scale=self.scale
             ).reshape(num, -1)
             if only_decode:
-                return self.o_proj(att)
+                return F.linear(att, self.o_proj.weight, self.o_proj.bias)
             out[d.rows] = att
         for run in meta.fresh:
             rows_of_run = slice(run.row_start, run.row_start + run.num_seqs * run.num_rows)
@@ -104,7 +104,7 @@ class Attention(nn.Module):
             for c in run.chunks:
                 out_run[:, c.q_start : c.q_end] = F.scaled_dot_product_attention(
                     q_run[:, :, c.q_start : c.q_end], k_run[:, :, c.k_start : c.q_end],
-                    v_run[:, :, c.k_start : c.q_end], attn_mask=c.visible, is_causal=c.visible is None,
+                    v_run[:, :, c.k_start : c.q_end], attn_mask=c.bias, is_causal=c.bias is None,
                     scale=self.scale, enable_gqa=True,
                 ).transpose(1, 2)
         for p in meta.prefills:
@@ -115,4 +115,4 @@ class Attention(nn.Module):
                 q_seq, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=p.visible, scale=self.scale, enable_gqa=True
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
-        return self.o_proj(out)
+        return F.linear(out, self.o_proj.weight, self.o_proj.bias)

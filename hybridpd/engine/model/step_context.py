@@ -42,13 +42,15 @@ class AttentionPrefill:
 
 @dataclass(frozen=True)
 class QueryChunk:
-    """Queries [q_start, q_end) of every sequence of a fresh run attend to keys [k_start, q_end): `visible`
-    [q_end - q_start, q_end - k_start] (bool), or None for causal with q_start == k_start == 0 (`is_causal`)."""
+    """Queries [q_start, q_end) of every sequence of a fresh run attend to keys [k_start, q_end): `bias`
+    [q_end - q_start, q_end - k_start] is 0 where a key is visible and -inf where not (an additive mask in the
+    cache's dtype, converted once here rather than by every layer's attention call), or None for causal with
+    q_start == k_start == 0 (`is_causal`)."""
 
     q_start: int
     q_end: int
     k_start: int
-    visible: torch.Tensor | None
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ def _attention_meta(
         write_blocks=int64_tensor(write_blocks), write_offsets=batch.positions % block_size,
         decode=decode, prefills=tuple(prefills),
         fresh=tuple(
-            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, chunks=_query_chunks(n, window))
+            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, chunks=_query_chunks(n, window, dtype))
             for r, k, n in fresh
         ),
     )
@@ -158,7 +160,7 @@ QUERY_CHUNK = 32
 CAUSAL_CHUNK_BELOW = 512
 
 
-def _query_chunks(n: int, window: int | None) -> tuple[QueryChunk, ...]:
+def _query_chunks(n: int, window: int | None, dtype: torch.dtype) -> tuple[QueryChunk, ...]:
     """How a fresh run of n rows attends: query chunks that read only the keys some query of the chunk sees.
 
     Why: torch's CPU flash kernel computes every (query, key) score of a call, masked or not, apart from the
@@ -167,19 +169,22 @@ def _query_chunks(n: int, window: int | None) -> tuple[QueryChunk, ...]:
     depend only on n and the window, so they are built once per step and shared by the group's layers.
     """
     if window is None and n >= CAUSAL_CHUNK_BELOW:
-        return (QueryChunk(q_start=0, q_end=n, k_start=0, visible=None),)
+        return (QueryChunk(q_start=0, q_end=n, k_start=0, bias=None),)
     chunks = []
     for q_start in range(0, n, QUERY_CHUNK):
         q_end = min(n, q_start + QUERY_CHUNK)
         if window is None and q_start == 0:
-            chunks.append(QueryChunk(q_start=0, q_end=q_end, k_start=0, visible=None))
+            chunks.append(QueryChunk(q_start=0, q_end=q_end, k_start=0, bias=None))
             continue
         k_start = _first_visible(q_start, window)
-        chunks.append(QueryChunk(
-            q_start=q_start, q_end=q_end, k_start=k_start,
-            visible=_visible(torch.arange(q_start, q_end), torch.arange(k_start, q_end), window),
-        ))
+        visible = _visible(torch.arange(q_start, q_end), torch.arange(k_start, q_end), window)
+        chunks.append(QueryChunk(q_start=q_start, q_end=q_end, k_start=k_start, bias=_additive(visible, dtype)))
     return tuple(chunks)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool visibility mask as an additive attention mask: 0 where visible, -inf where not."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -231,9 +236,7 @@ def _attention_decode(
     if window is not None:
         hidden |= keys <= last_key - window
     bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
-    return AttentionDecode(
-        rows=int64_tensor(rows), blocks=int64_tensor(blocks), bias=bias[:, None, None, :]
-    )
+    return AttentionDecode(rows=int64_tensor(rows), blocks=int64_tensor(blocks), bias=bias[:, None, None, :])
 
 
 def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:
