@@ -229,8 +229,8 @@ def _attention_decode(
         blocks.extend(table[first : last + 1])
         blocks.extend([table[last]] * (num_blocks - (last - first + 1)))
     # Key l of row s sits at position first_block_s * block_size + l: hidden past the row's own position, or
-    # at/before `position - window` (l >= 0 covers the start of a window that begins at 0).
-    last_key = (int64_tensor(positions) - int64_tensor(firsts) * block_size)[:, None]
+    # at/before `position - window` (nothing to hide below key 0 when the window reaches back past it).
+    last_key = int64_tensor([p - first * block_size for p, first in zip(positions, firsts)])[:, None]
     keys = torch.arange(num_blocks * block_size)
     hidden = keys > last_key
     if window is not None:
