@@ -3,7 +3,8 @@
 Each step first writes the new rows' K/V (after RoPE) into the cache at
 `(block_tables[g][pos // block_size], pos % block_size)`, then every query reads its keys back from the cache:
 `[0, pos]` for full attention, `(pos - W, pos]` for a window. Sequences with nothing computed before this step
-read their keys straight from this step's K/V instead, batched when they have the same length.
+read their keys straight from this step's K/V instead, batched when they have the same length, in chunks of
+queries that each read only the keys they can see (`step_context._query_chunks`).
 """
 
 from __future__ import annotations
