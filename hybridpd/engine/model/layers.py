@@ -62,8 +62,8 @@ class DenseMLP(nn.Module):
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate, inplace=True).mul_(up))  # in place: the projection is ours
+        gate, up = F.linear(x, self.input_linear.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours
 
 
 class RotaryEmbedding:

@@ -77,14 +77,18 @@ class Mamba2Mixer(nn.Module):
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
         if meta.prefill is None and meta.decode is not None:  # only decode rows: all of them, in order
             y = self._decode(meta.decode, xbc, dt, conv_cache, ssm_cache)
-            return self.out_proj(self.norm(y, gate).to(x.dtype))
+            return self._out(y, gate, x.dtype)
         y = torch.empty(x.shape[0], self.intermediate, dtype=torch.float32)
         if meta.decode is not None:
             d = meta.decode
             y[d.rows] = self._decode(d, xbc[d.rows], dt[d.rows], conv_cache, ssm_cache)
         if meta.prefill is not None:
             self._prefill(meta.prefill, xbc, dt, y, conv_cache, ssm_cache)
-        return self.out_proj(self.norm(y, gate).to(x.dtype))
+        return self._out(y, gate, x.dtype)
+
+    def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gated norm, then out_proj (as plain functions: module calls cost a few us each in a decode step)."""
+        return F.linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
 
     def _project(self, x: torch.Tensor, separate_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj -> gate [T, I], xbc [T, conv_dim], dt_raw [T, H].
@@ -95,7 +99,7 @@ class Mamba2Mixer(nn.Module):
         fused product, where the call count is what matters."""
         weight, bias = self.in_proj.weight, self.in_proj.bias
         if not separate_gate:
-            return self.in_proj(x).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
+            return F.linear(x, weight, bias).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
         gate = F.linear(x, weight[: self.intermediate], None if bias is None else bias[: self.intermediate])
         rest = F.linear(x, weight[self.intermediate :], None if bias is None else bias[self.intermediate :])
         return gate, *rest.split([self.conv_dim, self.heads], dim=-1)
