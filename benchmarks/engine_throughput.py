@@ -7,6 +7,10 @@ work (continuous batching: one batched prefill, then batched decode steps). Thei
 other, greedy, exactly `output_len` new tokens. It is loaded by tests/oracle/reference.py (the oracle tests'
 reference, with the two extension keys patched in; its window mask also works with `generate`'s cache).
 
+The process keeps the memory it frees (glibc's trim and mmap thresholds raised, hybridpd/engine/host_memory.py),
+as `hybridpd serve` does; being process-wide it applies to both sides (`--no-malloc-tuning` measures glibc's
+defaults, where both sides page-fault on memory returned to the kernel between steps).
+
 The runs are interleaved (ours, a third of theirs, ours, ...) so that other load on the machine falls on both;
 ours is the median of its runs (wall clock). Last line: JSON with `ratio` = ours / theirs (output tokens/s, wall
 clock), both figures, `ratio_cpu_time` (the same from this process's CPU time, steadier on a shared machine) and
@@ -18,7 +22,6 @@ argmax at output 51 (0.67 above the runner-up in transformers' own full forward)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -31,31 +34,13 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.host_memory import keep_freed_memory
 from hybridpd.engine.model.presets import DEFAULT_PRESET, write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
 from tests.oracle.reference import load_reference  # noqa: E402
-
-
-# glibc's mallopt parameters (malloc.h).
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-
-
-def tune_malloc() -> bool:
-    """Keep freed memory in this process (glibc): no mmap/munmap per large tensor, no page faults on reuse.
-
-    What `MALLOC_TRIM_THRESHOLD_` / `MALLOC_MMAP_THRESHOLD_` would do from the environment; it applies to the
-    whole process, so to both sides of the comparison. False where glibc's `mallopt` is not available.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
@@ -120,10 +105,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of ours, interleaved with slices of theirs")
     parser.add_argument("--skip-transformers", action="store_true", help="only measure ours (for profiling)")
-    parser.add_argument("--malloc-tuning", action="store_true",
-                        help="raise glibc's trim/mmap thresholds for the whole process (both sides)")
+    parser.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep freed memory in the process (glibc thresholds), as `hybridpd serve` does; "
+                        "it applies to the whole process, so to both sides")
     args = parser.parse_args()
-    malloc_tuned = tune_malloc() if args.malloc_tuning else False
+    malloc_tuned = keep_freed_memory() if args.malloc_tuning else False
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
