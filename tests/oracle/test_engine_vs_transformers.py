@@ -2,8 +2,8 @@
 
 At every step, each logits row the engine samples from must be within 1e-4 of the reference's logits at that
 position of the final sequence, and greedy tokens must be identical. Scenarios: one request, 8 concurrent
-requests of different lengths, chunked prefill under a small token budget, a request that hits the prefix cache
-in every group kind, and preempted-and-resumed requests.
+requests of different lengths, a prefill step of over 512 rows (oneDNN's GEMM), chunked prefill under a small
+token budget, a request that hits the prefix cache in every group kind, and preempted-and-resumed requests.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.model.linear import ONEDNN_MIN_ROWS
 from hybridpd.engine.model.presets import write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
@@ -105,6 +106,18 @@ def test_eight_concurrent_requests_of_different_lengths(tiny):
     engine = make_engine(model_dir, recorder)
     requests = {f"r{i}": prompt(10 + i, 3 + 7 * i) for i in range(8)}
     outputs = run(engine, requests, max_tokens=6)
+    check_against_reference(reference, requests, outputs, recorder)
+    assert_drained(engine)
+
+
+def test_a_prefill_step_large_enough_for_the_onednn_gemm(tiny):
+    """One step of >= ONEDNN_MIN_ROWS rows: the projections take oneDNN's GEMM instead of MKL's."""
+    model_dir, reference = tiny
+    recorder = Recorder()
+    engine = make_engine(model_dir, recorder, num_blocks=3 * 60)
+    requests = {f"big{i}": prompt(30 + i, 200 + 9 * i) for i in range(3)}
+    assert sum(map(len, requests.values())) >= ONEDNN_MIN_ROWS
+    outputs = run(engine, requests, max_tokens=4)
     check_against_reference(reference, requests, outputs, recorder)
     assert_drained(engine)
 
