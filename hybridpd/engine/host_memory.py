@@ -11,6 +11,7 @@ jemalloc, which vLLM recommends on CPU, do by design). The cost: the process kee
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -18,6 +19,15 @@ M_MMAP_THRESHOLD = -3
 
 TRIM_THRESHOLD_BYTES = 1 << 30  # free heap kept before any is returned to the kernel
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value: allocations below it come from the heap
+
+
+# Environment variables through which glibc's malloc is configured at process start; when one is set, the
+# allocator was configured on purpose (e.g. the soak test's fixed mmap threshold, so that RSS tracks live memory).
+ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def allocator_configured(environ: Mapping[str, str]) -> bool:
+    return any(name in environ for name in ALLOCATOR_VARIABLES)
 
 
 def keep_freed_memory() -> bool:

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from hybridpd.engine.host_memory import keep_freed_memory
+from hybridpd.engine.host_memory import allocator_configured, keep_freed_memory
 from hybridpd.engine.model.presets import default_model_dir
 from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
 from hybridpd.server.node import LOOPBACK, Node
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 2
     confine_transport(configs.kv_transfer.kv_host)
-    if not keep_freed_memory():
+    if not allocator_configured(os.environ) and not keep_freed_memory():
         logging.getLogger(__name__).info("mallopt unavailable: the allocator keeps its default thresholds")
     try:
         return asyncio.run(Node(configs).run())

@@ -37,6 +37,11 @@ class KVCacheManager:
         self._remote_groups = tuple(i for i in order if self._managers[i].decides_remote_hit)
         self._hashes: dict[str, RequestBlockHashes] = {}
         self._next_start: dict[str, int] = {}   # where the next call's new tokens start, per known request
+        # Quiet steps (no group allocates, caches, saves or releases anything: most decode steps) skip the
+        # per-group plans. `_quiet_blocks`: the StepBlocks such a step returns, valid until the next step that is
+        # not quiet; `_quiet_end`: the commit point of an allocated quiet step, whose commit is then a no-op.
+        self._quiet_blocks: dict[str, StepBlocks] = {}
+        self._quiet_end: dict[str, int] = {}
         self._queries = [0] * len(groups)
         self._query_tokens = [0] * len(groups)
         self._hit_tokens = [0] * len(groups)
@@ -98,7 +103,11 @@ class KVCacheManager:
                 raise ValueError(f"request {rid} already holds blocks: only its first allocate_slots takes a hit "
                                  "or external tokens")
             start = self._next_start[rid]
-            tokens = TokenRange(first=False, hit=0, start=start, end=start + num_new_tokens, external=False)
+            end = start + num_new_tokens
+            if num_new_tokens and all(m.quiet(rid, start, end) for m in self._managers):
+                self._quiet_end[rid] = end
+                return self._quiet_step_blocks(rid)
+            tokens = TokenRange(first=False, hit=0, start=start, end=end, external=False)
         chains = self._chains(req)
         hit_blocks = hit.blocks if first and hit is not None else ((),) * len(self._managers)
         plans = [m.plan(rid, hit_blocks[g], tokens, chains[g]) for g, m in enumerate(self._managers)]
@@ -107,6 +116,7 @@ class KVCacheManager:
                 return None
         steps = [m.apply(rid, p) for m, p in zip(self._managers, plans)]
         self._next_start[rid] = start
+        self._forget_quiet(rid)
         return StepBlocks(
             block_tables=tuple([s.table for s in steps]),
             mamba=tuple([s.mamba for s in steps]),
@@ -118,10 +128,26 @@ class KVCacheManager:
         rid = req.request_id
         if rid not in self._next_start:
             return
-        chains = self._chains(req)
-        for m, hashes in zip(self._managers, chains):
-            m.commit(rid, num_computed_tokens, hashes)
+        if self._quiet_end.pop(rid, None) != num_computed_tokens:  # else: the quiet step's commit, a no-op
+            chains = self._chains(req)
+            for m, hashes in zip(self._managers, chains):
+                m.commit(rid, num_computed_tokens, hashes)
+            self._quiet_blocks.pop(rid, None)
         self._next_start[rid] = max(self._next_start[rid], num_computed_tokens)
+
+    def _quiet_step_blocks(self, rid: str) -> StepBlocks:
+        blocks = self._quiet_blocks.get(rid)
+        if blocks is None:
+            blocks = self._quiet_blocks[rid] = StepBlocks(
+                block_tables=tuple([m.table(rid) for m in self._managers]),
+                mamba=tuple([m.quiet_ops(rid) for m in self._managers]),
+                load=((),) * len(self._managers),
+            )
+        return blocks
+
+    def _forget_quiet(self, rid: str) -> None:
+        self._quiet_blocks.pop(rid, None)
+        self._quiet_end.pop(rid, None)
 
     def free(self, request_id: str) -> None:
         """Everything the request holds back to the pools (cached blocks keep their hashes). Idempotent."""
@@ -129,6 +155,7 @@ class KVCacheManager:
             m.free(request_id)
         self._hashes.pop(request_id, None)
         self._next_start.pop(request_id, None)
+        self._forget_quiet(request_id)
 
     # --- views ---
     def block_table(self, request_id: str) -> tuple[tuple[int, ...], ...]:

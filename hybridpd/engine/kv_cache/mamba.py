@@ -83,6 +83,18 @@ class MambaManager(SingleTypeManager):
         ops = MambaStepOps(state_slot=slot, copy_from=plan.copy_from, saves=saves)
         return GroupStep(table=step.table, mamba=ops, load=tuple((0, slot) for _ in plan.load))
 
+    def quiet(self, request_id: str, start: int, end: int) -> bool:
+        """No interval boundary in (start, end] (so no save), no hit slot held and no save pending."""
+        b = self.block_size
+        return (
+            request_id in self._tables and (not self.caching or end // b == start // b)
+            and request_id not in self._copy_from and not self._saves.get(request_id)
+        )
+
+    def quiet_ops(self, request_id: str) -> MambaStepOps:
+        """The ops of a quiet step: the running slot, nothing to copy or save."""
+        return MambaStepOps(state_slot=self._tables[request_id][0], copy_from=None, saves=())
+
     def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
         """Saved states at or below num_computed become cached (hash, then release); the hit slot is released."""
         copied = self._copy_from.pop(request_id, None)

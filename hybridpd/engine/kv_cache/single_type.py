@@ -110,6 +110,19 @@ class SingleTypeManager(abc.ABC):
         load = tuple((i, table[i]) for i in plan.load) if plan.load else ()
         return GroupStep(table=tuple(table), mamba=None, load=load)
 
+    def quiet(self, request_id: str, start: int, end: int) -> bool:
+        """True if a later step computing tokens [start, end) needs no new block here and its commit (at `end`)
+        has nothing to do: then the request's table stays as it is (most decode steps). May say False where the
+        full path would find nothing to do; never True where it would do something."""
+        table = self._tables.get(request_id)
+        return table is not None and cdiv(end, self.block_size) <= len(table) and (
+            not self.caching or end // self.block_size <= self._num_hashed[request_id]
+        )
+
+    def quiet_ops(self, request_id: str) -> MambaStepOps | None:
+        """The Mamba ops of a quiet step (None: an attention group has none)."""
+        return None
+
     def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
         """Offer the newly full, computed blocks to the prefix cache."""
         table = self._tables.get(request_id)

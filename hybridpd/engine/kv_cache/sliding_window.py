@@ -79,6 +79,13 @@ class SlidingWindowManager(SingleTypeManager):
         entries.extend([FRESH] * (need - len(entries)))
         return GroupPlan(append=tuple(entries), load=tuple(load))
 
+    def quiet(self, request_id: str, start: int, end: int) -> bool:
+        """Also: the commit at `end` releases no block that fell out of the window."""
+        table = self._tables.get(request_id)
+        return super().quiet(request_id, start, end) and (
+            min(self.first_visible_block(end), len(table)) <= self._first_live.get(request_id, 0)  # type: ignore[arg-type]
+        )
+
     def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
         """Cache the full blocks, then release every block no future query (position >= num_computed) sees."""
         super().commit(request_id, num_computed, hashes)
