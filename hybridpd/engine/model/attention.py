@@ -16,7 +16,6 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.layers import RotaryEmbedding
-from hybridpd.engine.model.linear import linear
 from hybridpd.engine.model.step_context import AttentionGroupMeta, StepContext
 
 
@@ -68,7 +67,7 @@ class Attention(nn.Module):
         rows = x.shape[0]
         # q | k | v side by side in one row of the projection; RoPE rotates q and k in place (the projection is
         # ours), so k and v stay adjacent and go into the cache in one write.
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if ctx.rope_cos is not None:
             qk = qkv[:, : self.split[0]].view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
             RotaryEmbedding.apply_(qk, ctx.rope_cos, ctx.rope_sin)
@@ -117,4 +116,4 @@ class Attention(nn.Module):
                 q_seq, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=p.visible, scale=self.scale, enable_gqa=True
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+        return F.linear(out, self.o_proj.weight, self.o_proj.bias)

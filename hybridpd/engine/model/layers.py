@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpd.engine.model.linear import linear
 
 
 class RMSNorm(nn.Module):
@@ -71,8 +70,8 @@ class DenseMLP(nn.Module):
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.input_linear.weight).chunk(2, dim=-1)
-        return linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours
+        gate, up = F.linear(x, self.input_linear.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours
 
 
 class RotaryEmbedding:

@@ -18,7 +18,6 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.layers import GatedRMSNorm
-from hybridpd.engine.model.linear import linear
 from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
 from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, StepContext
@@ -89,7 +88,7 @@ class Mamba2Mixer(nn.Module):
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm, then out_proj (as plain functions: module calls cost a few us each in a decode step)."""
-        return linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
+        return F.linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
 
     def _project(self, x: torch.Tensor, separate_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj -> gate [T, I], xbc [T, conv_dim], dt_raw [T, H].
@@ -101,8 +100,8 @@ class Mamba2Mixer(nn.Module):
         weight, bias = self.in_proj.weight, self.in_proj.bias
         if not separate_gate:
             return F.linear(x, weight, bias).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
-        gate = linear(x, weight[: self.intermediate], None if bias is None else bias[: self.intermediate])
-        rest = linear(x, weight[self.intermediate :], None if bias is None else bias[self.intermediate :])
+        gate = F.linear(x, weight[: self.intermediate], None if bias is None else bias[: self.intermediate])
+        rest = F.linear(x, weight[self.intermediate :], None if bias is None else bias[self.intermediate :])
         return gate, *rest.split([self.conv_dim, self.heads], dim=-1)
 
     def _split_xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
