@@ -55,7 +55,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
     out: list[SampledToken | None] = [None] * len(params)
     if plain_greedy:
-        tokens = torch.argmax(logits[plain_greedy], dim=-1).tolist()
+        rows = logits if len(plain_greedy) == len(params) else logits[plain_greedy]
+        tokens = torch.argmax(rows, dim=-1).tolist()
         for i, token in zip(plain_greedy, tokens):
             out[i] = SampledToken(token, None)
     for i, p in enumerate(params):

@@ -36,6 +36,7 @@ class KVCacheStorage:
         }
         # Views are built once per layer: `tensors` never changes identity, so a view can never go stale.
         self._attention_views: dict[int, torch.Tensor] = {}
+        self._attention_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mamba_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def slot(self, layer_id: int) -> LayerSlot:
@@ -52,6 +53,15 @@ class KVCacheStorage:
         if view is None:
             view = self._attention_views[layer_id] = self._build_attention_view(layer_id)
         return view
+
+    def attention_rows(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one attention layer as (num_blocks, block_size * num_kv_heads * head_size) row views: a
+        block's K (or V) is one contiguous row, so whole blocks are gathered with one `index_select`."""
+        rows = self._attention_rows.get(layer_id)
+        if rows is None:
+            view = self.attention_view(layer_id)
+            rows = self._attention_rows[layer_id] = (view[:, 0].flatten(1), view[:, 1].flatten(1))
+        return rows
 
     def _build_attention_view(self, layer_id: int) -> torch.Tensor:
         spec = self.groups[self._slots[layer_id].group_id].spec

@@ -39,6 +39,7 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", self._fuse("weight"), persistent=False)
         self.register_buffer("qkv_bias", self._fuse("bias") if bias else None, persistent=False)
         self.split = (q_size + kv_size, kv_size)
+        self.q_size = q_size
 
     def _fuse(self, name: str) -> torch.Tensor:
         projections = (self.q_proj, self.k_proj, self.v_proj)
@@ -50,18 +51,18 @@ class Attention(nn.Module):
             start += size
         return fused
 
-    def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_blocks(
+        self, rows: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor, batch: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks [batch * nb] -> K and V as [batch, kv_heads, nb * block_size, head_dim] (strided views).
 
-        A page's K half is contiguous, so one row-gather per half (index_select over [num_blocks, page elements])
-        copies whole blocks; the per-head order comes from a transposed view, not from a second copy.
-        """
-
-        def read(kv_index: int) -> torch.Tensor:
-            rows = cache[:, kv_index].flatten(1).index_select(0, blocks)
-            return rows.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-
-        return read(0), read(1)
+        `rows` are the layer's K and V block rows (`KVCacheStorage.attention_rows`): one row-gather per half
+        copies whole blocks; the per-head order comes from a transposed view, not from a second copy."""
+        k, v = (r.index_select(0, blocks).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                for r in rows)
+        if k.dtype != dtype:
+            k, v = k.to(dtype), v.to(dtype)
+        return k, v
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
         rows = x.shape[0]
@@ -69,34 +70,33 @@ class Attention(nn.Module):
         # ours), so k and v stay adjacent and go into the cache in one write.
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         if ctx.rope_cos is not None:
-            qk = qkv[:, : self.split[0]].view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
-            RotaryEmbedding.apply_(qk, ctx.rope_cos, ctx.rope_sin)
-        q_size = self.num_heads * self.head_dim
-        q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
-        k_and_v = qkv[:, q_size:].view(rows, 2, self.num_kv_heads, self.head_dim)
-        k, v = k_and_v[:, 0], k_and_v[:, 1]
-
+            RotaryEmbedding.apply_(qkv[:, : self.split[0]].view(rows, -1, self.head_dim), ctx.rope_cos, ctx.rope_sin)
+        q_size = self.q_size
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, AttentionGroupMeta):
             raise TypeError(f"layer {self.layer_id} is attention but its KV group is not")
         cache = kv.attention_view(self.layer_id)  # [blocks, 2, block_size, kv_heads, head_dim]
-        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v.to(cache.dtype)
+        k_and_v = qkv[:, q_size:].view(rows, 2, self.num_kv_heads, self.head_dim)
+        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v if k_and_v.dtype == cache.dtype else k_and_v.to(
+            cache.dtype)
 
-        # Only decode rows: then they are all rows, in order.
-        only_decode = meta.decode is not None and not meta.prefills and not meta.fresh
-        out = None if only_decode else torch.empty(rows, self.num_heads * self.head_dim, dtype=x.dtype)
-        if meta.decode is not None:
-            d = meta.decode
-            num = d.rows.shape[0]
-            k_seq, v_seq = self._read_blocks(cache, d.blocks, num)
+        d = meta.decode
+        if d is not None and not meta.prefills and not meta.fresh:  # only decode rows: all rows, in order
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, rows, x.dtype)
             # The query heads sharing a KV head are the "query rows" of that head: no KV repeat needed.
-            q_dec = (q if only_decode else q[d.rows]).reshape(num, self.num_kv_heads, -1, self.head_dim)
-            att = F.scaled_dot_product_attention(
-                q_dec, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=d.bias, scale=self.scale
-            ).reshape(num, -1)
-            if only_decode:
-                return F.linear(att, self.o_proj.weight, self.o_proj.bias)
-            out[d.rows] = att
+            q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
+            att = F.scaled_dot_product_attention(q_dec, k_seq, v_seq, attn_mask=d.bias, scale=self.scale)
+            return F.linear(att.reshape(rows, q_size), self.o_proj.weight, self.o_proj.bias)
+
+        q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
+        k, v = k_and_v[:, 0], k_and_v[:, 1]
+        out = torch.empty(rows, q_size, dtype=x.dtype)
+        if d is not None:
+            num = d.rows.shape[0]
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, num, x.dtype)
+            q_dec = q[d.rows].view(num, self.num_kv_heads, -1, self.head_dim)
+            att = F.scaled_dot_product_attention(q_dec, k_seq, v_seq, attn_mask=d.bias, scale=self.scale)
+            out[d.rows] = att.reshape(num, q_size)
         for run in meta.fresh:
             rows_of_run = slice(run.row_start, run.row_start + run.num_seqs * run.num_rows)
             shape = (run.num_seqs, run.num_rows, -1, self.head_dim)
@@ -109,11 +109,11 @@ class Attention(nn.Module):
                     scale=self.scale, enable_gqa=True,
                 ).transpose(1, 2)
         for p in meta.prefills:
-            k_seq, v_seq = self._read_blocks(cache, p.blocks, 1)
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), p.blocks, 1, x.dtype)
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)
             q_seq = q[rows_of_seq].transpose(0, 1)[None]  # [1, heads, n, head_dim]
             att = F.scaled_dot_product_attention(
-                q_seq, k_seq.to(x.dtype), v_seq.to(x.dtype), attn_mask=p.visible, scale=self.scale, enable_gqa=True
+                q_seq, k_seq, v_seq, attn_mask=p.visible, scale=self.scale, enable_gqa=True
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)

@@ -97,7 +97,7 @@ class HybridLM(nn.Module):
         """[S, vocab] float32 logits of the rows `batch.logits_indices`; writes the step's KV and Mamba states."""
         cos = sin = None
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
+            cos, sin = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
         ctx = StepContext(
             rope_cos=cos, rope_sin=sin,
             groups=tuple(

@@ -57,6 +57,20 @@ class Mamba2Mixer(nn.Module):
             self.intermediate, self.intermediate // self.groups, config.rms_norm_eps, dtype
         )
         self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mamba_proj_bias, dtype=dtype)
+        self._constants_of: tuple[torch.Tensor, ...] = ()
+        self._constants_versions: tuple[int, ...] = ()
+        self._constants_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
+
+    def _constants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A = -exp(A_log), D and dt_bias, in float32: computed again only when a parameter was replaced or written
+        (a reloaded checkpoint), else taken as they were (three ops fewer per layer and step)."""
+        params = (self.A_log, self.D, self.dt_bias)
+        versions = tuple(p._version for p in params)
+        held = self._constants_of
+        if versions != self._constants_versions or any(a is not b for a, b in zip(params, held)):
+            self._constants_value = (-torch.exp(self.A_log.float()), self.D.float(), self.dt_bias.float())
+            self._constants_of, self._constants_versions = params, versions  # held: an id is never reused
+        return self._constants_value
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
@@ -71,19 +85,20 @@ class Mamba2Mixer(nn.Module):
         if not isinstance(meta, MambaGroupMeta):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
         gate, xbc, dt_raw = self._project(x, separate_gate=meta.prefill is not None)
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        A, D, dt_bias = self._constants()
+        dt = F.softplus(dt_raw.float() + dt_bias)
         if self.dt_min > 0 or self.dt_max < math.inf:  # softplus is >= 0: the default limit (0, inf) is a no-op
             dt = dt.clamp_(self.dt_min, self.dt_max)
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
         if meta.prefill is None and meta.decode is not None:  # only decode rows: all of them, in order
-            y = self._decode(meta.decode, xbc, dt, conv_cache, ssm_cache)
+            y = self._decode(meta.decode, xbc, dt, A, D, conv_cache, ssm_cache)
             return self._out(y, gate, x.dtype)
         y = torch.empty(x.shape[0], self.intermediate, dtype=torch.float32)
         if meta.decode is not None:
             d = meta.decode
-            y[d.rows] = self._decode(d, xbc[d.rows], dt[d.rows], conv_cache, ssm_cache)
+            y[d.rows] = self._decode(d, xbc[d.rows], dt[d.rows], A, D, conv_cache, ssm_cache)
         if meta.prefill is not None:
-            self._prefill(meta.prefill, xbc, dt, y, conv_cache, ssm_cache)
+            self._prefill(meta.prefill, xbc, dt, A, D, y, conv_cache, ssm_cache)
         return self._out(y, gate, x.dtype)
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,8 +140,8 @@ class Mamba2Mixer(nn.Module):
         return F.silu(out, inplace=True).view(-1, self.conv_dim)
 
     def _prefill(
-        self, lay: MambaPrefillLayout, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
-        conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
+        self, lay: MambaPrefillLayout, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+        y: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
     ) -> None:
         """All prefill sequences at once, in the layouts of mamba_layout.py."""
         prev = conv_cache.index_select(0, lay.slots).to(xbc.dtype)  # [P, width, conv_dim]
@@ -148,9 +163,8 @@ class Mamba2Mixer(nn.Module):
             dt_scan = torch.cat([dt, dt.new_zeros(1, self.heads)])[lay.dt_index]
         initial = ssm_cache.index_select(0, lay.slots).float()
         initial = torch.where(lay.resumed[:, None, None, None], initial, torch.zeros((), dtype=initial.dtype))
-        A = -torch.exp(self.A_log.float())
         scan_out = y.view(lay.num_seqs, -1, self.heads, self.head_dim) if lay.aligned else None
-        scan_y, boundary = chunked_scan(xs, dt_scan, A, B, C, self.D.float(), initial, self.chunk_size, scan_out)
+        scan_y, boundary = chunked_scan(xs, dt_scan, A, B, C, D, initial, self.chunk_size, scan_out)
         if not lay.aligned:
             y[lay.out_rows] = scan_y.view(-1, self.intermediate).index_select(0, lay.out_index)
         states = boundary.view(-1, *self.ssm_state_shape).index_select(0, lay.state_index)
@@ -159,7 +173,8 @@ class Mamba2Mixer(nn.Module):
         conv_cache.index_copy_(0, lay.save_slots, conv_states.to(conv_cache.dtype))
 
     def _decode(
-        self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
+        self, d: MambaDecode, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+        conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
     ) -> torch.Tensor:
         """One recurrent step for the decode rows (xbc [S, conv_dim], dt [S, H]) -> y [S, intermediate] float32.
         When the slots form a progression (`d.slot_slice`), the states are updated in place in the cache (a
@@ -175,8 +190,7 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             conv_out.add_(self.conv1d.bias)
         xs, B, C = self._split_xbc(F.silu(conv_out, inplace=True))
-        A = -torch.exp(self.A_log.float())
-        out = recurrent_step_(state, xs, dt, A, B, C, self.D.float())
+        out = recurrent_step_(state, xs, dt, A, B, C, D)
         if in_place:
             conv_prev.copy_(window[:, 1:])
         else:

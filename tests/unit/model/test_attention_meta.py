@@ -90,7 +90,7 @@ def test_decode_blocks_and_bias(positions, block_size, window):
 def test_rope_in_place_on_a_strided_view(dtype, rows, heads, head_dim):
     rope = RotaryEmbedding(head_dim, 10000.0)
     positions = torch.arange(rows) * 37 % 500
-    cos, sin = rope.cos_sin(positions, dtype)
+    cos, sin = rope.cos_sin(positions, dtype, 500)
     g = torch.Generator().manual_seed(rows)
     fused = torch.randn(rows, heads * head_dim + 5, generator=g).to(dtype)  # extra columns: a strided view
     x = fused[:, : heads * head_dim].view(rows, heads, head_dim)
@@ -107,3 +107,13 @@ def test_rope_in_place_on_a_strided_view(dtype, rows, heads, head_dim):
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(x, expected, atol=tol, rtol=tol)
     assert torch.equal(fused[:, heads * head_dim :], untouched)
+
+
+def test_rope_tables_grow_past_their_first_size_and_match_the_formula():
+    rope = RotaryEmbedding(8, 10000.0)
+    for positions in (torch.tensor([0, 3, 1023]), torch.tensor([1024, 5000, 7]), torch.tensor([2, 1])):
+        cos, sin = rope.cos_sin(positions, torch.float32, int(positions.max()) + 1)
+        freqs = positions.float()[:, None] * rope.inv_freq[None, :]
+        torch.testing.assert_close(cos[:, 0], torch.cat((freqs, freqs), dim=-1).cos(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[:, 0], torch.cat((-freqs.sin(), freqs.sin()), dim=-1), atol=1e-6, rtol=0)
+    assert rope._tables[torch.float32][0].shape[0] == 8192  # grown once, to the power of two past 5000

@@ -22,3 +22,21 @@ def test_conv_weight_follows_a_loaded_state_dict(tmp_path):
     assert torch.equal(mixer.conv1d.weight, state["conv1d.weight"])
     assert torch.equal(mixer.conv_weight, state["conv1d.weight"][:, 0, :].T)
     assert mixer.conv_weight.is_contiguous()
+
+
+def test_derived_constants_follow_loaded_or_replaced_parameters(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    mixer = Mamba2Mixer(HybridConfig.from_model_dir(tmp_path), 0, torch.float32)
+
+    def expected():
+        return (-torch.exp(mixer.A_log), mixer.D, mixer.dt_bias)
+
+    for change in (
+        lambda: None,
+        lambda: mixer.load_state_dict({k: torch.randn_like(v) for k, v in mixer.state_dict().items()}),
+        lambda: mixer.D.data.mul_(3.0),
+        lambda: setattr(mixer, "dt_bias", torch.nn.Parameter(torch.randn_like(mixer.dt_bias))),
+    ):
+        change()
+        for got, want in zip(mixer._constants(), expected()):
+            assert torch.equal(got, want)
