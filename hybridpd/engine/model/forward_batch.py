@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -61,6 +62,21 @@ class ForwardBatch:
             )
         if any(s.num_new < 1 or s.num_computed < 0 for s in self.seqs):
             raise ValueError("every sequence needs num_new >= 1 and num_computed >= 0")
+
+    @cached_property
+    def all_decode(self) -> bool:
+        """Every sequence computes one new token (its rows are then 0..S-1 in sequence order)."""
+        return all(s.num_new == 1 for s in self.seqs)
+
+    @cached_property
+    def decode_positions(self) -> list[int]:
+        """Each sequence's first new position (its only one in an `all_decode` step)."""
+        return [s.num_computed for s in self.seqs]
+
+    @cached_property
+    def decode_rows(self) -> torch.Tensor:
+        """[S] the rows 0..S-1 (of an `all_decode` step)."""
+        return torch.arange(len(self.seqs))
 
     @property
     def row_starts(self) -> tuple[int, ...]:

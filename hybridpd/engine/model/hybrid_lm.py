@@ -18,7 +18,7 @@ from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.forward_batch import ForwardBatch
 from hybridpd.engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from hybridpd.engine.model.mamba2 import Mamba2Mixer
-from hybridpd.engine.model.step_context import StepContext, build_group_meta
+from hybridpd.engine.model.step_context import StepContext, build_step_context
 
 
 class DecoderLayer(nn.Module):
@@ -95,15 +95,10 @@ class HybridLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCacheStorage) -> torch.Tensor:
         """[S, vocab] float32 logits of the rows `batch.logits_indices`; writes the step's KV and Mamba states."""
-        cos = sin = None
+        rope = None
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
-        ctx = StepContext(
-            rope_cos=cos, rope_sin=sin,
-            groups=tuple(
-                build_group_meta(batch, g, group, self.config.mamba_chunk_size) for g, group in enumerate(kv.groups)
-            ),
-        )
+            rope = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
+        ctx = build_step_context(batch, kv.groups, self.config.mamba_chunk_size, rope)
         h = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
         for layer in self.model.layers:
             h = layer.forward(h, ctx, kv)

@@ -69,8 +69,18 @@ class DenseMLP(nn.Module):
         self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
+    # From this many rows (a prefill) gate and up come from two products: each output is contiguous, which makes the
+    # SiLU and the product ~3x faster than over the strided halves of one [rows, 2 I] output; a decode step's few
+    # rows take the one fused product (there the number of calls is what counts).
+    SEPARATE_FROM_ROWS = 256
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.input_linear.weight).chunk(2, dim=-1)
+        weight = self.input_linear.weight
+        if x.shape[0] >= self.SEPARATE_FROM_ROWS:
+            half = weight.shape[0] // 2
+            gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
+        else:
+            gate, up = F.linear(x, weight).chunk(2, dim=-1)
         return F.linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours
 
 

@@ -105,11 +105,28 @@ class StepContext:
     groups: tuple[AttentionGroupMeta | MambaGroupMeta, ...]
 
 
+def build_step_context(
+    batch: ForwardBatch, groups: Sequence[KVCacheGroup], mamba_chunk_size: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> StepContext:
+    """Every group's metadata for one step. Groups of one kind with equal block sizes and windows (two full
+    attention groups with different KV heads, say) share what depends only on the positions: built once."""
+    shared: dict[tuple, DecodeLayout] = {}
+    return StepContext(
+        rope_cos=None if rope is None else rope[0], rope_sin=None if rope is None else rope[1],
+        groups=tuple(build_group_meta(batch, g, group, mamba_chunk_size, shared) for g, group in enumerate(groups)),
+    )
+
+
 def build_group_meta(
-    batch: ForwardBatch, group_id: int, group: KVCacheGroup, mamba_chunk_size: int
+    batch: ForwardBatch, group_id: int, group: KVCacheGroup, mamba_chunk_size: int,
+    shared: dict[tuple, DecodeLayout] | None = None,
 ) -> AttentionGroupMeta | MambaGroupMeta:
     if isinstance(group.spec, AttentionSpec):
         window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
+        layouts = {} if shared is None else shared
+        if batch.all_decode:
+            return _decode_only_meta(batch, group_id, group.spec.block_size, window, group.spec.dtype, layouts)
         return _attention_meta(batch, group_id, group.spec.block_size, window, group.spec.dtype)
     if isinstance(group.spec, MambaSpec):
         return _mamba_meta(batch, group_id, mamba_chunk_size, group.spec.conv_state_shape[0])
@@ -211,23 +228,21 @@ def _attention_prefill(
     return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=visible)
 
 
-def _attention_decode(
-    rows: list[int], seqs: list[SeqEntry], g: int, block_size: int, window: int | None, dtype: torch.dtype
-) -> AttentionDecode:
-    """Row s reads blocks first_block_s + j for j < nb (nb = the most any row needs); block indices past the
-    row's own last block repeat it (and are masked), so they never leave the sequence's table.
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Which blocks decode row s reads (`first[s] + j` for j < num_blocks, clamped to `last[s]`) and its mask:
+    what depends only on the rows' positions, the block size and the window (not on a group's block tables)."""
 
-    Only the block lists are built per sequence in Python; the bias is a few tensor ops over all rows at once.
-    """
-    positions = [s.num_computed for s in seqs]  # the decode token's position = the key it adds
+    first: list[int]
+    last: list[int]
+    num_blocks: int
+    bias: torch.Tensor  # [S, 1, 1, num_blocks * block_size]
+
+
+def _decode_layout(positions: list[int], block_size: int, window: int | None, dtype: torch.dtype) -> DecodeLayout:
     firsts = [_first_visible(p, window) // block_size for p in positions]
     lasts = [p // block_size for p in positions]
     num_blocks = max(last - first for first, last in zip(firsts, lasts)) + 1
-    blocks: list[int] = []
-    for first, last, s in zip(firsts, lasts, seqs):
-        table = s.block_tables[g]
-        blocks.extend(table[first : last + 1])
-        blocks.extend([table[last]] * (num_blocks - (last - first + 1)))
     # Key l of row s sits at position first_block_s * block_size + l: hidden past the row's own position, or
     # at/before `position - window` (nothing to hide below key 0 when the window reaches back past it).
     last_key = int64_tensor([p - first * block_size for p, first in zip(positions, firsts)])[:, None]
@@ -236,7 +251,48 @@ def _attention_decode(
     if window is not None:
         hidden |= keys <= last_key - window
     bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
-    return AttentionDecode(rows=int64_tensor(rows), blocks=int64_tensor(blocks), bias=bias[:, None, None, :])
+    return DecodeLayout(first=firsts, last=lasts, num_blocks=num_blocks, bias=bias[:, None, None, :])
+
+
+def _decode_blocks(tables: Sequence[Sequence[int]], layout: DecodeLayout) -> torch.Tensor:
+    """Row s reads blocks first_s + j for j < nb; indices past the row's own last block repeat it (and are
+    masked), so they never leave the sequence's table."""
+    blocks: list[int] = []
+    for first, last, table in zip(layout.first, layout.last, tables):
+        blocks.extend(table[first : last + 1])
+        blocks.extend([table[last]] * (layout.num_blocks - (last - first + 1)))
+    return int64_tensor(blocks)
+
+
+def _attention_decode(
+    rows: list[int], seqs: list[SeqEntry], g: int, block_size: int, window: int | None, dtype: torch.dtype
+) -> AttentionDecode:
+    """Row s reads blocks first_block_s + j for j < nb (nb = the most any row needs); see `_decode_blocks`.
+
+    Only the block lists are built per sequence in Python; the bias is a few tensor ops over all rows at once.
+    """
+    layout = _decode_layout([s.num_computed for s in seqs], block_size, window, dtype)
+    blocks = _decode_blocks([s.block_tables[g] for s in seqs], layout)
+    return AttentionDecode(rows=int64_tensor(rows), blocks=blocks, bias=layout.bias)
+
+
+def _decode_only_meta(
+    batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype,
+    shared: dict[tuple, DecodeLayout],
+) -> AttentionGroupMeta:
+    """A step of decode rows only (every sequence one new token, rows in sequence order): the usual step."""
+    positions = batch.decode_positions
+    tables = [s.block_tables[g] for s in batch.seqs]
+    key = (block_size, window, dtype)
+    layout = shared.get(key)
+    if layout is None:
+        layout = shared[key] = _decode_layout(positions, block_size, window, dtype)
+    write_blocks = int64_tensor([table[p // block_size] for table, p in zip(tables, positions)])
+    return AttentionGroupMeta(
+        write_blocks=write_blocks, write_offsets=batch.positions % block_size,
+        decode=AttentionDecode(rows=batch.decode_rows, blocks=_decode_blocks(tables, layout), bias=layout.bias),
+        prefills=(),
+    )
 
 
 def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:

@@ -2,7 +2,8 @@
 
 - fresh runs attend in query chunks: the chunks together must give exactly the causal/band mask, and chunked
   attention the same numbers as one call over all keys;
-- the decode bias and block list, built with tensor ops, against a per-row loop over key positions;
+- the decode bias and block list, built with tensor ops, against a per-row loop over key positions, and the
+  decode-only step's metadata (layouts shared between groups) against the general path;
 - RoPE applied in place on a strided view against transformers' `x * cos + rotate_half(x) * sin`.
 """
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.forward_batch import SeqEntry
+from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
 from hybridpd.engine.model.layers import RotaryEmbedding
-from hybridpd.engine.model.step_context import _attention_decode, _query_chunks
+from hybridpd.engine.model.step_context import _attention_decode, _attention_meta, _decode_only_meta, _query_chunks
 
 
 def reference_visible(queries: range, keys: range, window: int | None) -> torch.Tensor:
@@ -117,3 +118,23 @@ def test_rope_tables_grow_past_their_first_size_and_match_the_formula():
         torch.testing.assert_close(cos[:, 0], torch.cat((freqs, freqs), dim=-1).cos(), atol=1e-6, rtol=0)
         torch.testing.assert_close(sin[:, 0], torch.cat((-freqs.sin(), freqs.sin()), dim=-1), atol=1e-6, rtol=0)
     assert rope._tables[torch.float32][0].shape[0] == 8192  # grown once, to the power of two past 5000
+
+
+@pytest.mark.parametrize("positions", [[0], [15, 16, 17], [3, 40, 0, 31, 32], [100, 7]])
+@pytest.mark.parametrize("block_size, window", [(1, None), (4, None), (4, 3), (16, 64), (16, 5)])
+def test_decode_only_metadata_equals_the_general_path(positions, block_size, window):
+    tables = [[1000 * (s + 1) + b for b in range(p // block_size + 1)] for s, p in enumerate(positions)]
+    seqs = tuple(SeqEntry(num_computed=p, num_new=1, block_tables=(t, t[::-1])) for p, t in zip(positions, tables))
+    batch = ForwardBatch(input_ids=int64_tensor([7] * len(seqs)), positions=int64_tensor(positions), seqs=seqs,
+                         logits_indices=int64_tensor(range(len(seqs))))
+    assert batch.all_decode
+    shared = {}
+    for g in (0, 1):  # the second group reuses the first one's layout
+        fast = _decode_only_meta(batch, g, block_size, window, torch.float32, shared)
+        general = _attention_meta(batch, g, block_size, window, torch.float32)
+        assert len(shared) == 1
+        for name in ("write_blocks", "write_offsets"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        for name in ("rows", "blocks", "bias"):
+            assert torch.equal(getattr(fast.decode, name), getattr(general.decode, name)), name
+        assert fast.prefills == general.prefills == () and fast.fresh == general.fresh == ()
