@@ -15,8 +15,9 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
 from hybridpd.engine.model.layers import RotaryEmbedding
-from hybridpd.engine.model.step_context import AttentionGroupMeta, StepContext
+from hybridpd.engine.model.step_context import AttentionDecode, AttentionGroupMeta, StepContext
 
 
 class Attention(nn.Module):
@@ -80,6 +81,8 @@ class Attention(nn.Module):
         cache[meta.write_blocks, :, meta.write_offsets] = k_and_v if k_and_v.dtype == cache.dtype else k_and_v.to(
             cache.dtype)
 
+        if meta.decode_kv is not None and ctx.decode_kv is not None:  # only decode rows; earlier keys buffered
+            return self._decode_from_buffers(qkv, k_and_v, meta.decode_kv, meta.decode, ctx.decode_kv, kv)
         d = meta.decode
         if d is not None and not meta.prefills and not meta.fresh:  # only decode rows: all rows, in order
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, rows, x.dtype)
@@ -117,3 +120,25 @@ class Attention(nn.Module):
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+
+    def _decode_from_buffers(
+        self, qkv: torch.Tensor, k_and_v: torch.Tensor, plan: DecodeKVPlan, gather: AttentionDecode | None,
+        decode_kv: DecodeKV, kv: KVCacheStorage,
+    ) -> torch.Tensor:
+        """A decode-only step served by DecodeKV: refill the buffers from the paged cache (which already holds
+        this step's keys; `gather` lists its blocks) or append this step's keys, then attend over the buffers in
+        place."""
+        rows, q_size, length = qkv.shape[0], self.q_size, plan.length
+        k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, qkv.dtype)
+        if gather is not None:  # a refill
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), gather.blocks, rows, qkv.dtype)
+            k_buf[:rows, :, :length] = k_seq[:, :, :length]
+            v_buf[:rows, :, :length] = v_seq[:, :, :length]
+        else:
+            k_buf[plan.rows, :, plan.positions] = k_and_v[:, 0]
+            v_buf[plan.rows, :, plan.positions] = k_and_v[:, 1]
+        q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
+        att = F.scaled_dot_product_attention(
+            q_dec, k_buf[:rows, :, :length], v_buf[:rows, :, :length], attn_mask=plan.bias, scale=self.scale
+        )
+        return F.linear(att.reshape(rows, q_size), self.o_proj.weight, self.o_proj.bias)

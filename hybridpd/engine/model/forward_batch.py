@@ -35,6 +35,7 @@ class SeqEntry:
     num_new: int
     block_tables: tuple[Sequence[int], ...]
     mamba_saves: tuple[tuple[tuple[int, int], ...], ...] = ()
+    key: str | None = None  # the sequence's identity across steps (its request id), for DecodeKV
 
     @property
     def end(self) -> int:
@@ -72,6 +73,10 @@ class ForwardBatch:
     def decode_positions(self) -> list[int]:
         """Each sequence's first new position (its only one in an `all_decode` step)."""
         return [s.num_computed for s in self.seqs]
+
+    @cached_property
+    def seq_keys(self) -> tuple[str | None, ...]:
+        return tuple(s.key for s in self.seqs)
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:

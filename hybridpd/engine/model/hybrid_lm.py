@@ -15,6 +15,7 @@ from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaS
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.attention import Attention
 from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.decode_kv import DecodeKV
 from hybridpd.engine.model.forward_batch import ForwardBatch
 from hybridpd.engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from hybridpd.engine.model.mamba2 import Mamba2Mixer
@@ -65,6 +66,7 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.decode_kv = DecodeKV()
         self.rope = (
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_embedding_type == "rope" else None
         )
@@ -98,9 +100,14 @@ class HybridLM(nn.Module):
         rope = None
         if self.rope is not None:
             rope = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
-        ctx = build_step_context(batch, kv.groups, self.config.mamba_chunk_size, rope)
+        self.decode_kv.bind(kv)
+        ctx = build_step_context(batch, kv.groups, self.config.mamba_chunk_size, rope, self.decode_kv)
         h = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
-        for layer in self.model.layers:
-            h = layer.forward(h, ctx, kv)
+        try:
+            for layer in self.model.layers:
+                h = layer.forward(h, ctx, kv)
+        except BaseException:
+            self.decode_kv.end_runs()  # some layers may have appended, others not
+            raise
         h = self.model.norm.forward(h[batch.logits_indices])
         return (F.linear(h, self.lm_head.weight) / self.config.logits_scaling).float()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
 from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout, PrefillSeq, build_prefill_layout
 
@@ -69,9 +70,10 @@ class FreshPrefillRun:
 class AttentionGroupMeta:
     write_blocks: torch.Tensor   # [T] where each new row's K/V goes
     write_offsets: torch.Tensor  # [T]
-    decode: AttentionDecode | None
+    decode: AttentionDecode | None  # None on a decode-only step that appends to its DecodeKV buffers
     prefills: tuple[AttentionPrefill, ...]  # sequences that read earlier keys from the cache
     fresh: tuple[FreshPrefillRun, ...] = ()
+    decode_kv: DecodeKVPlan | None = None  # a decode-only full-attention step served from DecodeKV buffers
 
 
 @dataclass(frozen=True)
@@ -103,34 +105,46 @@ class StepContext:
     rope_cos: torch.Tensor | None  # [T, 1, head_dim]
     rope_sin: torch.Tensor | None
     groups: tuple[AttentionGroupMeta | MambaGroupMeta, ...]
+    decode_kv: DecodeKV | None = None  # the buffers the groups' DecodeKVPlans refer to
 
 
 def build_step_context(
     batch: ForwardBatch, groups: Sequence[KVCacheGroup], mamba_chunk_size: int,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None, decode_kv: DecodeKV | None = None,
 ) -> StepContext:
     """Every group's metadata for one step. Groups of one kind with equal block sizes and windows (two full
-    attention groups with different KV heads, say) share what depends only on the positions: built once."""
+    attention groups with different KV heads, say) share what depends only on the positions: built once.
+    With `decode_kv`, decode-only steps of full-attention groups read contiguous buffers (decode_kv.py)."""
+    if decode_kv is not None and not batch.all_decode:
+        decode_kv.end_runs()
     shared: dict[tuple, DecodeLayout] = {}
     return StepContext(
         rope_cos=None if rope is None else rope[0], rope_sin=None if rope is None else rope[1],
-        groups=tuple(build_group_meta(batch, g, group, mamba_chunk_size, shared) for g, group in enumerate(groups)),
+        groups=tuple(
+            build_group_meta(batch, g, group, mamba_chunk_size, shared, decode_kv) for g, group in enumerate(groups)
+        ),
+        decode_kv=decode_kv,
     )
 
 
 def build_group_meta(
     batch: ForwardBatch, group_id: int, group: KVCacheGroup, mamba_chunk_size: int,
-    shared: dict[tuple, DecodeLayout] | None = None,
+    shared: dict[tuple, DecodeLayout] | None = None, decode_kv: DecodeKV | None = None,
 ) -> AttentionGroupMeta | MambaGroupMeta:
-    if isinstance(group.spec, AttentionSpec):
-        window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
+    spec = group.spec
+    if isinstance(spec, AttentionSpec):
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        if not batch.all_decode:
+            return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype)
+        plan = None
+        if decode_kv is not None and window is None:
+            token_bytes = spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+            plan = decode_kv.plan(group_id, batch.seq_keys, batch.decode_positions, token_bytes, spec.dtype)
         layouts = {} if shared is None else shared
-        if batch.all_decode:
-            return _decode_only_meta(batch, group_id, group.spec.block_size, window, group.spec.dtype, layouts)
-        return _attention_meta(batch, group_id, group.spec.block_size, window, group.spec.dtype)
-    if isinstance(group.spec, MambaSpec):
-        return _mamba_meta(batch, group_id, mamba_chunk_size, group.spec.conv_state_shape[0])
-    raise TypeError(f"no model support for KV spec {type(group.spec).__name__}")
+        return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan)
+    if isinstance(spec, MambaSpec):
+        return _mamba_meta(batch, group_id, mamba_chunk_size, spec.conv_state_shape[0])
+    raise TypeError(f"no model support for KV spec {type(spec).__name__}")
 
 
 def _attention_meta(
@@ -278,20 +292,23 @@ def _attention_decode(
 
 def _decode_only_meta(
     batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype,
-    shared: dict[tuple, DecodeLayout],
+    shared: dict[tuple, DecodeLayout], plan: DecodeKVPlan | None = None,
 ) -> AttentionGroupMeta:
-    """A step of decode rows only (every sequence one new token, rows in sequence order): the usual step."""
+    """A step of decode rows only (every sequence one new token, rows in sequence order): the usual step. The
+    blocks to gather are listed unless `plan` appends to DecodeKV buffers that already hold every earlier key."""
     positions = batch.decode_positions
     tables = [s.block_tables[g] for s in batch.seqs]
-    key = (block_size, window, dtype)
-    layout = shared.get(key)
-    if layout is None:
-        layout = shared[key] = _decode_layout(positions, block_size, window, dtype)
     write_blocks = int64_tensor([table[p // block_size] for table, p in zip(tables, positions)])
+    decode = None
+    if plan is None or plan.refill:
+        key = (block_size, window, dtype)
+        layout = shared.get(key)
+        if layout is None:
+            layout = shared[key] = _decode_layout(positions, block_size, window, dtype)
+        decode = AttentionDecode(rows=batch.decode_rows, blocks=_decode_blocks(tables, layout), bias=layout.bias)
     return AttentionGroupMeta(
-        write_blocks=write_blocks, write_offsets=batch.positions % block_size,
-        decode=AttentionDecode(rows=batch.decode_rows, blocks=_decode_blocks(tables, layout), bias=layout.bias),
-        prefills=(),
+        write_blocks=write_blocks, write_offsets=batch.positions % block_size, decode=decode, prefills=(),
+        decode_kv=plan,
     )
 
 

@@ -1,0 +1,142 @@
+"""DecodeKV: decode-only steps of full-attention groups read contiguous buffers instead of gathering blocks.
+
+The run bookkeeping as a table (which steps refill, which append, which fall back to the gather path), then the
+whole engine with the buffers against the engine without them, step by step, through every way a run breaks:
+sequences that finish or arrive (mixed steps), buffers that grow past LENGTH_STEP while appending, a preempted
+and recomputed sequence, and a byte budget that runs out mid-run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.model.decode_kv import LENGTH_STEP, DecodeKV
+from hybridpd.engine.scheduler import SchedulerPlan
+
+from .engine_harness import greedy
+
+TOKEN_BYTES = 2 * 8 * 4  # 2 KV heads of 8 floats
+
+
+@pytest.mark.parametrize("steps, expected", [
+    ([(("a", "b"), [5, 9]), (("a", "b"), [6, 10]), (("a", "b"), [7, 11])], ["refill", "append", "append"]),
+    ([(("a", "b"), [5, 9]), (("b", "a"), [10, 6])], ["refill", "refill"]),          # another order
+    ([(("a", "b"), [5, 9]), (("a",), [6])], ["refill", "refill"]),                  # b finished
+    ([(("a",), [5]), (("a",), [7])], ["refill", "refill"]),                         # a position it does not hold
+    ([(("a",), [5]), "end", (("a",), [6])], ["refill", None, "refill"]),            # a mixed step in between
+    ([(("a", None), [5, 9])], ["gather"]),                                          # a sequence without a key
+    ([(("a", "b"), [LENGTH_STEP - 2, 9]), (("a", "b"), [LENGTH_STEP - 1, 10]), (("a", "b"), [LENGTH_STEP, 11])],
+     ["refill", "append", "gather"]),                                               # over the byte budget
+])
+def test_run_bookkeeping(steps, expected):
+    decode_kv = DecodeKV(max_bytes_per_layer=2 * 2 * LENGTH_STEP * TOKEN_BYTES)  # 2 rows of LENGTH_STEP positions
+    got = []
+    for step in steps:
+        if step == "end":
+            decode_kv.end_runs()
+            got.append(None)
+            continue
+        keys, positions = step
+        plan = decode_kv.plan(0, keys, positions, TOKEN_BYTES, torch.float32)
+        got.append("gather" if plan is None else "refill" if plan.refill else "append")
+        if plan is not None:
+            assert plan.length == max(positions) + 1
+            visible = plan.bias[:, 0, 0] == 0
+            assert visible.sum(1).tolist() == [p + 1 for p in positions]
+    assert got == expected
+
+
+def test_growing_buffers_keep_what_they_hold():
+    decode_kv = DecodeKV()
+    first = decode_kv.plan(0, ("a",), [LENGTH_STEP - 1], TOKEN_BYTES, torch.float32)
+    k, _ = decode_kv.buffers(7, first, 2, 8, torch.float32)
+    k[0, :, : LENGTH_STEP] = torch.arange(LENGTH_STEP, dtype=torch.float32)[None, :, None]
+    grown = decode_kv.plan(0, ("a",), [LENGTH_STEP], TOKEN_BYTES, torch.float32)
+    assert not grown.refill
+    k2, v2 = decode_kv.buffers(7, grown, 2, 8, torch.float32)
+    assert k2.shape == (1, 2, 2 * LENGTH_STEP, 8) and v2.shape == k2.shape
+    assert torch.equal(k2[0, :, :LENGTH_STEP], k[0, :, :LENGTH_STEP])
+    assert not k2[:, :, LENGTH_STEP:].any()  # zeros past what was held, never uninitialised memory
+
+
+def make_engine(model_dir, *, decode_kv: bool, num_blocks: int = 400) -> tuple[LLMEngine, list]:
+    rows: list = []
+
+    def record(plan: SchedulerPlan, logits: torch.Tensor) -> None:
+        samplers = [item for item in plan.scheduled if item.samples]
+        rows.append({item.seq.request_id: row.clone() for item, row in zip(samplers, logits)})
+
+    engine = LLMEngine(EngineConfig(
+        model_dir=model_dir, cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4),
+    ), logits_hook=record)
+    if not decode_kv:
+        engine.model.decode_kv = DecodeKV(max_bytes_per_layer=0)  # every plan refused: the gather path
+    return engine, rows
+
+
+def drive(engine: LLMEngine, arrivals: dict[int, list]) -> dict[str, list[int]]:
+    """Steps the engine, adding arrivals[k] before step k, until it has nothing left."""
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work() or any(k >= step for k in arrivals):
+        for request in arrivals.get(step, []):
+            engine.add_request(request)
+            outputs[request.request_id] = []
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+        engine.kv.check_invariants()
+        step += 1
+    return outputs
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+@pytest.mark.parametrize("scenario", ["finish_and_arrive", "grow_past_length_step", "preempted", "budget"])
+def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
+    arrivals = {
+        "finish_and_arrive": {0: [greedy("a", prompt(1, 9), 12), greedy("b", prompt(2, 17), 5)],
+                              6: [greedy("c", prompt(3, 5), 9)], 9: [greedy("d", prompt(4, 1), 4)]},
+        "grow_past_length_step": {0: [greedy("a", prompt(5, LENGTH_STEP - 6), 14),
+                                      greedy("b", prompt(6, LENGTH_STEP - 3), 9)]},
+        "preempted": {0: [greedy(f"p{i}", prompt(20 + i, 14 + 3 * i), 16) for i in range(3)]},
+        "budget": {0: [greedy("a", prompt(7, LENGTH_STEP - 3), 8)]},
+    }[scenario]
+    num_blocks = 14 if scenario == "preempted" else 400
+    engines = [make_engine(tiny_dir, decode_kv=on, num_blocks=num_blocks) for on in (True, False)]
+    if scenario == "budget":  # room for one row of LENGTH_STEP positions in the kv_heads=2 group: refused at 256
+        engines[0][0].model.decode_kv = DecodeKV(max_bytes_per_layer=2 * LENGTH_STEP * 2 * 16 * 4)
+    decode_kv = engines[0][0].model.decode_kv
+    outcomes: list[str] = []
+    plan = decode_kv.plan
+
+    def spy(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        outcomes.append("gather" if result is None else "refill" if result.refill else "append")
+        return result
+
+    decode_kv.plan = spy
+    preempted: list[str] = []
+    for engine, _ in engines:
+        original = engine.scheduler._preempt
+        engine.scheduler._preempt = lambda seq, original=original: preempted.append(seq.request_id) or original(seq)
+    outputs = [drive(engine, arrivals) for engine, _ in engines]
+    assert outputs[0] == outputs[1]
+    (_, rows_on), (_, rows_off) = engines
+    assert len(rows_on) == len(rows_off)
+    for step, (on, off) in enumerate(zip(rows_on, rows_off)):
+        assert on.keys() == off.keys(), step
+        for rid in on:
+            torch.testing.assert_close(on[rid], off[rid], atol=1e-5, rtol=0, msg=f"{rid} at step {step}")
+    assert "append" in outcomes and "refill" in outcomes
+    if scenario == "grow_past_length_step":
+        assert max(k.shape[2] for k, _ in decode_kv._buffers.values()) > LENGTH_STEP
+    if scenario == "budget":
+        assert outcomes.index("gather") > outcomes.index("append")
+    if scenario == "preempted":
+        assert preempted, "the scenario must preempt"
