@@ -138,7 +138,8 @@ class Attention(nn.Module):
             k_buf[plan.rows, :, plan.positions] = k_and_v[:, 0]
             v_buf[plan.rows, :, plan.positions] = k_and_v[:, 1]
         q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
+        keys = slice(plan.start, length)
         att = F.scaled_dot_product_attention(
-            q_dec, k_buf[:rows, :, :length], v_buf[:rows, :, :length], attn_mask=plan.bias, scale=self.scale
+            q_dec, k_buf[:rows, :, keys], v_buf[:rows, :, keys], attn_mask=plan.bias, scale=self.scale
         )
         return F.linear(att.reshape(rows, q_size), self.o_proj.weight, self.o_proj.bias)

@@ -1,21 +1,22 @@
-"""Contiguous K/V of the sequences in a run of decode-only steps, for the full-attention layers.
+"""Contiguous K/V of the sequences in a run of decode-only steps, for the attention layers.
 
 A decode step's attention reads every earlier key of every sequence. From the paged cache that is a gather of
 whole blocks per layer and step, a copy of all the keys (~6 MB per step for the default model's three
 full-attention layers with 16 sequences of 320 tokens), then attention over the strided copy. While the same
-sequences decode step after step, none of those keys changes: `DecodeKV` keeps them per full-attention layer in a
+sequences decode step after step, none of those keys changes: `DecodeKV` keeps them per attention layer in a
 contiguous [rows, kv_heads, capacity, head_dim] buffer (row s = the step's sequence s), so a step writes one new key
 per row and attention reads the buffer where it is.
 
 The paged cache stays the canonical KV cache (the connector reads it, the prefix cache serves from it); these
 buffers are a copy on the compute side, rebuilt from it (one gather, what every step did before) whenever the run
-breaks. Per full-attention group:
+breaks. Per attention group:
 
     IDLE --decode-only step--> FILLED(keys, lengths) --next step, same keys at positions == lengths--> FILLED ...
     FILLED --any other step: other sequences or order, a position the buffer does not end at, a step that is
              not decode-only, a batch over the byte budget, a failed forward--> IDLE (the next step refills)
 
-Sliding-window groups read only their window and keep the gather.
+Sliding-window groups use them too: the buffers hold every position (those before the window stay as they were
+and are never read again) and attention reads the columns from the earliest position any row's window starts at.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class DecodeKVPlan:
     refill: bool              # rows [0, S) are rebuilt from the paged cache (after this step's write)
     rows: torch.Tensor        # [S] 0..S-1
     positions: torch.Tensor   # [S] each row's new key position (its length before this step)
-    length: int               # keys attention reads: the largest position + 1
-    bias: torch.Tensor        # [S, 1, 1, length]: 0 where key l <= the row's position, -inf where not
+    start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
+    length: int               # the largest position + 1
+    bias: torch.Tensor        # [S, 1, 1, length - start]: 0 where the row sees that key, -inf where not
 
 
 class DecodeKV:
@@ -52,10 +54,10 @@ class DecodeKV:
         self._storage: object | None = None
 
     def plan(self, group_id: int, keys: Sequence[str | None], positions: list[int], token_bytes: int,
-             dtype: torch.dtype) -> DecodeKVPlan | None:
+             dtype: torch.dtype, window: int | None = None) -> DecodeKVPlan | None:
         """A decode-only step: append to the run if it continues, else refill. None (and the run ends) when a
         sequence has no key or the buffers would exceed the budget: then the step gathers from the paged cache.
-        `token_bytes`: one token's K (or V) in one layer of the group."""
+        `token_bytes`: one token's K (or V) in one layer of the group; `window`: a sliding window's size."""
         length = max(positions) + 1
         capacity = -(-length // LENGTH_STEP) * LENGTH_STEP
         if None in keys or 2 * len(keys) * capacity * token_bytes > self.max_bytes_per_layer:
@@ -66,10 +68,14 @@ class DecodeKV:
         refill = held is None or held[0] != run_keys or held[1] != positions
         self._runs[group_id] = (run_keys, [p + 1 for p in positions])
         position_tensor = int64_tensor(positions)
-        hidden = torch.arange(length) > position_tensor[:, None]
+        start = 0 if window is None else max(0, min(positions) - window + 1)
+        columns, last = torch.arange(start, length), position_tensor[:, None]
+        hidden = columns > last
+        if window is not None:
+            hidden |= columns <= last - window
         bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
         return DecodeKVPlan(refill=refill, rows=torch.arange(len(positions)), positions=position_tensor,
-                            length=length, bias=bias[:, None, None, :])
+                            start=start, length=length, bias=bias[:, None, None, :])
 
     def end_runs(self) -> None:
         """A step that is not decode-only (or failed): every buffer is stale from here on."""

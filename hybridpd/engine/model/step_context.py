@@ -73,7 +73,7 @@ class AttentionGroupMeta:
     decode: AttentionDecode | None  # None on a decode-only step that appends to its DecodeKV buffers
     prefills: tuple[AttentionPrefill, ...]  # sequences that read earlier keys from the cache
     fresh: tuple[FreshPrefillRun, ...] = ()
-    decode_kv: DecodeKVPlan | None = None  # a decode-only full-attention step served from DecodeKV buffers
+    decode_kv: DecodeKVPlan | None = None  # a decode-only step served from DecodeKV buffers
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def build_step_context(
 ) -> StepContext:
     """Every group's metadata for one step. Groups of one kind with equal block sizes and windows (two full
     attention groups with different KV heads, say) share what depends only on the positions: built once.
-    With `decode_kv`, decode-only steps of full-attention groups read contiguous buffers (decode_kv.py)."""
+    With `decode_kv`, decode-only steps of attention groups read contiguous buffers (decode_kv.py)."""
     if decode_kv is not None and not batch.all_decode:
         decode_kv.end_runs()
     shared: dict[tuple, DecodeLayout] = {}
@@ -137,9 +137,9 @@ def build_group_meta(
         if not batch.all_decode:
             return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype)
         plan = None
-        if decode_kv is not None and window is None:
+        if decode_kv is not None:
             token_bytes = spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
-            plan = decode_kv.plan(group_id, batch.seq_keys, batch.decode_positions, token_bytes, spec.dtype)
+            plan = decode_kv.plan(group_id, batch.seq_keys, batch.decode_positions, token_bytes, spec.dtype, window)
         layouts = {} if shared is None else shared
         return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan)
     if isinstance(spec, MambaSpec):
@@ -301,10 +301,12 @@ def _decode_only_meta(
     write_blocks = int64_tensor([table[p // block_size] for table, p in zip(tables, positions)])
     decode = None
     if plan is None or plan.refill:
-        key = (block_size, window, dtype)
+        # A refill copies every position into the buffers (window or not): its blocks start at block 0.
+        read_window = window if plan is None else None
+        key = (block_size, read_window, dtype)
         layout = shared.get(key)
         if layout is None:
-            layout = shared[key] = _decode_layout(positions, block_size, window, dtype)
+            layout = shared[key] = _decode_layout(positions, block_size, read_window, dtype)
         decode = AttentionDecode(rows=batch.decode_rows, blocks=_decode_blocks(tables, layout), bias=layout.bias)
     return AttentionGroupMeta(
         write_blocks=write_blocks, write_offsets=batch.positions % block_size, decode=decode, prefills=(),

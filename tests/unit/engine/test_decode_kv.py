@@ -1,4 +1,4 @@
-"""DecodeKV: decode-only steps of full-attention groups read contiguous buffers instead of gathering blocks.
+"""DecodeKV: decode-only steps of attention groups read contiguous buffers instead of gathering blocks.
 
 The run bookkeeping as a table (which steps refill, which append, which fall back to the gather path), then the
 whole engine with the buffers against the engine without them, step by step, through every way a run breaks:
@@ -47,6 +47,16 @@ def test_run_bookkeeping(steps, expected):
             visible = plan.bias[:, 0, 0] == 0
             assert visible.sum(1).tolist() == [p + 1 for p in positions]
     assert got == expected
+
+
+@pytest.mark.parametrize("positions, window", [([0], 5), ([3, 9], 5), ([20, 9, 14], 5), ([7], 8), ([7], 1)])
+def test_a_window_plan_reads_from_the_first_window_on(positions, window):
+    plan = DecodeKV().plan(0, [str(i) for i in range(len(positions))], positions, TOKEN_BYTES, torch.float32,
+                           window)
+    assert plan.start == max(0, min(positions) - window + 1) and plan.length == max(positions) + 1
+    for row, p in enumerate(positions):
+        visible = [plan.start + l for l in range(plan.length - plan.start) if plan.bias[row, 0, 0, l] == 0]
+        assert visible == list(range(max(0, p - window + 1), p + 1))
 
 
 def test_growing_buffers_keep_what_they_hold():
