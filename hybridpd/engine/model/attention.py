@@ -4,7 +4,9 @@ Each step first writes the new rows' K/V (after RoPE) into the cache at
 `(block_tables[g][pos // block_size], pos % block_size)`, then every query reads its keys back from the cache:
 `[0, pos]` for full attention, `(pos - W, pos]` for a window. Sequences with nothing computed before this step
 read their keys straight from this step's K/V instead, batched when they have the same length, in chunks of
-queries that each read only the keys they can see (`step_context._query_chunks`).
+queries that each read only the keys they can see (`step_context._query_chunks`). A run of decode-only steps
+reads its keys from contiguous buffers that keep them between steps (`decode_kv.py`), appending this step's keys
+there too, instead of gathering every block again.
 """
 
 from __future__ import annotations
@@ -78,8 +80,7 @@ class Attention(nn.Module):
             raise TypeError(f"layer {self.layer_id} is attention but its KV group is not")
         cache = kv.attention_view(self.layer_id)  # [blocks, 2, block_size, kv_heads, head_dim]
         k_and_v = qkv[:, q_size:].view(rows, 2, self.num_kv_heads, self.head_dim)
-        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v if k_and_v.dtype == cache.dtype else k_and_v.to(
-            cache.dtype)
+        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v.to(cache.dtype)
 
         if meta.decode_kv is not None and ctx.decode_kv is not None:  # only decode rows; earlier keys buffered
             return self._decode_from_buffers(qkv, k_and_v, meta.decode_kv, meta.decode, ctx.decode_kv, kv)

@@ -36,7 +36,7 @@ LENGTH_STEP = 256
 
 @dataclass(frozen=True)
 class DecodeKVPlan:
-    """One decode-only step of one full-attention group."""
+    """One decode-only step of one attention group."""
 
     refill: bool              # rows [0, S) are rebuilt from the paged cache (after this step's write)
     rows: torch.Tensor        # [S] 0..S-1
