@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.engine.model.forward_batch import int64_tensor
+from hybridpd.engine.model.masks import additive, visible
 
 # Budget of one layer's two buffers; a run that needs more is served by the gather path instead.
 MAX_BYTES_PER_LAYER = 64 << 20
@@ -69,11 +70,7 @@ class DecodeKV:
         self._runs[group_id] = (run_keys, [p + 1 for p in positions])
         position_tensor = int64_tensor(positions)
         start = 0 if window is None else max(0, min(positions) - window + 1)
-        columns, last = torch.arange(start, length), position_tensor[:, None]
-        hidden = columns > last
-        if window is not None:
-            hidden |= columns <= last - window
-        bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+        bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
         return DecodeKVPlan(refill=refill, rows=torch.arange(len(positions)), positions=position_tensor,
                             start=start, length=length, bias=bias[:, None, None, :])
 

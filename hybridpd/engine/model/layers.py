@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()

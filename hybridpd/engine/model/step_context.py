@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec, dtype_size
 from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
 from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
+from hybridpd.engine.model.masks import additive, visible
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout, PrefillSeq, build_prefill_layout
 
 
@@ -138,7 +139,7 @@ def build_group_meta(
             return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype)
         plan = None
         if decode_kv is not None:
-            token_bytes = spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+            token_bytes = spec.num_kv_heads * spec.head_size * dtype_size(spec.dtype)
             plan = decode_kv.plan(group_id, batch.seq_keys, batch.decode_positions, token_bytes, spec.dtype, window)
         layouts = {} if shared is None else shared
         return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan)
@@ -208,23 +209,9 @@ def _query_chunks(n: int, window: int | None, dtype: torch.dtype) -> tuple[Query
             chunks.append(QueryChunk(q_start=0, q_end=q_end, k_start=0, bias=None))
             continue
         k_start = _first_visible(q_start, window)
-        visible = _visible(torch.arange(q_start, q_end), torch.arange(k_start, q_end), window)
-        chunks.append(QueryChunk(q_start=q_start, q_end=q_end, k_start=k_start, bias=_additive(visible, dtype)))
+        seen = visible(torch.arange(q_start, q_end), torch.arange(k_start, q_end), window)
+        chunks.append(QueryChunk(q_start=q_start, q_end=q_end, k_start=k_start, bias=additive(seen, dtype)))
     return tuple(chunks)
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool visibility mask as an additive attention mask: 0 where visible, -inf where not."""
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-
-
-def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[len(queries), len(keys)] bool: key position k is visible from query position q (k <= q, within the
-    window)."""
-    visible = keys[None, :] <= queries[:, None]
-    if window is not None:
-        visible &= keys[None, :] > queries[:, None] - window
-    return visible
 
 
 def _first_visible(position: int, window: int | None) -> int:
@@ -237,9 +224,9 @@ def _attention_prefill(
     first_block = _first_visible(s.num_computed, window) // block_size
     last_block = (s.end - 1) // block_size
     keys = torch.arange(first_block * block_size, (last_block + 1) * block_size)
-    visible = _visible(torch.arange(s.num_computed, s.end), keys, window)
+    seen = visible(torch.arange(s.num_computed, s.end), keys, window)
     blocks = int64_tensor(table[first_block : last_block + 1])
-    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=visible)
+    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=seen)
 
 
 @dataclass(frozen=True)
