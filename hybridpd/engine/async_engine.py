@@ -29,6 +29,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.generation_defaults = engine.generation_defaults
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         # Ids whose consumer left before the end: busy until the engine thread has aborted them, so that a new

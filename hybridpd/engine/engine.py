@@ -20,7 +20,8 @@ from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.config import HybridConfig, LayerKind
+from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.model.loader import load_model
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus, TokenLogprob
 from hybridpd.engine.runner import LogitsHook, ModelRunner
@@ -55,6 +56,14 @@ class _Tracked:
     sent_tokens: int = 0
 
 
+def stop_token_ids(model_config: HybridConfig, defaults: GenerationDefaults, tokenizer: Tokenizer) -> frozenset[int]:
+    """Every eos id of config.json and generation_config.json, and the tokenizer's own eos token."""
+    ids = {*model_config.eos_token_ids, *defaults.eos_token_ids}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
 def mamba_interval(config: EngineConfig, model_config: HybridConfig) -> int:
     """The Mamba cache interval: a multiple of both the block size and the scan chunk size."""
     block, chunk = config.cache.block_size, model_config.mamba_chunk_size
@@ -77,8 +86,10 @@ class LLMEngine:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.model_config, self.model = load_model(config.model_dir, dtype)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir, self.model_config.vocab_size)
+        self.generation_defaults = GenerationDefaults.from_model_dir(config.model_dir)
+        self.eos_token_ids = stop_token_ids(self.model_config, self.generation_defaults, self.tokenizer)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        has_mamba = LayerKind.MAMBA in self.model_config.layer_kinds
+        has_mamba = self.model_config.has_mamba
         self.mamba_interval = mamba_interval(config, self.model_config) if has_mamba else config.cache.block_size
         self.groups: tuple[KVCacheGroup, ...] = group_layers(
             self.model.kv_cache_specs(config.cache.block_size, self.mamba_interval)
@@ -91,7 +102,7 @@ class LLMEngine:
             config.scheduler,
             self.kv,
             max_model_len=self.max_model_len,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             chunk_boundary=self.mamba_interval if align and config.cache.enable_prefix_caching else None,
         )
         self.runner = ModelRunner(self.model, self.storage, logits_hook)

@@ -55,14 +55,14 @@ class Scheduler:
         kv: KVCacheManager,
         *,
         max_model_len: int,
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
         chunk_boundary: int | None,
         loader: RemoteKVLoader | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # every one of them stops a request (unless ignore_eos)
         self.chunk_boundary = chunk_boundary  # Mamba align mode: unfinished prefill chunks end on multiples of it
         self.loader = loader
         self.waiting: deque[Sequence] = deque()
@@ -241,7 +241,7 @@ class Scheduler:
 
     def _check_length_and_eos(self, seq: Sequence) -> None:
         out = len(seq.output_token_ids)
-        if not seq.sampling.ignore_eos and seq.all_token_ids[-1] == self.eos_token_id:
+        if not seq.sampling.ignore_eos and seq.all_token_ids[-1] in self.eos_token_ids:
             self.finish(seq, FinishReason.STOP)
         elif out >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, FinishReason.LENGTH)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
+from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.tokenizer import Tokenizer
 
@@ -16,6 +17,7 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    generation_defaults: GenerationDefaults  # the checkpoint's sampling defaults for fields a request omits
 
     def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """An async generator of the request's outputs; the last has `finished=True`.

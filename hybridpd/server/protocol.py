@@ -147,13 +147,15 @@ def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
         )
 
 
-def _sampling(f: Fields, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-    temperature = f.float("temperature", 1.0)
-    top_k = f.int("top_k", 0, minimum=-1)
+def _sampling(f: Fields, *, max_tokens: int, logprobs: int | None, engine: EngineClient) -> SamplingParams:
+    """Fields the request omits take the checkpoint's generation_config.json value, else OpenAI's default."""
+    defaults, vocab_size = engine.generation_defaults, engine.vocab_size
+    temperature = f.float("temperature", 1.0 if defaults.temperature is None else defaults.temperature)
+    top_k = f.int("top_k", defaults.top_k or 0, minimum=-1)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0 if 0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature,
-        top_p=f.float("top_p", 1.0),
+        top_p=f.float("top_p", 1.0 if defaults.top_p is None else defaults.top_p),
         top_k=min(top_k, vocab_size),  # a top_k past the vocabulary keeps every token, as vLLM does
         seed=f.optional_int("seed", minimum=_INT64_MIN, maximum=_INT64_MAX),
         stop=_stop(f.raw("stop")),
@@ -170,7 +172,8 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
     options = f.optional_object("stream_options")
     if options is not None and not stream:
         raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
-    max_tokens = 16 if max_tokens is None else max_tokens
+    if max_tokens is None:
+        max_tokens = engine.generation_defaults.max_tokens or 16
     _check_length(len(prompt), max_tokens, engine.max_model_len)
     salt = f.optional_str("cache_salt")
     prefix = "cmpl" if endpoint is Endpoint.COMPLETIONS else "chatcmpl"
@@ -179,7 +182,7 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
         engine_request=EngineRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
-            sampling=_sampling(f, max_tokens=max_tokens, logprobs=logprobs, vocab_size=engine.vocab_size),
+            sampling=_sampling(f, max_tokens=max_tokens, logprobs=logprobs, engine=engine),
             kv_transfer=parse_kv_transfer_params(f.raw("kv_transfer_params")),
             cache_salt=None if salt is None else salt.encode("utf-8"),
         ),

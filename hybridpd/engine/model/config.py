@@ -1,7 +1,8 @@
 """The checkpoint format: `HybridConfig`, parsed from a `GraniteMoeHybridForCausalLM` `config.json`.
 
-Read the way transformers 5.x's GraniteMoeHybrid reads it (defaults included), dense MLP only, plus two
-extension keys:
+Read the way transformers 5.x's GraniteMoeHybrid reads it (defaults included; its JSON encoding of non-finite floats,
+`{"__float__": "Infinity"}`; `rope_parameters` or the legacy `rope_theta`/`rope_scaling`; `dtype` or `torch_dtype`;
+`eos_token_id` as one id or a list), dense or MoE (`num_local_experts > 0`), plus two extension keys:
 - `kv_heads_per_layer`: list, `null` entries = `num_key_value_heads` (ignored for Mamba layers);
 - `sliding_window_per_layer`: list, `null` = full attention; query i sees key j iff i - W < j <= i.
 """
@@ -56,7 +57,12 @@ class HybridConfig:
     rope_theta: float
     tie_word_embeddings: bool
     bos_token_id: int | None
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]   # every listed id stops generation
+    checkpoint_dtype: str            # the dtype the weights were saved in (`dtype` / `torch_dtype`)
+    # MoE (num_local_experts == 0: dense, the shared MLP only)
+    num_local_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int           # of each expert
     # per layer
     layer_is_attention: tuple[bool, ...]
     kv_heads_per_layer: tuple[int, ...]              # num_key_value_heads resolved per layer (0 for Mamba layers)
@@ -109,6 +115,15 @@ class HybridConfig:
                 )
             if self.mamba_n_heads % self.mamba_n_groups or self.mamba_intermediate_size % self.mamba_n_groups:
                 raise ValueError(f"mamba_n_groups ({self.mamba_n_groups}) must divide mamba_n_heads")
+        if self.num_local_experts < 0:
+            raise ValueError(f"num_local_experts must be >= 0, got {self.num_local_experts}")
+        if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..num_local_experts ({self.num_local_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.num_local_experts and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1 with experts, got {self.intermediate_size}")
         low, high = self.time_step_limit
         if not 0 <= low <= high:
             raise ValueError(f"time_step_limit must satisfy 0 <= min <= max, got {self.time_step_limit}")
@@ -121,6 +136,15 @@ class HybridConfig:
             else LayerKind.SLIDING_WINDOW
             for attn, window in zip(self.layer_is_attention, self.sliding_window_per_layer)
         )
+
+    @property
+    def has_mamba(self) -> bool:
+        return not all(self.layer_is_attention)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first eos id (the one a tokenizer names); `eos_token_ids` holds every id that stops."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def mamba_intermediate_size(self) -> int:
@@ -141,7 +165,7 @@ class HybridConfig:
         if not path.is_file():
             raise CheckpointError(f"{model_dir} is not a checkpoint directory: no config.json in it")
         try:
-            raw = json.loads(path.read_text())
+            raw = read_config_json(path)
         except (OSError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
         if not isinstance(raw, dict):
@@ -154,25 +178,64 @@ class HybridConfig:
             raise CheckpointError(f"{path}: {exc}") from exc
 
 
+def _decode_non_finite(obj: dict[str, Any]) -> Any:
+    """transformers writes inf/nan as `{"__float__": "Infinity"}` (strict JSON has no such number)."""
+    if obj.keys() == {"__float__"}:
+        return float(obj["__float__"])
+    return obj
+
+
+def read_config_json(path: Path) -> Any:
+    """A config.json or generation_config.json as transformers reads it (non-finite floats decoded)."""
+    return json.loads(Path(path).read_text(), object_hook=_decode_non_finite)
+
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _int(raw: dict[str, Any], key: str, default: int) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id", 2)
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a non-negative integer or a list of them, got {eos!r}")
+    return tuple(dict.fromkeys(ids))
+
+
+def _dtype(raw: dict[str, Any]) -> str:
+    value = raw.get("dtype", raw.get("torch_dtype")) or "float32"
+    value = value.removeprefix("torch.") if isinstance(value, str) else value
+    if value not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {value!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return value
+
+
 def _parse(raw: dict[str, Any]) -> HybridConfig:
     """Defaults are transformers 5.x's `GraniteMoeHybridConfig` defaults."""
-    experts = raw.get("num_local_experts", 8)
-    if experts:
-        raise ValueError(
-            f"only dense GraniteMoeHybrid checkpoints are supported (num_local_experts: 0), got {experts} experts"
-        )
     architectures = raw.get("architectures")
     if architectures is not None and "GraniteMoeHybridForCausalLM" not in architectures:
-        raise ValueError(f"expected a GraniteMoeHybridForCausalLM checkpoint, got architectures {architectures}")
+        raise ValueError(
+            f"architectures {architectures} is not supported; supported: ['GraniteMoeHybridForCausalLM']"
+        )
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
-        raise ValueError(f"only hidden_act 'silu' is supported, got {hidden_act!r}")
+        raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: 'silu'")
+    position = raw.get("position_embedding_type")
+    if position not in (None, "rope"):
+        raise ValueError(f"position_embedding_type {position!r} is not supported; supported: 'rope' or null")
 
-    hidden = int(raw.get("hidden_size", 4096))
-    num_layers = int(raw.get("num_hidden_layers", 32))
-    heads = int(raw.get("num_attention_heads", 32))
-    kv_heads = raw.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else int(kv_heads)
+    hidden = _int(raw, "hidden_size", 4096)
+    num_layers = _int(raw, "num_hidden_layers", 32)
+    heads = _int(raw, "num_attention_heads", 32)
+    kv_heads = _int(raw, "num_key_value_heads", heads)
     head_dim = raw.get("head_dim")
     if head_dim is None:
         if hidden % heads:
@@ -188,13 +251,11 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
     d_head = raw.get("mamba_d_head", "auto")
     d_head = expand * hidden // n_heads if d_head in (None, "auto") else int(d_head)
     limit = raw.get("time_step_limit", (0.0, math.inf))
+    if limit is not None and (not isinstance(limit, (list, tuple)) or len(limit) != 2
+                              or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in limit)):
+        raise ValueError(f"time_step_limit must be a list of two numbers, got {limit!r}")
     limit = (0.0, math.inf) if limit is None else tuple(float(x) for x in limit)
-    if len(limit) != 2:
-        raise ValueError(f"time_step_limit must have two entries, got {limit}")
 
-    eos = raw.get("eos_token_id", 2)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
     return HybridConfig(
         vocab_size=int(raw.get("vocab_size", 32000)),
         hidden_size=hidden,
@@ -210,11 +271,15 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
         attention_multiplier=_float_or_one(raw, "attention_multiplier"),
         residual_multiplier=_float_or_one(raw, "residual_multiplier"),
         logits_scaling=_float_or_one(raw, "logits_scaling"),
-        position_embedding_type=raw.get("position_embedding_type"),
+        position_embedding_type=position,
         rope_theta=_rope_theta(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_id=eos,
+        eos_token_ids=_eos_ids(raw),
+        checkpoint_dtype=_dtype(raw),
+        num_local_experts=_int(raw, "num_local_experts", 8),
+        num_experts_per_tok=_int(raw, "num_experts_per_tok", 2),
+        intermediate_size=_int(raw, "intermediate_size", 11008),
         layer_is_attention=layer_is_attention,
         kv_heads_per_layer=tuple(
             (kv_heads if kv is None else int(kv)) if attn else 0 for attn, kv in zip(layer_is_attention, kv_per_layer)
@@ -266,12 +331,17 @@ def _per_layer(raw: dict[str, Any], key: str, num_layers: int) -> list[Any]:
 
 def _rope_theta(raw: dict[str, Any]) -> float:
     """`rope_parameters` (or legacy `rope_scaling`) first, then a top-level `rope_theta`, then 10000."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
+    params = raw.get(key) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{key} must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"only the default RoPE is supported, got rope_type {rope_type!r}")
+        raise ValueError(f"{key}.rope_type {rope_type!r} is not supported; supported: 'default'")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor is not supported, got {partial}")
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported; supported: 1.0 (the whole head)")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
     return float(theta)

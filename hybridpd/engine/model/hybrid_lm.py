@@ -1,4 +1,4 @@
-"""`HybridLM`: Granite-4.0-H (dense) over the paged hybrid KV cache.
+"""`HybridLM`: Granite-4.0-H (dense or MoE) over the paged hybrid KV cache.
 
 Parameter names equal transformers' `GraniteMoeHybridForCausalLM` (`model.layers.{i}.mamba.in_proj.weight`,
 `lm_head.weight`, ...), so the checkpoint's state dict loads unchanged. Embedding, norms, projections and MLP
@@ -19,6 +19,7 @@ from hybridpd.engine.model.decode_kv import DecodeKV
 from hybridpd.engine.model.forward_batch import ForwardBatch
 from hybridpd.engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from hybridpd.engine.model.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.moe import GraniteMoE
 from hybridpd.engine.model.step_context import StepContext, build_step_context
 
 
@@ -29,6 +30,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.shared_mlp = DenseMLP(config.hidden_size, config.shared_intermediate_size, dtype)
+        self.has_experts = config.num_local_experts > 0
+        if self.has_experts:  # transformers' attribute name; its output is added to the shared MLP's
+            self.block_sparse_moe = GraniteMoE(
+                config.hidden_size, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
+                dtype,
+            )
         self.residual_multiplier = config.residual_multiplier
         # Exactly one of the two mixers, under transformers' attribute name.
         self.mixer_name = "self_attn" if config.layer_is_attention[layer_id] else "mamba"
@@ -43,7 +50,10 @@ class DecoderLayer(nn.Module):
         parts = self._modules
         mixed = parts[self.mixer_name].forward(parts["input_layernorm"].forward(h), ctx, kv)
         h = torch.add(h, mixed, alpha=self.residual_multiplier)
-        mlp_out = parts["shared_mlp"].forward(parts["post_attention_layernorm"].forward(h))
+        normed = parts["post_attention_layernorm"].forward(h)
+        mlp_out = parts["shared_mlp"].forward(normed)
+        if self.has_experts:
+            mlp_out = mlp_out.add_(parts["block_sparse_moe"].forward(normed))
         return torch.add(h, mlp_out, alpha=self.residual_multiplier)
 
 

@@ -56,7 +56,7 @@ class FakeLoader:
 def make_scheduler(kv: KVCacheManager, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 4096,
                    chunk_boundary: int | None = None, loader: FakeLoader | None = None) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
-    return Scheduler(config, kv, max_model_len=max_model_len, eos_token_id=EOS, chunk_boundary=chunk_boundary,
+    return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=frozenset({EOS}), chunk_boundary=chunk_boundary,
                      loader=loader)
 
 

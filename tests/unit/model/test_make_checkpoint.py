@@ -70,11 +70,12 @@ def test_default_model_dir_generates_once(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("breakage, message", [
     ("no_dir", "does not exist"),
-    ("no_weights", "no model.safetensors"),
+    ("no_weights", "neither model.safetensors nor model.safetensors.index.json"),
     ("corrupt_weights", "cannot read"),
     ("missing_tensor", "missing tensors"),
     ("wrong_shape", "has shape"),
-    ("bad_config", "dense"),
+    ("unexpected_tensor", r"unexpected tensors \['model.layers.1.self_attn.extra.weight'\]"),
+    ("bad_config", r"missing tensors \['model.layers.0.block_sparse_moe"),  # an MoE config over dense weights
 ])
 def test_loader_errors(tmp_path, breakage, message):
     model_dir = write_checkpoint("tiny", tmp_path / "ckpt")
@@ -85,17 +86,19 @@ def test_loader_errors(tmp_path, breakage, message):
         weights_path.unlink()
     elif breakage == "corrupt_weights":
         weights_path.write_bytes(b"not a safetensors file")
-    elif breakage in ("missing_tensor", "wrong_shape"):
+    elif breakage in ("missing_tensor", "wrong_shape", "unexpected_tensor"):
         weights = load_file(str(weights_path))
         name = "model.layers.1.self_attn.k_proj.weight"
         if breakage == "missing_tensor":
             del weights[name]
+        elif breakage == "unexpected_tensor":
+            weights["model.layers.1.self_attn.extra.weight"] = torch.zeros(2)
         else:
             weights[name] = torch.zeros(3, 3)
         save_file(weights, str(weights_path))
     else:
         raw = json.loads((model_dir / "config.json").read_text())
-        (model_dir / "config.json").write_text(json.dumps(raw | {"num_local_experts": 4}))
+        (model_dir / "config.json").write_text(json.dumps(raw | {"num_local_experts": 4, "num_experts_per_tok": 2}))
     with pytest.raises(CheckpointError, match=message):
         load_model(model_dir, torch.float32)
 

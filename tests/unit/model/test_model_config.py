@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from hybridpd.engine.model.config import CheckpointError, HybridConfig, LayerKind
+from hybridpd.engine.model.config import CheckpointError, HybridConfig, LayerKind, read_config_json
+from hybridpd.engine.model.generation_config import GenerationDefaults
 
 BASE = {
     "architectures": ["GraniteMoeHybridForCausalLM"],
@@ -58,8 +59,25 @@ def test_layer_kinds(overrides, kinds, kv_heads, windows):
     ({}, "embedding_multiplier", 1.0),
     ({"logits_scaling": 8}, "logits_scaling", 8.0),
     ({"attention_multiplier": 0.0078125}, "attention_multiplier", 0.0078125),
-    ({}, "eos_token_id", 2),
+    ({}, "eos_token_ids", (2,)),
+    ({"eos_token_id": [7, 9]}, "eos_token_ids", (7, 9)),
     ({"eos_token_id": [7, 9]}, "eos_token_id", 7),
+    ({"eos_token_id": 5}, "eos_token_ids", (5,)),
+    ({"eos_token_id": None}, "eos_token_ids", ()),
+    # transformers' JSON encoding of non-finite floats is decoded by read_config_json (see test_read_config_json)
+    ({"time_step_limit": [0.0, float("inf")]}, "time_step_limit", (0.0, math.inf)),
+    ({"rope_scaling": {"type": "default", "rope_theta": 3e4}}, "rope_theta", 3e4),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_theta", 1e6),
+    ({"rope_parameters": None, "rope_theta": 7e3}, "rope_theta", 7e3),
+    ({}, "checkpoint_dtype", "float32"),
+    ({"torch_dtype": "bfloat16"}, "checkpoint_dtype", "bfloat16"),
+    ({"dtype": "float16"}, "checkpoint_dtype", "float16"),
+    ({"dtype": "bfloat16", "torch_dtype": "float32"}, "checkpoint_dtype", "bfloat16"),
+    ({}, "num_local_experts", 0),
+    ({"num_local_experts": None}, "num_local_experts", 8),   # transformers' default: 8 experts, top 2
+    ({"num_local_experts": 4, "num_experts_per_tok": 2}, "num_experts_per_tok", 2),
+    ({"num_local_experts": 4}, "intermediate_size", 11008),
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers", 4),
     ({}, "tie_word_embeddings", False),
     ({}, "mamba_conv_dim", 128 + 2 * 8),
     ({"mamba_n_groups": 2}, "mamba_conv_dim", 128 + 2 * 2 * 8),
@@ -72,8 +90,19 @@ def test_fields_and_defaults(overrides, field, expected):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"num_local_experts": 8}, "dense"),
-    ({"num_local_experts": 4}, "num_local_experts: 0"),
+    ({"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok must be in 1..num_local_experts"),
+    ({"num_local_experts": 4, "num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ({"num_local_experts": -1}, "num_local_experts"),
+    ({"num_local_experts": "many"}, "num_local_experts must be an integer, got 'many'"),
+    ({"hidden_size": 64.5}, "hidden_size must be an integer"),
+    ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported; supported: float32, bfloat16, float16"),
+    ({"eos_token_id": "</s>"}, "eos_token_id must be a non-negative integer"),
+    ({"eos_token_id": [2, -1]}, "eos_token_id"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type 'linear' is not supported"),
+    ({"rope_parameters": "default"}, "rope_parameters must be an object"),
+    ({"rope_theta": -5}, "rope_theta must be a positive number"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"time_step_limit": "inf"}, "time_step_limit must be a list of two numbers"),
     ({"layer_types": ["mamba", "attention"]}, "layer_types"),
     ({"layer_types": ["mamba", "attention", "moe", "attention"]}, "unknown layer_types"),
     ({"kv_heads_per_layer": [None, 3, None, None]}, "multiple of its KV heads"),
@@ -84,9 +113,9 @@ def test_fields_and_defaults(overrides, field, expected):
     ({"mamba_d_head": 16}, "mamba_d_head"),
     ({"mamba_n_groups": 3}, "mamba_n_groups"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "default RoPE"),
-    ({"hidden_act": "gelu"}, "silu"),
-    ({"architectures": ["LlamaForCausalLM"]}, "GraniteMoeHybridForCausalLM"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.rope_type 'yarn' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; supported: 'silu'"),
+    ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM.*supported.*GraniteMoeHybridForCausalLM"),
     ({"time_step_limit": [0.5, 0.1]}, "time_step_limit"),
 ])
 def test_bad_configs(overrides, message):
@@ -100,8 +129,40 @@ def test_from_model_dir_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot read"):
         HybridConfig.from_model_dir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(BASE | {"num_local_experts": 2}))
-    with pytest.raises(CheckpointError, match="dense"):
+    (tmp_path / "config.json").write_text(json.dumps(BASE | {"hidden_act": "relu"}))
+    with pytest.raises(CheckpointError, match="config.json: hidden_act 'relu'"):
         HybridConfig.from_model_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     assert HybridConfig.from_model_dir(tmp_path).num_hidden_layers == 4
+
+
+def test_read_config_json_decodes_transformers_non_finite_floats(tmp_path):
+    """transformers 5.x writes inf/nan as {"__float__": "Infinity"}; so does any config it saves."""
+    raw = BASE | {"time_step_limit": [0.0, {"__float__": "Infinity"}], "x": {"__float__": "-Infinity"},
+                  "nested": {"y": [{"__float__": "NaN"}]}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = HybridConfig.from_model_dir(tmp_path)
+    assert config.time_step_limit == (0.0, math.inf)
+    decoded = read_config_json(tmp_path / "config.json")
+    assert decoded["x"] == -math.inf and math.isnan(decoded["nested"]["y"][0])
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({}, GenerationDefaults()),
+    ({"temperature": 0.6, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64, "eos_token_id": [3, 4]},
+     GenerationDefaults(temperature=0.6, top_p=0.9, top_k=50, max_tokens=64, eos_token_ids=(3, 4))),
+    ({"eos_token_id": 7, "do_sample": False}, GenerationDefaults(eos_token_ids=(7,))),  # vLLM reads no do_sample
+])
+def test_generation_defaults(raw, expected):
+    assert GenerationDefaults.from_dict(raw) == expected
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"temperature": -1}, "temperature -1 is out of range"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_new_tokens": "many"}, "max_new_tokens must be a number"),
+    ({"eos_token_id": ["x"]}, "eos_token_id"),
+])
+def test_bad_generation_defaults(raw, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationDefaults.from_dict(raw)

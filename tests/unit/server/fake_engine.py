@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
 from hybridpd.errors import InvalidRequestError, KVTransferError
 
@@ -40,6 +41,7 @@ class FakeEngine:
     max_model_len: int = 128
     vocab_size: int = 260
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # knobs
     is_healthy: bool = True
     raise_before_first: Exception | None = None   # raised at the first anext, like the engine's own rejections
