@@ -20,7 +20,7 @@ from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.registry import ModelConfig
 from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.model.loader import load_model
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus, TokenLogprob
@@ -56,7 +56,7 @@ class _Tracked:
     sent_tokens: int = 0
 
 
-def stop_token_ids(model_config: HybridConfig, defaults: GenerationDefaults, tokenizer: Tokenizer) -> frozenset[int]:
+def stop_token_ids(model_config: ModelConfig, defaults: GenerationDefaults, tokenizer: Tokenizer) -> frozenset[int]:
     """Every eos id of config.json and generation_config.json, and the tokenizer's own eos token."""
     ids = {*model_config.eos_token_ids, *defaults.eos_token_ids}
     if tokenizer.eos_token_id is not None:
@@ -64,7 +64,7 @@ def stop_token_ids(model_config: HybridConfig, defaults: GenerationDefaults, tok
     return frozenset(ids)
 
 
-def mamba_interval(config: EngineConfig, model_config: HybridConfig) -> int:
+def mamba_interval(config: EngineConfig, model_config: ModelConfig) -> int:
     """The Mamba cache interval: a multiple of both the block size and the scan chunk size."""
     block, chunk = config.cache.block_size, model_config.mamba_chunk_size
     interval = config.cache.mamba_cache_interval

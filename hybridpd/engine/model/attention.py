@@ -29,6 +29,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.kv_heads_per_layer[layer_id]
         self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window_per_layer[layer_id]  # None: full attention
         self.scale = config.attention_multiplier
         bias = config.attention_bias
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

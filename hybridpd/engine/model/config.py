@@ -106,13 +106,6 @@ class HybridConfig:
             if window is not None and window < 1:
                 raise ValueError(f"layer {layer}: sliding window must be >= 1, got {window}")
         if any(not a for a in self.layer_is_attention):
-            if self.mamba_intermediate_size % self.mamba_n_heads:
-                raise ValueError("mamba_n_heads must divide mamba_expand * hidden_size")
-            if self.mamba_d_head * self.mamba_n_heads != self.mamba_intermediate_size:
-                raise ValueError(
-                    f"mamba_d_head * mamba_n_heads ({self.mamba_d_head} * {self.mamba_n_heads}) must equal "
-                    f"mamba_expand * hidden_size ({self.mamba_intermediate_size})"
-                )
             if self.mamba_n_heads % self.mamba_n_groups or self.mamba_intermediate_size % self.mamba_n_groups:
                 raise ValueError(f"mamba_n_groups ({self.mamba_n_groups}) must divide mamba_n_heads")
         if self.num_local_experts < 0:
@@ -148,7 +141,8 @@ class HybridConfig:
 
     @property
     def mamba_intermediate_size(self) -> int:
-        return self.mamba_expand * self.hidden_size
+        """Mamba2's inner width: heads x head size (Granite requires it to equal mamba_expand * hidden_size)."""
+        return self.mamba_n_heads * self.mamba_d_head
 
     @property
     def mamba_conv_dim(self) -> int:
@@ -193,7 +187,7 @@ def read_config_json(path: Path) -> Any:
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _int(raw: dict[str, Any], key: str, default: int) -> int:
+def int_field(raw: dict[str, Any], key: str, default: int) -> int:
     value = raw.get(key, default)
     if value is None:
         value = default
@@ -202,7 +196,7 @@ def _int(raw: dict[str, Any], key: str, default: int) -> int:
     return int(value)
 
 
-def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+def parse_eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id", 2)
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
@@ -210,7 +204,7 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _dtype(raw: dict[str, Any]) -> str:
+def parse_dtype(raw: dict[str, Any]) -> str:
     value = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     value = value.removeprefix("torch.") if isinstance(value, str) else value
     if value not in SUPPORTED_DTYPES:
@@ -232,10 +226,10 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
     if position not in (None, "rope"):
         raise ValueError(f"position_embedding_type {position!r} is not supported; supported: 'rope' or null")
 
-    hidden = _int(raw, "hidden_size", 4096)
-    num_layers = _int(raw, "num_hidden_layers", 32)
-    heads = _int(raw, "num_attention_heads", 32)
-    kv_heads = _int(raw, "num_key_value_heads", heads)
+    hidden = int_field(raw, "hidden_size", 4096)
+    num_layers = int_field(raw, "num_hidden_layers", 32)
+    heads = int_field(raw, "num_attention_heads", 32)
+    kv_heads = int_field(raw, "num_key_value_heads", heads)
     head_dim = raw.get("head_dim")
     if head_dim is None:
         if hidden % heads:
@@ -243,13 +237,24 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
         head_dim = hidden // heads
 
     layer_is_attention = _layer_types(raw.get("layer_types", raw.get("layers_block_type")), num_layers)
-    kv_per_layer = _per_layer(raw, "kv_heads_per_layer", num_layers)
-    windows = _per_layer(raw, "sliding_window_per_layer", num_layers)
+    kv_per_layer = per_layer_list(raw, "kv_heads_per_layer", num_layers)
+    windows = per_layer_list(raw, "sliding_window_per_layer", num_layers)
 
     expand = int(raw.get("mamba_expand", 2))
     n_heads = int(raw.get("mamba_n_heads", 128))
     d_head = raw.get("mamba_d_head", "auto")
-    d_head = expand * hidden // n_heads if d_head in (None, "auto") else int(d_head)
+    if n_heads < 1:
+        raise ValueError(f"mamba_n_heads must be >= 1, got {n_heads}")
+    if d_head in (None, "auto"):
+        if (expand * hidden) % n_heads:
+            raise ValueError("mamba_n_heads must divide mamba_expand * hidden_size")
+        d_head = expand * hidden // n_heads
+    d_head = int(d_head)
+    if any(not attn for attn in layer_is_attention) and d_head * n_heads != expand * hidden:
+        raise ValueError(
+            f"mamba_d_head * mamba_n_heads ({d_head} * {n_heads}) must equal mamba_expand * hidden_size "
+            f"({expand * hidden})"
+        )
     limit = raw.get("time_step_limit", (0.0, math.inf))
     if limit is not None and (not isinstance(limit, (list, tuple)) or len(limit) != 2
                               or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in limit)):
@@ -275,11 +280,11 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
         rope_theta=_rope_theta(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_ids=_eos_ids(raw),
-        checkpoint_dtype=_dtype(raw),
-        num_local_experts=_int(raw, "num_local_experts", 8),
-        num_experts_per_tok=_int(raw, "num_experts_per_tok", 2),
-        intermediate_size=_int(raw, "intermediate_size", 11008),
+        eos_token_ids=parse_eos_ids(raw),
+        checkpoint_dtype=parse_dtype(raw),
+        num_local_experts=int_field(raw, "num_local_experts", 8),
+        num_experts_per_tok=int_field(raw, "num_experts_per_tok", 2),
+        intermediate_size=int_field(raw, "intermediate_size", 11008),
         layer_is_attention=layer_is_attention,
         kv_heads_per_layer=tuple(
             (kv_heads if kv is None else int(kv)) if attn else 0 for attn, kv in zip(layer_is_attention, kv_per_layer)
@@ -317,7 +322,7 @@ def _layer_types(layer_types: Any, num_layers: int) -> tuple[bool, ...]:
     return tuple(_LAYER_TYPE_NAMES[t] for t in layer_types)
 
 
-def _per_layer(raw: dict[str, Any], key: str, num_layers: int) -> list[Any]:
+def per_layer_list(raw: dict[str, Any], key: str, num_layers: int) -> list[Any]:
     values = raw.get(key)
     if values is None:
         return [None] * num_layers

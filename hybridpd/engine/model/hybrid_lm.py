@@ -8,19 +8,16 @@ run over all T rows of a step at once; attention and Mamba use `StepContext` to 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.attention import Attention
 from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.decode_kv import DecodeKV
-from hybridpd.engine.model.forward_batch import ForwardBatch
 from hybridpd.engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from hybridpd.engine.model.mamba2 import Mamba2Mixer
 from hybridpd.engine.model.moe import GraniteMoE
-from hybridpd.engine.model.step_context import StepContext, build_step_context
+from hybridpd.engine.model.paged_lm import PagedCausalLM
+from hybridpd.engine.model.step_context import StepContext
 
 
 class DecoderLayer(nn.Module):
@@ -67,57 +64,26 @@ class HybridBackbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class HybridLM(nn.Module):
+class HybridLM(PagedCausalLM):
     def __init__(self, config: HybridConfig, dtype: torch.dtype) -> None:
-        super().__init__()
+        rope = RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_embedding_type == "rope" else None
+        super().__init__(dtype, config.mamba_chunk_size, rope)
         self.config = config
-        self.dtype = dtype
+        self.embedding_multiplier = config.embedding_multiplier
+        self.logits_scaling = config.logits_scaling
         self.model = HybridBackbone(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.decode_kv = DecodeKV()
-        self.rope = (
-            RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_embedding_type == "rope" else None
-        )
 
-    def kv_cache_specs(self, block_size: int, mamba_interval: int) -> dict[int, KVCacheSpec]:
-        """Layer id -> spec. Mamba slots: conv state in the model dtype, ssm state in float32."""
-        specs: dict[int, KVCacheSpec] = {}
-        c = self.config
-        for layer_id, layer in enumerate(self.model.layers):
-            if layer.mixer_name == "mamba":
-                mixer: Mamba2Mixer = layer.mamba
-                specs[layer_id] = MambaSpec(
-                    block_size=mamba_interval, conv_state_shape=mixer.conv_state_shape,
-                    ssm_state_shape=mixer.ssm_state_shape, dtypes=(self.dtype, torch.float32),
-                )
-            elif c.sliding_window_per_layer[layer_id] is None:
-                specs[layer_id] = FullAttentionSpec(
-                    block_size=block_size, num_kv_heads=c.kv_heads_per_layer[layer_id], head_size=c.head_dim,
-                    dtype=self.dtype,
-                )
-            else:
-                specs[layer_id] = SlidingWindowSpec(
-                    block_size=block_size, num_kv_heads=c.kv_heads_per_layer[layer_id], head_size=c.head_dim,
-                    dtype=self.dtype, sliding_window=c.sliding_window_per_layer[layer_id],
-                )
-        return specs
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCacheStorage) -> torch.Tensor:
-        """[S, vocab] float32 logits of the rows `batch.logits_indices`; writes the step's KV and Mamba states."""
-        rope = None
-        if self.rope is not None:
-            rope = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
-        self.decode_kv.bind(kv)
-        ctx = build_step_context(batch, kv.groups, self.config.mamba_chunk_size, rope, self.decode_kv)
-        h = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
-        try:
-            for layer in self.model.layers:
-                h = layer.forward(h, ctx, kv)
-        except BaseException:
-            self.decode_kv.end_runs()  # some layers may have appended, others not
-            raise
-        h = self.model.norm.forward(h[batch.logits_indices])
-        return (F.linear(h, self.lm_head.weight) / self.config.logits_scaling).float()
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
+        return {i: layer.get_submodule(layer.mixer_name) for i, layer in enumerate(self.model.layers)}

@@ -9,13 +9,15 @@ needs and the checkpoint lacks, is an error that names it: nothing is ever left 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridpd.engine.model.config import CheckpointError, HybridConfig
-from hybridpd.engine.model.hybrid_lm import HybridLM
+from hybridpd.engine.model.config import CheckpointError, read_config_json
+from hybridpd.engine.model.paged_lm import PagedCausalLM
+from hybridpd.engine.model.registry import ModelConfig, family_for
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,13 +61,32 @@ def read_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     return weights
 
 
-def load_model(model_dir: Path, dtype: torch.dtype) -> tuple[HybridConfig, HybridLM]:
+def read_model_config(model_dir: Path) -> tuple[ModelConfig, Callable[[torch.dtype], PagedCausalLM]]:
+    """The checkpoint's config (its family's own type) and a builder of its model."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir} is not a checkpoint directory: no config.json in it")
+    try:
+        raw = read_config_json(path)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    try:
+        family = family_for(raw)
+        config = family.parse_config(raw)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    return config, lambda dtype: family.build(config, dtype)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype) -> tuple[ModelConfig, PagedCausalLM]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
-    config = HybridConfig.from_model_dir(model_dir)
+    config, build = read_model_config(model_dir)
     weights = read_weights(model_dir, dtype)
-    model = HybridLM(config, dtype)
+    model = build(dtype)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         weights.pop(TIED_HEAD, None)  # tied: the embedding is the head

@@ -1,0 +1,199 @@
+"""`NemotronHConfig`: a `NemotronHForCausalLM` config.json read the way transformers 5.x reads it.
+
+Layers come from `layers_block_type` (`linear_attention`/`mamba`, `full_attention`/`attention`, `mlp`, `moe`) or
+from the legacy `hybrid_override_pattern` string (`M` Mamba2, `*` attention, `-` MLP, `E` MoE); each layer is a norm,
+one mixer and a residual. Defaults are transformers' `NemotronHConfig` defaults; its Mamba-side aliases
+(`mamba_n_groups`, `mamba_d_conv`, `mamba_chunk_size`, ...) are accepted. The attention and Mamba2 fields that the
+shared modules read are carried by a `HybridConfig` (`shared`), so those modules serve both families unchanged:
+no RoPE, softmax scale head_dim^-0.5, no multipliers, and Mamba's dt clamped below at `time_step_min` (transformers'
+Nemotron-H mixer ignores `time_step_limit`). The two extension keys (`kv_heads_per_layer`,
+`sliding_window_per_layer`) apply to the attention layers as in Granite.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpd.engine.model.config import HybridConfig, int_field, parse_dtype, parse_eos_ids, per_layer_list
+
+
+class BlockType(enum.Enum):
+    MAMBA = "mamba"
+    ATTENTION = "attention"
+    MLP = "mlp"
+    MOE = "moe"
+
+
+_BLOCK_NAMES = {
+    "linear_attention": BlockType.MAMBA, "mamba": BlockType.MAMBA,
+    "full_attention": BlockType.ATTENTION, "attention": BlockType.ATTENTION,
+    "mlp": BlockType.MLP, "moe": BlockType.MOE,
+}
+_PATTERN = {"M": BlockType.MAMBA, "*": BlockType.ATTENTION, "-": BlockType.MLP, "E": BlockType.MOE}
+_ACTIVATIONS = ("relu2",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NemotronHConfig:
+    shared: HybridConfig                 # attention/Mamba fields for the shared modules, and the common ones
+    block_types: tuple[BlockType, ...]
+    intermediate_size: int               # of an MLP layer
+    mlp_bias: bool
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    def __post_init__(self) -> None:
+        if BlockType.MOE in self.block_types:
+            if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..n_routed_experts ({self.n_routed_experts}), "
+                                 f"got {self.num_experts_per_tok}")
+            if self.n_group < 1 or self.n_routed_experts % self.n_group:
+                raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts})")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"topk_group must be in 1..n_group ({self.n_group}), got {self.topk_group}")
+            if self.n_routed_experts // self.n_group < 2:
+                raise ValueError("each expert group needs at least 2 experts (the group score sums the top 2)")
+
+    # the fields every family's config exposes (registry.ModelConfig)
+    @property
+    def vocab_size(self) -> int:
+        return self.shared.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.shared.max_position_embeddings
+
+    @property
+    def mamba_chunk_size(self) -> int:
+        return self.shared.mamba_chunk_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.shared.eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.shared.bos_token_id
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.shared.tie_word_embeddings
+
+    @property
+    def has_mamba(self) -> bool:
+        return BlockType.MAMBA in self.block_types
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> NemotronHConfig:
+        return parse_nemotron_h(raw)
+
+
+def _block_types(raw: dict[str, Any]) -> tuple[BlockType, ...]:
+    listed = raw.get("layers_block_type", raw.get("layer_types"))
+    if listed is not None:
+        if not isinstance(listed, list) or not listed:
+            raise ValueError(f"layers_block_type must be a non-empty list, got {listed!r}")
+        unknown = sorted({str(t) for t in listed if t not in _BLOCK_NAMES})
+        if unknown:
+            raise ValueError(f"layers_block_type has unknown entries {unknown}; supported: {sorted(_BLOCK_NAMES)}")
+        return tuple(_BLOCK_NAMES[t] for t in listed)
+    pattern = raw.get("hybrid_override_pattern")
+    if pattern is None:  # transformers' default
+        return (BlockType.MAMBA, BlockType.MOE, BlockType.ATTENTION, BlockType.MLP)
+    if not isinstance(pattern, str) or not pattern or any(c not in _PATTERN for c in pattern):
+        raise ValueError(f"hybrid_override_pattern {pattern!r} is not supported; supported: a string of M * - E")
+    return tuple(_PATTERN[c] for c in pattern)
+
+
+def parse_nemotron_h(raw: dict[str, Any]) -> NemotronHConfig:
+    architectures = raw.get("architectures")
+    if architectures is not None and "NemotronHForCausalLM" not in architectures:
+        raise ValueError(f"architectures {architectures} is not supported; supported: ['NemotronHForCausalLM']")
+    for key, value, supported in (("mlp_hidden_act", raw.get("mlp_hidden_act", "relu2"), _ACTIVATIONS),
+                                  ("mamba_hidden_act", raw.get("mamba_hidden_act", "silu"), ("silu",))):
+        if value not in supported:
+            raise ValueError(f"{key} {value!r} is not supported; supported: {', '.join(supported)}")
+    if raw.get("moe_latent_size") is not None:
+        raise ValueError(f"moe_latent_size {raw['moe_latent_size']!r} is not supported; supported: null")
+    if raw.get("num_nextn_predict_layers"):
+        raise ValueError(f"num_nextn_predict_layers {raw['num_nextn_predict_layers']!r} is not supported; "
+                         "supported: 0 (multi-token prediction layers are not served)")
+    if raw.get("attention_bias"):
+        raise ValueError("attention_bias true is not supported; supported: false (transformers' Nemotron-H has none)")
+    blocks = _block_types(raw)
+    num_layers = len(blocks)
+    is_attention = tuple(b is BlockType.ATTENTION for b in blocks)
+    hidden = int_field(raw, "hidden_size", 4096)
+    heads = int_field(raw, "num_attention_heads", 32)
+    kv_heads = int_field(raw, "num_key_value_heads", heads)
+    head_dim = int_field(raw, "head_dim", 128)
+    kv_per_layer = per_layer_list(raw, "kv_heads_per_layer", num_layers)
+    windows = per_layer_list(raw, "sliding_window_per_layer", num_layers)
+    n_heads = int_field(raw, "mamba_num_heads", 128)
+    d_head = int_field(raw, "mamba_head_dim", 64)
+    step_min = raw.get("time_step_min", raw.get("mamba_dt_min", 0.001))
+    if isinstance(step_min, bool) or not isinstance(step_min, (int, float)) or step_min < 0:
+        raise ValueError(f"time_step_min must be a non-negative number, got {step_min!r}")
+    eps = float(raw.get("layer_norm_epsilon", 1e-5))
+    shared = HybridConfig(
+        vocab_size=int_field(raw, "vocab_size", 131072),
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        shared_intermediate_size=1,   # Granite-only (its shared MLP); unused here
+        max_position_embeddings=int_field(raw, "max_position_embeddings", 4096),
+        rms_norm_eps=eps,
+        attention_bias=False,
+        embedding_multiplier=1.0,
+        attention_multiplier=head_dim ** -0.5,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        position_embedding_type=None,
+        rope_theta=10000.0,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id", 1),
+        eos_token_ids=parse_eos_ids(raw),
+        checkpoint_dtype=parse_dtype(raw),
+        num_local_experts=0,           # Nemotron-H's experts live in its MoE layers, not Granite's block_sparse_moe
+        num_experts_per_tok=0,
+        intermediate_size=0,
+        layer_is_attention=is_attention,
+        kv_heads_per_layer=tuple((kv_heads if kv is None else kv) if attn else 0
+                                 for attn, kv in zip(is_attention, kv_per_layer)),
+        sliding_window_per_layer=tuple(w if attn else None for attn, w in zip(is_attention, windows)),
+        mamba_n_heads=n_heads,
+        mamba_n_groups=int_field(raw, "n_groups", int_field(raw, "mamba_n_groups", 8)),
+        mamba_d_state=int_field(raw, "ssm_state_size", 128),
+        mamba_d_head=d_head,
+        mamba_d_conv=int_field(raw, "conv_kernel", int_field(raw, "mamba_d_conv", 4)),
+        mamba_expand=int_field(raw, "expand", 2),
+        mamba_chunk_size=int_field(raw, "chunk_size", int_field(raw, "mamba_chunk_size", 128)),
+        mamba_conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
+        mamba_proj_bias=bool(raw.get("use_bias", False)),
+        time_step_limit=(float(step_min), math.inf),
+    )
+    return NemotronHConfig(
+        shared=shared,
+        block_types=blocks,
+        intermediate_size=int_field(raw, "intermediate_size", 21504),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        n_routed_experts=int_field(raw, "n_routed_experts", 8),
+        num_experts_per_tok=int_field(raw, "num_experts_per_tok", 2),
+        moe_intermediate_size=int_field(raw, "moe_intermediate_size", 7688),
+        moe_shared_expert_intermediate_size=int_field(raw, "moe_shared_expert_intermediate_size", 7688),
+        n_group=int_field(raw, "n_group", 1),
+        topk_group=int_field(raw, "topk_group", 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+    )

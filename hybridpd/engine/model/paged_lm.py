@@ -1,0 +1,94 @@
+"""`PagedCausalLM`: what every model family shares over the paged hybrid KV cache.
+
+A family (Granite-4.0-H, Nemotron-H) builds its own modules under transformers' parameter names and tells this
+base where they are: the token embedding, the decoder layers (each `forward(h, ctx, kv)`), the final norm, the head,
+and its two scalars (embedding multiplier, logits divisor). The KV specs come from the layers' mixers: an attention
+mixer declares full attention or its window, a Mamba2 mixer its state slot; a layer without a cache (an MLP or MoE
+layer of Nemotron-H) declares nothing. So the KV cache, scheduler and connector never learn which family they serve.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from hybridpd.engine.kv_cache.storage import KVCacheStorage
+from hybridpd.engine.model.attention import Attention
+from hybridpd.engine.model.decode_kv import DecodeKV
+from hybridpd.engine.model.forward_batch import ForwardBatch
+from hybridpd.engine.model.layers import RotaryEmbedding
+from hybridpd.engine.model.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.step_context import build_step_context
+
+
+class PagedCausalLM(nn.Module):
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def __init__(self, dtype: torch.dtype, mamba_chunk_size: int, rope: RotaryEmbedding | None) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.mamba_chunk_size = mamba_chunk_size
+        self.rope = rope
+        self.decode_kv = DecodeKV()
+
+    # -- what a family provides ---------------------------------------------------------------------------------
+    def embedding(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    def decoder_layers(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
+        """Layer id -> the mixer of each layer that keeps a cache (attention or Mamba2)."""
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------------------------
+    def kv_cache_specs(self, block_size: int, mamba_interval: int) -> dict[int, KVCacheSpec]:
+        """Layer id -> spec. Mamba slots: conv state in the model dtype, ssm state in float32."""
+        specs: dict[int, KVCacheSpec] = {}
+        for layer_id, mixer in self.cache_mixers().items():
+            if isinstance(mixer, Mamba2Mixer):
+                specs[layer_id] = MambaSpec(
+                    block_size=mamba_interval, conv_state_shape=mixer.conv_state_shape,
+                    ssm_state_shape=mixer.ssm_state_shape, dtypes=(self.dtype, torch.float32),
+                )
+            elif mixer.sliding_window is None:
+                specs[layer_id] = FullAttentionSpec(
+                    block_size=block_size, num_kv_heads=mixer.num_kv_heads, head_size=mixer.head_dim,
+                    dtype=self.dtype,
+                )
+            else:
+                specs[layer_id] = SlidingWindowSpec(
+                    block_size=block_size, num_kv_heads=mixer.num_kv_heads, head_size=mixer.head_dim,
+                    dtype=self.dtype, sliding_window=mixer.sliding_window,
+                )
+        return specs
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCacheStorage) -> torch.Tensor:
+        """[S, vocab] float32 logits of the rows `batch.logits_indices`; writes the step's KV and Mamba states."""
+        rope = None
+        if self.rope is not None:
+            rope = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
+        self.decode_kv.bind(kv)
+        ctx = build_step_context(batch, kv.groups, self.mamba_chunk_size, rope, self.decode_kv)
+        h = self.embedding()(batch.input_ids)
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
+        try:
+            for layer in self.decoder_layers():
+                h = layer.forward(h, ctx, kv)
+        except BaseException:
+            self.decode_kv.end_runs()  # some layers may have appended, others not
+            raise
+        h = self.final_norm().forward(h[batch.logits_indices])
+        logits = F.linear(h, self.lm_head.weight)
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits.float()
