@@ -15,56 +15,19 @@ import math
 
 import pytest
 import torch
-from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from hybridpd.engine.model.config import read_config_json
+from tests.oracle.saved_models import GRANITE_VARIANTS, greedy_reference, save_granite
 from tests.oracle.test_engine_vs_transformers import (
     Recorder, assert_drained, check_against_reference, make_engine, prompt, run,
 )
 
-SHAPE = dict(
-    vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    shared_intermediate_size=96, intermediate_size=48, layer_types=["mamba", "attention", "mamba", "attention"],
-    mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=8, mamba_n_groups=2,
-    position_embedding_type="rope", max_position_embeddings=512, embedding_multiplier=2.0,
-    attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=1.5, eos_token_id=[298, 299],
-    bos_token_id=297, pad_token_id=0, tie_word_embeddings=False,
-)
-VARIANTS = {
-    "dense": dict(num_local_experts=0),
-    "moe": dict(num_local_experts=6, num_experts_per_tok=2),
-    "moe_sharded_bf16": dict(num_local_experts=4, num_experts_per_tok=3, tie_word_embeddings=True),
-}
 
-
-def _useful_scale(model: torch.nn.Module, seed: int) -> None:
-    """transformers' init (std 0.02) gives near-uniform logits; fan-in scaled weights spread them."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("A_log", "D", "dt_bias") or "norm" in name:
-                continue
-            std = 0.5 if "embed_tokens" in name else 1.0 / math.sqrt(param.shape[-1])
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
-
-
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=sorted(GRANITE_VARIANTS))
 def saved(request, tmp_path_factory):
     torch.set_num_threads(1)
     variant = request.param
-    config = GraniteMoeHybridConfig(**(SHAPE | VARIANTS[variant]))
-    torch.manual_seed(0)
-    model = GraniteMoeHybridForCausalLM(config).eval()
-    _useful_scale(model, seed=len(variant))
-    out = tmp_path_factory.mktemp(variant)
-    if variant.endswith("bf16"):
-        model.to(torch.bfloat16).save_pretrained(out, max_shard_size="150KB")
-    else:
-        model.save_pretrained(out)
-    reference = GraniteMoeHybridForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
-    return variant, out, reference
+    return (variant, *save_granite(tmp_path_factory.mktemp(variant), variant))
 
 
 def test_transformers_wrote_what_users_have(saved):
@@ -89,9 +52,7 @@ def test_engine_matches_transformers_alone_and_with_a_prefix_hit(saved):
     requests = {"a": prompt(1, 37), "b": prompt(2, 21)}
     outputs = run(engine, requests, max_tokens=8)
     check_against_reference(reference, requests, outputs, recorder)
-    greedy = reference.generate(torch.tensor([requests["a"]]), max_new_tokens=8, do_sample=False,
-                                min_new_tokens=8, pad_token_id=0)
-    assert outputs["a"] == greedy[0, len(requests["a"]):].tolist()
+    assert outputs["a"] == greedy_reference(reference, list(requests["a"]), 8)
 
     recorder.rows.clear()
     second = {"c": requests["a"][:32] + prompt(3, 6)}

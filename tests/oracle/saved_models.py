@@ -1,0 +1,97 @@
+"""Small random models built in transformers and written by its own `save_pretrained` (what users arrive with).
+
+Weights get a useful scale (transformers' std-0.02 init gives near-uniform logits, where greedy comparisons say
+little). Each builder returns the directory and the transformers reference model for it (float32, eager).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+from tests.oracle.reference import _patch_kv_heads, _patch_window
+
+GRANITE_SHAPE = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    shared_intermediate_size=96, intermediate_size=48, layer_types=["mamba", "attention", "mamba", "attention"],
+    mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=8, mamba_n_groups=2,
+    position_embedding_type="rope", max_position_embeddings=512, embedding_multiplier=2.0,
+    attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=1.5, eos_token_id=[298, 299],
+    bos_token_id=297, pad_token_id=0, tie_word_embeddings=False,
+)
+GRANITE_VARIANTS = {
+    "dense": dict(num_local_experts=0),
+    "moe": dict(num_local_experts=6, num_experts_per_tok=2),
+    "moe_sharded_bf16": dict(num_local_experts=4, num_experts_per_tok=3, tie_word_embeddings=True),
+}
+NEMOTRON_SHAPE = dict(
+    vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=96, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=8,
+    n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, moe_shared_expert_intermediate_size=40,
+    n_group=3, topk_group=2, routed_scaling_factor=1.5, max_position_embeddings=512, eos_token_id=[298, 299],
+    bos_token_id=297, pad_token_id=0, time_step_min=0.001,
+)
+NEMOTRON_VARIANTS = {
+    "moe": dict(hybrid_override_pattern="M*-EM*E"),
+    "extensions": dict(layers_block_type=["mamba", "attention", "moe", "attention", "mlp", "attention"],
+                       kv_heads_per_layer=[None, 1, None, None, None, 4],
+                       sliding_window_per_layer=[None, None, None, 7, None, 13]),
+}
+
+
+def _useful_scale(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("A_log", "D", "dt_bias") or "norm" in name:
+                continue
+            std = 0.5 if "embed" in name else 1.0 / math.sqrt(param.shape[-1])
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # non-zero: selection and weights differ
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.3)
+
+
+def save_granite(out: Path, variant: str) -> tuple[Path, GraniteMoeHybridForCausalLM]:
+    config = GraniteMoeHybridConfig(**(GRANITE_SHAPE | GRANITE_VARIANTS[variant]))
+    torch.manual_seed(0)
+    model = GraniteMoeHybridForCausalLM(config).eval()
+    _useful_scale(model, seed=len(variant))
+    if variant.endswith("bf16"):
+        model.to(torch.bfloat16).save_pretrained(out, max_shard_size="150KB")
+    else:
+        model.save_pretrained(out)
+    reference = GraniteMoeHybridForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    return out, reference.eval()
+
+
+def save_nemotron(out: Path, variant: str) -> tuple[Path, NemotronHForCausalLM]:
+    """With the extension keys the reference is the patched in-memory model (transformers cannot read them back)."""
+    config = NemotronHConfig(**(NEMOTRON_SHAPE | NEMOTRON_VARIANTS[variant]))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(config).eval()
+    layers = model.model.layers
+    windows = NEMOTRON_VARIANTS[variant].get("sliding_window_per_layer", [None] * len(layers))
+    kv_heads = NEMOTRON_VARIANTS[variant].get("kv_heads_per_layer", [None] * len(layers))
+    for layer, kv, window in zip(layers, kv_heads, windows):
+        if kv is not None:
+            _patch_kv_heads(layer.mixer, kv, config)
+        if window is not None:
+            _patch_window(layer.mixer, window)
+    _useful_scale(model, seed=len(variant))
+    model.save_pretrained(out)
+    if variant == "extensions":
+        return out, model
+    reference = NemotronHForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    return out, reference.eval()
+
+
+def greedy_reference(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
