@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from hybridpd.errors import InvalidRequestError
 
 BYTE_VOCAB = 256
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -56,13 +58,16 @@ def plain_chat_template(messages: list[dict[str, Any]]) -> str:
 class ChatTemplate:
     """A Hugging Face jinja2 chat template, rendered in a sandbox with `add_generation_prompt=True`."""
 
-    def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = self._raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda value, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+            value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
         self._template = env.from_string(source)
-        self._bos, self._eos = bos_token, eos_token
+        self._special = special_tokens  # bos_token, eos_token, pad_token, unk_token: as transformers passes them
 
     @staticmethod
     def _raise(message: str) -> None:
@@ -75,7 +80,7 @@ class ChatTemplate:
                       zip(messages, map(message_text, messages))]
         try:
             return self._template.render(
-                messages=normalized, add_generation_prompt=True, bos_token=self._bos, eos_token=self._eos
+                messages=normalized, add_generation_prompt=True, tools=None, documents=None, **self._special
             )
         except TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
@@ -89,7 +94,7 @@ class ByteTokenizer:
         self.eos_token_id = eos_token_id if eos_token_id is not None and eos_token_id < vocab_size else None
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -112,8 +117,10 @@ class HFTokenizer:
         self.eos_token_id = eos_token_id
         self._chat = chat_template
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As `AutoTokenizer(dir)(text)`: the tokenizer.json post-processor adds its special tokens (a BOS, say) unless
+        `add_special_tokens=False` (a rendered chat template already holds them, as transformers and vLLM do)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -162,10 +169,10 @@ def load_tokenizer(model_dir: Path, vocab_size: int) -> Tokenizer:
             bos_token_id=config.get("bos_token_id"),
         )
     tok_config = _read_json(model_dir / "tokenizer_config.json")
-    eos_text = _token_text(tok_config.get("eos_token")) or ""
-    bos_text = _token_text(tok_config.get("bos_token")) or ""
+    special = {name: _token_text(tok_config.get(name)) or "" for name in SPECIAL_TOKEN_NAMES}
+    eos_text = special["eos_token"]
     source = _template_source(model_dir, tok_config)
-    chat = ChatTemplate(source, bos_text, eos_text) if source else None
+    chat = ChatTemplate(source, special) if source else None
     tokenizer = HFTokenizer(tokenizer_file, vocab_size, eos, chat)
     if eos is None and eos_text:
         tokenizer.eos_token_id = tokenizer.token_to_id(eos_text)

@@ -122,7 +122,8 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
 
 
 def chat_prompt(messages: list[dict[str, str]], engine: EngineClient) -> tuple[int, ...]:
-    ids = tuple(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages)))
+    rendered = engine.tokenizer.apply_chat_template(messages)  # holds its special tokens already
+    ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=False))
     if not ids:
         raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
     return ids

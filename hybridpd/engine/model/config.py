@@ -223,8 +223,9 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
     if hidden_act != "silu":
         raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: 'silu'")
     position = raw.get("position_embedding_type")
-    if position not in (None, "rope"):
-        raise ValueError(f"position_embedding_type {position!r} is not supported; supported: 'rope' or null")
+    if position not in (None, "rope", "nope"):
+        raise ValueError(f"position_embedding_type {position!r} is not supported; supported: 'rope', 'nope' or null")
+    position = None if position == "nope" else position  # published Granite-4.0-H: no positional encoding
 
     hidden = int_field(raw, "hidden_size", 4096)
     num_layers = int_field(raw, "num_hidden_layers", 32)

@@ -1,9 +1,10 @@
 """Built-in random checkpoints (`hybridpd make-checkpoint`), and the default model generated on first use.
 
-Both presets mix every layer kind: Mamba2, full attention with two KV-head counts, sliding windows of two
-sizes. Weights come from a fixed seed, scaled so that activations stay O(1) and logits are spread (not
-uniform, not one-hot). They use the byte tokenizer (no tokenizer.json): ids 0..255 are bytes, 256 = EOS,
-257 = BOS. `tiny` writes the published spelling of `layer_types` (mamba/attention), `small` transformers'.
+A preset directory holds what transformers' `save_pretrained` writes: `config.json` (its keys and its encoding of
+non-finite floats, `{"__float__": "Infinity"}`), `generation_config.json`, `model.safetensors`, and a real BPE
+tokenizer (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`) trained offline at creation
+(preset_tokenizer.py). Shapes are in preset_shapes.py. Weights come from a fixed seed, scaled so that activations
+stay O(1) and logits are spread (not uniform, not one-hot).
 """
 
 from __future__ import annotations
@@ -20,84 +21,29 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.hybrid_lm import HybridLM
+from hybridpd.engine.model.paged_lm import PagedCausalLM
+from hybridpd.engine.model.preset_shapes import SHAPES, VOCAB_SIZES
+from hybridpd.engine.model.preset_tokenizer import SPECIAL_TOKENS, write_tokenizer
+from hybridpd.engine.model.registry import family_for
 
 DEFAULT_PRESET = "small"
 SEED = 1234
-
-_COMMON: dict[str, Any] = {
-    "architectures": ["GraniteMoeHybridForCausalLM"],
-    "model_type": "granitemoehybrid",
-    "vocab_size": 258,
-    "eos_token_id": 256,
-    "bos_token_id": 257,
-    "pad_token_id": None,
-    "hidden_act": "silu",
-    "num_local_experts": 0,
-    "num_experts_per_tok": 0,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "embedding_multiplier": 4.0,
-    "residual_multiplier": 0.5,
-    "logits_scaling": 1.25,
-    "position_embedding_type": "rope",
-    "mamba_d_conv": 4,
-    "mamba_expand": 2,
-    "mamba_conv_bias": True,
-    "mamba_proj_bias": False,
-    "torch_dtype": "float32",
-}
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": _COMMON | {
-        "hidden_size": 64,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "shared_intermediate_size": 128,
-        "intermediate_size": 128,
-        "attention_multiplier": 0.25,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "embedding_multiplier": 0.5,  # tied: keep the token's own embedding from dominating its logits
-        "layer_types": ["mamba", "attention", "mamba", "attention", "attention", "attention"],
-        "kv_heads_per_layer": [None, None, None, 1, 1, None],
-        "sliding_window_per_layer": [None, None, None, 5, None, 11],
-        "mamba_n_heads": 4,
-        "mamba_n_groups": 2,
-        "mamba_d_state": 16,
-        "mamba_d_head": 32,
-        "mamba_chunk_size": 8,
-    },
-    "small": _COMMON | {
-        "hidden_size": 128,
-        "num_hidden_layers": 10,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "shared_intermediate_size": 256,
-        "intermediate_size": 256,
-        "attention_multiplier": 1 / math.sqrt(32),
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": False,
-        "layer_types": [
-            "linear_attention", "full_attention", "linear_attention", "full_attention", "linear_attention",
-            "full_attention", "linear_attention", "full_attention", "linear_attention", "full_attention",
-        ],
-        "kv_heads_per_layer": [None, None, None, 1, None, 1, None, None, None, None],
-        "sliding_window_per_layer": [None, None, None, 64, None, None, None, 160, None, None],
-        "mamba_n_heads": 4,
-        "mamba_n_groups": 1,
-        "mamba_d_state": 32,
-        "mamba_d_head": 64,
-        "mamba_chunk_size": 32,
-    },
-}
+# Bumped whenever what a preset writes changes: the default-model cache keys its directories by it, so a cache
+# written by an older version is never served as the current preset.
+FORMAT_VERSION = 2
 
 
-def _random_weights(model: HybridLM, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def _with_tokenizer_ids(shape: dict[str, Any], vocab: int) -> dict[str, Any]:
+    eos = vocab - len(SPECIAL_TOKENS)  # the special tokens come last, <|end_of_text|> first among them
+    return shape | {"vocab_size": vocab, "eos_token_id": eos, "bos_token_id": eos}
+
+
+# preset name -> its whole config.json content (as a Python dict; inf as float)
+PRESETS: dict[str, dict[str, Any]] = {name: _with_tokenizer_ids(shape, VOCAB_SIZES[name])
+                                      for name, shape in SHAPES.items()}
+
+
+def _random_weights(model: PagedCausalLM, generator: torch.Generator) -> dict[str, torch.Tensor]:
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * std + mean
 
@@ -107,15 +53,15 @@ def _random_weights(model: HybridLM, generator: torch.Generator) -> dict[str, to
     weights = {}
     for name, param in model.state_dict().items():
         leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("embed_tokens.weight"):
+        if name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
             value = normal(param.shape, 0.15)
         elif name == "lm_head.weight":
             value = normal(param.shape, 2.5 / math.sqrt(param.shape[-1]))
-        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        elif name.rsplit(".", 2)[-2].startswith("norm") or name.endswith("layernorm.weight"):
             value = normal(param.shape, 0.1, mean=1.0)
         elif name.endswith("conv1d.weight"):
             value = normal(param.shape, 0.5)
-        elif leaf == "bias":
+        elif leaf in ("bias", "e_score_correction_bias"):
             value = normal(param.shape, 0.1)
         elif leaf == "dt_bias":  # softplus(dt_bias) in [0.01, 0.2]
             dt = torch.exp(uniform(param.shape, math.log(0.01), math.log(0.2)))
@@ -130,33 +76,52 @@ def _random_weights(model: HybridLM, generator: torch.Generator) -> dict[str, to
     return weights
 
 
+def _json_value(value: Any) -> Any:
+    """transformers' JSON encoding: non-finite floats as {"__float__": "Infinity"} (strict JSON has none)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_value(v) for v in value]
+    return value
+
+
 def write_checkpoint(preset: str, out: Path) -> Path:
-    """Write config.json + model.safetensors of `preset` into `out` (created if needed); return `out`."""
+    """Write the preset's whole directory into `out` (created if needed); return `out`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     raw = PRESETS[preset]
-    config = HybridConfig.from_dict(raw)
-    model = HybridLM(config, torch.float32)
-    weights = _random_weights(model, torch.Generator().manual_seed(SEED))
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_tokenizer(out, VOCAB_SIZES[preset], raw["max_position_embeddings"])
+    if (tokenizer.vocab_size, tokenizer.eos_token_id) != (raw["vocab_size"], raw["eos_token_id"]):
+        raise RuntimeError(f"preset {preset}: the trained tokenizer has {tokenizer.vocab_size} tokens and eos "
+                           f"{tokenizer.eos_token_id}, the config says {raw['vocab_size']} and {raw['eos_token_id']}")
+    family = family_for(raw)
+    model = family.build(family.parse_config(raw), torch.float32)
+    weights = _random_weights(model, torch.Generator().manual_seed(SEED))
+    if raw.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(_json_value(raw), indent=2) + "\n")
+    generation = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"],
+                  "pad_token_id": raw.get("pad_token_id")}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
 
 
 def default_model_dir(preset: str = DEFAULT_PRESET, cache_root: Path | None = None) -> Path:
     """The preset's checkpoint under `cache_root` ($HYBRIDPD_CACHE, else ~/.cache/hybridpd), made on first use.
 
-    Written into a temporary sibling directory and renamed into place, so a reader never sees half a
-    checkpoint; when two processes race, the loser's copy is discarded.
+    Kept under `<preset>-v<FORMAT_VERSION>`, so an older version's directory is never served. Written into a
+    temporary sibling directory and renamed into place, so a reader never sees half a checkpoint; when two
+    processes race, the loser's copy is discarded.
     """
     if cache_root is None:
         env = os.environ.get("HYBRIDPD_CACHE")
         cache_root = Path(env) if env else Path.home() / ".cache" / "hybridpd"
-    target = Path(cache_root) / preset
+    target = Path(cache_root) / f"{preset}-v{FORMAT_VERSION}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ def with_remote(engine, n_prompt: int, **changes) -> EngineRequest:
 
 @pytest.mark.parametrize("make_request, field, message", [
     (lambda e: greedy("a", ()), "prompt", "empty"),
-    (lambda e: greedy("a", (1, 2, 258)), "prompt", "outside the vocabulary"),
+    (lambda e: greedy("a", (1, 2, e.model_config.vocab_size)), "prompt", "outside the vocabulary"),
     (lambda e: greedy("a", (-1, 2)), "prompt", "outside the vocabulary"),
     (lambda e: greedy("a", (1,) * 120, max_tokens=9), "max_tokens", "maximum context length is 128"),
     (lambda e: greedy("a", (1,) * 129, max_tokens=1), "max_tokens", "maximum context length"),

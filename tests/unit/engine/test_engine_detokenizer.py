@@ -19,7 +19,7 @@ class PieceTokenizer:
         self.pieces = list(pieces)
         self.vocab_size = len(pieces)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -69,6 +69,7 @@ def test_layer_kinds(overrides, kinds, kv_heads, windows):
     ({"rope_scaling": {"type": "default", "rope_theta": 3e4}}, "rope_theta", 3e4),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_theta", 1e6),
     ({"rope_parameters": None, "rope_theta": 7e3}, "rope_theta", 7e3),
+    ({"position_embedding_type": "nope"}, "position_embedding_type", None),   # published Granite-4.0-H
     ({}, "checkpoint_dtype", "float32"),
     ({"torch_dtype": "bfloat16"}, "checkpoint_dtype", "bfloat16"),
     ({"dtype": "float16"}, "checkpoint_dtype", "float16"),

@@ -20,7 +20,7 @@ class ByteTokenizer:
     eos_token_id = EOS
     vocab_size = 260
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
