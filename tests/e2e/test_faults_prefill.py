@@ -145,7 +145,9 @@ def other_prefill(model, logs, tmp_path) -> Iterator[NodeProcess]:
     other.mkdir()
     config = json.loads((model / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "rope_theta": 20000.0}, indent=2))
-    (other / "model.safetensors").symlink_to(model / "model.safetensors")
+    for path in model.iterdir():  # the same weights and tokenizer files
+        if path.name != "config.json":
+            (other / path.name).symlink_to(path)
     slot = NodeSlot(other, logs, (*NODE_ARGS, "--kv-lease-seconds", LEASE_S), "prefill-other")
     try:
         yield slot.get()

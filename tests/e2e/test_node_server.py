@@ -15,8 +15,20 @@ from tests.e2e.nodes import assert_blocks_free, start_node
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    model_dir = write_checkpoint("tiny", tmp_path_factory.mktemp("model"))
+def model_dir(tmp_path_factory):
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    """The reference: what transformers' AutoTokenizer makes of the same directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def node(model_dir, tmp_path_factory):
     n = start_node(model_dir, tmp_path_factory.mktemp("logs"), ["--num-blocks", "256", "--max-model-len", "512"])
     try:
         yield n
@@ -28,24 +40,30 @@ def completion(prompt, **kw):
     return {"prompt": prompt, "max_tokens": 8, "temperature": 0, **kw}
 
 
-def test_models_health_tokenize(node):
+def test_models_health_tokenize(node, hf_tokenizer):
     models = node.get_json("/v1/models")
     assert models["object"] == "list" and models["data"][0]["max_model_len"] == 512
     assert node.get_json("/health")["status"] == "ok"
-    status, tok = node.post_json("/tokenize", {"prompt": "hello"})
-    assert status == 200 and tok["count"] == 5 and tok["tokens"] == list(b"hello")
+    for text in ("hello", "The quick brown fox, café 日本語!", "<|end_of_text|>"):
+        status, tok = node.post_json("/tokenize", {"prompt": text})
+        expected = hf_tokenizer(text)["input_ids"]
+        assert status == 200 and tok["tokens"] == expected and tok["count"] == len(expected)
 
 
-def test_completion_and_return_token_ids(node):
-    status, body = node.post_json("/v1/completions", completion("The quick brown fox", return_token_ids=True))
+def test_completion_and_return_token_ids(node, hf_tokenizer):
+    text = "The quick brown fox jumps over the lazy dog and back again, twice"
+    ids = hf_tokenizer(text)["input_ids"]
+    assert len(ids) >= 16
+    status, body = node.post_json("/v1/completions", completion(text, return_token_ids=True))
     assert status == 200, body
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and choice["finish_reason"] in ("length", "stop")
-    assert body["usage"]["prompt_tokens"] == len("The quick brown fox")
-    assert body["prompt_token_ids"] == list(b"The quick brown fox")
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["prompt_token_ids"] == ids
     assert len(choice["token_ids"]) == body["usage"]["completion_tokens"]
+    assert choice["text"] == hf_tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
     # greedy is deterministic, and a token-id prompt gives the same answer as its text
-    status, again = node.post_json("/v1/completions", completion(list(b"The quick brown fox"), return_token_ids=True))
+    status, again = node.post_json("/v1/completions", completion(ids, return_token_ids=True))
     assert status == 200 and again["choices"][0]["token_ids"] == choice["token_ids"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the first request's blocks hit
 

@@ -1,0 +1,78 @@
+"""Our tokenizer against `AutoTokenizer.from_pretrained(dir)` on every preset (offline): encode (what `/tokenize`
+returns), decode, and the chat template rendered for `/v1/chat/completions`."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from hybridpd.engine.model.presets import PRESETS
+from hybridpd.engine.model.preset_tokenizer import write_tokenizer
+from hybridpd.engine.model.preset_shapes import VOCAB_SIZES
+from hybridpd.engine.tokenizer import load_tokenizer
+
+TEXTS = [
+    "Hello world, the cache block!",
+    "café naïve über — €5 ½ 日本語",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+    "<|end_of_text|> a special token inside text <|start_of_role|>user<|end_of_role|>",
+    "",
+    "1234567890 3.14159 x=y+z; {\"json\": [1, 2]}",
+    "🙂 emoji and \u200b zero width",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a prefix cache?"},
+     {"role": "assistant", "content": "A cache of computed prefixes."}, {"role": "user", "content": "And P/D?"}],
+]
+
+
+@pytest.fixture(scope="module", params=sorted({VOCAB_SIZES[p] for p in PRESETS}), ids=lambda v: f"vocab{v}")
+def pair(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    write_tokenizer(out, request.param, 4096)
+    return load_tokenizer(out, request.param), AutoTokenizer.from_pretrained(out)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_and_decode_equal_transformers(pair, text, monkeypatch):
+    ours, theirs = pair
+    ids = ours.encode(text)
+    assert ids == theirs(text)["input_ids"]
+    assert ours.encode(text, add_special_tokens=False) == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_template_renders_as_transformers(pair, messages):
+    ours, theirs = pair
+    rendered = ours.apply_chat_template(messages)
+    assert rendered == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.encode(rendered, add_special_tokens=False) == theirs.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+def test_special_tokens_are_single_ids(pair):
+    ours, theirs = pair
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert len(ours.encode("<|end_of_text|>")) == 1
+
+
+def test_a_post_processor_that_adds_bos_is_honoured(tmp_path):
+    """Llama-style tokenizers add BOS through tokenizer.json's post-processor: `/tokenize` has it, chat does not
+    add a second one (the rendered template starts with its own)."""
+    from tokenizers import Tokenizer, processors
+
+    write_tokenizer(tmp_path, 512, 4096)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos = tokenizer.token_to_id("<|start_of_role|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|start_of_role|> $A", pair="<|start_of_role|> $A $B", special_tokens=[("<|start_of_role|>", bos)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    ours, theirs = load_tokenizer(tmp_path, 512), AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs(text)["input_ids"]
+        assert ours.encode(text)[:1] == [bos]
+    messages = CONVERSATIONS[1]
+    assert ours.encode(ours.apply_chat_template(messages), add_special_tokens=False) == theirs.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
