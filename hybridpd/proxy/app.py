@@ -26,9 +26,10 @@ from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.responses import (
-    invalid_request, sse_error_event, upstream_failed, upstream_rejected,
+    invalid_request, no_upstream, sse_error_event, upstream_failed, upstream_rejected,
 )
-from hybridpd.proxy.routing import Router
+from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, discovery_context
+from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,12 @@ class Proxy:
         self.config = config
         self.metrics = ProxyMetrics()
         self.routers = {
-            Role.PREFILL: Router(config.prefillers, config.routing),
-            Role.DECODE: Router(config.decoders, config.routing),
+            Role.PREFILL: Router(config.prefillers, config.routing, Role.PREFILL.value),
+            Role.DECODE: Router(config.decoders, config.routing, Role.DECODE.value),
         }
+        resolver = DnsResolver(config.dns_server, timeout=config.connect_timeout)
+        self.discoveries = tuple(DnsDiscovery(source, self.routers[source.role], resolver)
+                                 for source in config.dns_sources)
         self._client: UpstreamClient | None = None
 
     @property
@@ -86,6 +90,8 @@ class Proxy:
             return await self._decode(request, path, decode_body(body, kv_params), request_id)
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
+        except NoUpstreamError as exc:
+            return no_upstream(str(exc), request_id)
         except UpstreamError as exc:
             logger.warning("request %s: %s", request_id, exc)
             return upstream_failed(exc, request_id)
@@ -134,7 +140,10 @@ class Proxy:
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         router = self.routers[Role.DECODE]
-        upstream = router.pick()
+        try:
+            upstream = router.pick()
+        except NoUpstreamError as exc:
+            return no_upstream(str(exc), request_id)
         try:
             status, data, content_type = await self.client.get(router, upstream, "/v1/models")
         except UpstreamError as exc:
@@ -142,7 +151,8 @@ class Proxy:
         return web.Response(status=status, body=data, headers={"Content-Type": content_type})
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        status, body = health_body(await check_all(self.client, self.config.upstreams))
+        current = self.routers[Role.PREFILL].upstreams + self.routers[Role.DECODE].upstreams
+        status, body = health_body(await check_all(self.client, current))
         return web.json_response(body, status=status)
 
     async def prometheus(self, request: web.Request) -> web.StreamResponse:
@@ -167,6 +177,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     app = web.Application()
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.client_session)
+    app.cleanup_ctx.append(discovery_context(proxy.discoveries, config.dns_interval))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.models)

@@ -46,6 +46,29 @@ class Upstream:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DnsSource:
+    """A role's nodes from DNS: every A (and AAAA) record of `name` is a node listening on `port`."""
+
+    role: Role
+    name: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError(f"{self.role.value} DNS name must not be empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"{self.role.value} DNS port out of range: {self.port}")
+
+    @classmethod
+    def parse(cls, role: Role, text: str) -> DnsSource:
+        """`NAME:PORT` (as `--prefiller-dns prefill.hybridpd.svc.cluster.local:8100`)."""
+        name, sep, port = text.rpartition(":")
+        if not sep or not name or not port.isdigit():
+            raise ValueError(f"a DNS source is NAME:PORT, got {text!r}")
+        return cls(role=role, name=name, port=int(port))
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -57,12 +80,18 @@ class ProxyConfig:
     connect_timeout: float = 5.0     # seconds to open a connection to any node
     health_timeout: float = 2.0      # seconds for one upstream's GET /health
     cluster_token: str | None = field(default=None, repr=False)
+    prefill_dns: DnsSource | None = None   # nodes from DNS, re-resolved every dns_interval (static ones are then ())
+    decode_dns: DnsSource | None = None
+    dns_interval: float = 5.0
+    dns_server: tuple[str, int] | None = None  # None: the system's resolver
 
     def __post_init__(self) -> None:
-        if not self.prefillers:
-            raise ValueError("at least one prefill node is required")
-        if not self.decoders:
-            raise ValueError("at least one decode node is required")
+        if not self.prefillers and self.prefill_dns is None:
+            raise ValueError("at least one prefill node is required (or --prefiller-dns)")
+        if not self.decoders and self.decode_dns is None:
+            raise ValueError("at least one decode node is required (or --decoder-dns)")
+        if self.dns_interval <= 0:
+            raise ValueError(f"--dns-interval must be positive, got {self.dns_interval}")
         if any(u.role is not Role.PREFILL for u in self.prefillers):
             raise ValueError("prefillers must all have Role.PREFILL")
         if any(u.role is not Role.DECODE for u in self.decoders):
@@ -75,4 +104,9 @@ class ProxyConfig:
 
     @property
     def upstreams(self) -> tuple[Upstream, ...]:
+        """The static nodes (a role discovered through DNS has none here: see the routers)."""
         return self.prefillers + self.decoders
+
+    @property
+    def dns_sources(self) -> tuple[DnsSource, ...]:
+        return tuple(s for s in (self.prefill_dns, self.decode_dns) if s is not None)

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
-from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
+from hybridpd.proxy.config import DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -18,10 +18,21 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", default=["127.0.0.1"])
-    parser.add_argument("--prefiller-ports", "--prefiller-port", type=int, nargs="+", default=[8100])
-    parser.add_argument("--decoder-hosts", "--decoder-host", nargs="+", default=["127.0.0.1"])
-    parser.add_argument("--decoder-ports", "--decoder-port", type=int, nargs="+", default=[8200])
+    parser.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", default=None,
+                        help="static prefill nodes (default 127.0.0.1 unless --prefiller-dns)")
+    parser.add_argument("--prefiller-ports", "--prefiller-port", type=int, nargs="+", default=None,
+                        help="their ports (default 8100)")
+    parser.add_argument("--decoder-hosts", "--decoder-host", nargs="+", default=None,
+                        help="static decode nodes (default 127.0.0.1 unless --decoder-dns)")
+    parser.add_argument("--decoder-ports", "--decoder-port", type=int, nargs="+", default=None,
+                        help="their ports (default 8200)")
+    parser.add_argument("--prefiller-dns", default=None, metavar="NAME:PORT",
+                        help="prefill nodes from DNS: every A/AAAA record of NAME, re-resolved every --dns-interval "
+                             "(a Kubernetes headless Service)")
+    parser.add_argument("--decoder-dns", default=None, metavar="NAME:PORT", help="decode nodes from DNS, likewise")
+    parser.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions")
+    parser.add_argument("--dns-server", default=None, metavar="HOST:PORT",
+                        help="ask this DNS server instead of the system's resolver")
     parser.add_argument(
         "--routing", choices=[policy.value for policy in RoutingPolicy], default=RoutingPolicy.ROUND_ROBIN.value,
         help="how a node of each role is picked per request",
@@ -46,13 +57,39 @@ def _upstreams(role: Role, hosts: list[str], ports: list[int]) -> tuple[Upstream
     return tuple(Upstream(role=role, host=host, port=port) for host, port in zip(hosts, ports))
 
 
+def _role_nodes(role: Role, hosts: list[str] | None, ports: list[int] | None, dns: str | None,
+                default_port: int) -> tuple[tuple[Upstream, ...], DnsSource | None]:
+    flag = "prefiller" if role is Role.PREFILL else "decoder"
+    if dns is not None:
+        if hosts is not None or ports is not None:
+            raise ValueError(f"--{flag}-dns and --{flag}-hosts/--{flag}-ports are exclusive: choose one")
+        return (), DnsSource.parse(role, dns)
+    return _upstreams(role, hosts or ["127.0.0.1"], ports or [default_port]), None
+
+
+def _dns_server(text: str | None) -> tuple[str, int] | None:
+    if text is None:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--dns-server is HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """Raises ValueError with a message meant for the user."""
+    prefillers, prefill_dns = _role_nodes(Role.PREFILL, args.prefiller_hosts, args.prefiller_ports,
+                                          args.prefiller_dns, 8100)
+    decoders, decode_dns = _role_nodes(Role.DECODE, args.decoder_hosts, args.decoder_ports, args.decoder_dns, 8200)
     return ProxyConfig(
         host=args.host,
         port=args.port,
-        prefillers=_upstreams(Role.PREFILL, args.prefiller_hosts, args.prefiller_ports),
-        decoders=_upstreams(Role.DECODE, args.decoder_hosts, args.decoder_ports),
+        prefillers=prefillers,
+        decoders=decoders,
+        prefill_dns=prefill_dns,
+        decode_dns=decode_dns,
+        dns_interval=args.dns_interval,
+        dns_server=_dns_server(args.dns_server),
         routing=RoutingPolicy(args.routing),
         prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout,
@@ -71,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info(
         "proxy on %s:%d, prefill %s, decode %s, routing %s", config.host, config.port,
-        [u.address for u in config.prefillers], [u.address for u in config.decoders], config.routing.value,
+        config.prefill_dns or [u.address for u in config.prefillers],
+        config.decode_dns or [u.address for u in config.decoders], config.routing.value,
     )
     web.run_app(
         build_app(config), host=config.host, port=config.port, handler_cancellation=True,

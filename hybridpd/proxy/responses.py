@@ -30,6 +30,11 @@ def invalid_request(message: str, request_id: str) -> web.Response:
     return error_response(400, message, "invalid_request_error", request_id)
 
 
+def no_upstream(reason: str, request_id: str) -> web.Response:
+    """No node of a role can take the request (a discovered pool that is empty, or every node already failed)."""
+    return error_response(503, f"no node available: {reason}", "service_unavailable", request_id)
+
+
 def upstream_failed(error: UpstreamError, request_id: str) -> web.Response:
     status, error_type = _GATEWAY_STATUS[error.kind]
     return error_response(status, str(error), error_type, request_id)

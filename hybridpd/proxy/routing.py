@@ -1,4 +1,8 @@
-"""Which node of a role gets the next call: round robin, or the one with the fewest calls in flight."""
+"""Which node of a role gets the next call: round robin, or the one with the fewest calls in flight.
+
+The set of nodes can change while the proxy runs (DNS discovery, proxy/discovery.py): `replace` installs a new
+tuple; calls already in flight on a node that left finish where they are and are still counted until they end.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from hybridpd.proxy.config import RoutingPolicy, Upstream
 
 
 class NoUpstreamError(LookupError):
-    """Every upstream of the role is excluded (all of them already failed this request)."""
+    """No upstream of the role can take the call: none is known, or all of them already failed this request."""
 
 
 class Router:
@@ -21,29 +25,35 @@ class Router:
     Single-threaded by design: all calls happen on the proxy's event loop.
     """
 
-    def __init__(self, upstreams: tuple[Upstream, ...], policy: RoutingPolicy) -> None:
-        if not upstreams:
-            raise ValueError("a router needs at least one upstream")
+    def __init__(self, upstreams: tuple[Upstream, ...], policy: RoutingPolicy, role_name: str = "") -> None:
+        self._role_name = role_name or (upstreams[0].role.value if upstreams else "upstream")
         self._upstreams = upstreams
         self._policy = policy
-        self._outstanding = [0] * len(upstreams)
+        self._outstanding: dict[Upstream, int] = {}
         self._next = 0  # index where the round-robin order starts
 
     @property
     def upstreams(self) -> tuple[Upstream, ...]:
         return self._upstreams
 
+    def replace(self, upstreams: tuple[Upstream, ...]) -> None:
+        """The role's nodes are now `upstreams` (in-flight counts of nodes that stay are kept)."""
+        if upstreams != self._upstreams:
+            self._upstreams = upstreams
+            self._next = self._next % len(upstreams) if upstreams else 0
+
     def outstanding(self, upstream: Upstream) -> int:
-        return self._outstanding[self._upstreams.index(upstream)]
+        return self._outstanding.get(upstream, 0)
 
     def pick(self, exclude: Collection[Upstream] = ()) -> Upstream:
         count = len(self._upstreams)
         order = [(self._next + k) % count for k in range(count)]
         candidates = [i for i in order if self._upstreams[i] not in exclude]
         if not candidates:
-            raise NoUpstreamError("no upstream left to try")
+            role = self._role_name
+            raise NoUpstreamError(f"no {role} node known" if not count else f"no {role} node left to try")
         if self._policy is RoutingPolicy.LEAST_OUTSTANDING:
-            chosen = min(candidates, key=lambda i: self._outstanding[i])  # min keeps the first of equals
+            chosen = min(candidates, key=lambda i: self.outstanding(self._upstreams[i]))  # min keeps the first
         else:
             chosen = candidates[0]
         self._next = (chosen + 1) % count
@@ -52,9 +62,12 @@ class Router:
     @contextlib.contextmanager
     def in_flight(self, upstream: Upstream) -> Iterator[None]:
         """Counts one call to `upstream` as outstanding for the duration of the block."""
-        index = self._upstreams.index(upstream)
-        self._outstanding[index] += 1
+        self._outstanding[upstream] = self._outstanding.get(upstream, 0) + 1
         try:
             yield
         finally:
-            self._outstanding[index] -= 1
+            left = self._outstanding[upstream] - 1
+            if left:
+                self._outstanding[upstream] = left
+            else:
+                del self._outstanding[upstream]
