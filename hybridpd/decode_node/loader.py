@@ -21,9 +21,9 @@ from hybridpd.config import KVLoadFailurePolicy, KVTransferConfig
 from hybridpd.connector.compat import describe_mismatch
 from hybridpd.connector.lease_view import prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
-from hybridpd.connector.params import RemotePrefillParams
+from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.connector.side_channel_client import SideChannelClient
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import BlockRead, RegionLayout, TransferState, Transport
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.kv_cache.coordinator import StepBlocks

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.config import EngineConfig, MambaCacheMode
-from hybridpd.connector.params import RemotePrefillParams
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory

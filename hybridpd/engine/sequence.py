@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridpd.connector.params import RemoteDecodeParams, RemotePrefillParams
+from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus
 from hybridpd.engine.sampling_params import SamplingParams
 

@@ -15,8 +15,8 @@ import time
 
 from hybridpd.connector.lease_view import prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
-from hybridpd.connector.params import RemotePrefillParams
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import Transport
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.sequence import Sequence

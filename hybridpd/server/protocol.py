@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpd.connector.params import parse_kv_transfer_params
+from hybridpd.engine.transfer_params import parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.errors import InvalidRequestError

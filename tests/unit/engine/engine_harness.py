@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
-from hybridpd.connector.params import RemotePrefillParams
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.sampling_params import SamplingParams

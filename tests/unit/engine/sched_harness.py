@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridpd.config import CacheConfig, SchedulerConfig
-from hybridpd.connector.params import RemoteDecodeParams, RemotePrefillParams
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager, StepBlocks
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.request import EngineRequest

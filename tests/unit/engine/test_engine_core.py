@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from hybridpd.connector.params import RemoteDecodeParams
+from hybridpd.engine.transfer_params import RemoteDecodeParams
 from hybridpd.engine.metrics import EngineCollector
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus
 from hybridpd.engine.sampling_params import SamplingParams

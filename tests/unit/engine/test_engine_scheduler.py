@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.request import FinishReason, RequestStatus
 
 from .sched_harness import (

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hybridpd.connector.params import RemoteDecodeParams, RemotePrefillParams, parse_kv_transfer_params
+from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams, parse_kv_transfer_params
 from hybridpd.errors import InvalidRequestError
 
 # What the proxy sends a prefill node (vLLM's toy proxy sends exactly this, nulls included).

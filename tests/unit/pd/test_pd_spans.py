@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.connector.spans import needed_span
+from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 

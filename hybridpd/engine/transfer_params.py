@@ -1,4 +1,5 @@
-"""`kv_transfer_params`, vLLM's wire shape, parsed into typed values where it enters a node.
+"""`kv_transfer_params`, vLLM's wire shape, parsed into typed values: the engine's own request types (the connector,
+the server and the node roles import them from here; the engine imports no network package).
 
 Request side (proxy -> prefill node): `do_remote_decode: true` asks this node to prefill for a remote decoder.
 Request side (proxy -> decode node): `do_remote_prefill: true` plus the `remote_*` fields that the prefill node
