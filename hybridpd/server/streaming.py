@@ -80,7 +80,7 @@ class ChunkBuilder:
     def _chat_choice(self, output: RequestOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": 0,
-            "delta": {"content": output.new_text} if output.new_text else {},
+            "delta": {"content": output.new_text} if output.new_text or output.new_token_ids else {},
             "logprobs": chat_logprobs(output.logprobs, self._tokenizer) if self._parsed.wants_logprobs else None,
             "finish_reason": finish_reason_value(output.finish_reason),
         }
@@ -89,15 +89,15 @@ class ChunkBuilder:
         return choice
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
-        """Zero, one or (the chat's first output: role, then content) two chunks for `output`. An output with no
-        text (its token is half a UTF-8 character) makes a chunk only when the client asked for ids or logprobs."""
+        """Zero, one or (the chat's first output: role, then content) two chunks for `output`. Every output that
+        carries a token makes a chunk, as vLLM streams: one whose token is half a UTF-8 character (the detokenizer
+        holds it back) has empty text, so a client's inter-token latency counts every token, not two at once."""
         chunks = []
         is_chat = self._parsed.endpoint is Endpoint.CHAT
         if is_chat and not self._started:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             chunks.append({**self._header, "choices": [role]})
-        carries_tokens = bool(output.new_token_ids) and (self._parsed.return_token_ids or self._parsed.wants_logprobs)
-        if output.new_text or output.finished or carries_tokens:
+        if output.new_text or output.finished or output.new_token_ids:
             choice = self._chat_choice(output) if is_chat else self._completion_choice(output)
             chunks.append(self._chunk(choice, output))
         self._started = True

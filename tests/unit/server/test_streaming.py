@@ -129,13 +129,15 @@ async def test_finished_requests_are_not_aborted(client, engine):
 @pytest.mark.parametrize(
     "path, body, expected_deltas",
     [
-        ("/v1/completions", {"prompt": "x"}, ["a", "c", "d"]),
+        ("/v1/completions", {"prompt": "x"}, ["a", "", "c", "d"]),
         ("/v1/completions", {"prompt": "x", "return_token_ids": True}, ["a", "", "c", "d"]),
         ("/v1/completions", {"prompt": "x", "logprobs": 0}, ["a", "", "c", "d"]),
-        ("/v1/chat/completions", {"messages": USER}, [None, "a", "c", "d"]),
+        ("/v1/chat/completions", {"messages": USER}, [None, "a", "", "c", "d"]),
     ],
 )
-async def test_textless_outputs_make_chunks_only_when_asked(client, engine, path, body, expected_deltas):
+async def test_every_token_makes_a_chunk_even_without_text(client, engine, path, body, expected_deltas):
+    """vLLM's streaming: a token whose text the detokenizer holds back (half a UTF-8 character) still makes a
+    chunk, with empty text (and its id when asked), so clients time every token."""
     engine.textless_outputs = frozenset({1})
     resp = await client.post(path, json={**body, "max_tokens": 4, "stream": True})
     chunks = parse_sse(await resp.text())[:-1]
