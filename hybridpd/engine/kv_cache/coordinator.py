@@ -63,9 +63,6 @@ class KVCacheManager:
         """The longest local prefix hit: < num_prompt_tokens, decided by every group, or only by the
         full-attention groups when `req.skip_mamba_align` (0 if there is none)."""
         n_prompt = req.num_prompt_tokens
-        for g in range(len(self.groups)):
-            self._queries[g] += 1
-            self._query_tokens[g] += n_prompt
         blocks: list[tuple[int, ...]] = [() for _ in self.groups]
         if not self.caching or n_prompt <= 1:
             return CacheHit(num_tokens=0, blocks=tuple(blocks))
@@ -75,8 +72,17 @@ class KVCacheManager:
         if hit:
             for g in deciding:
                 blocks[g] = self._managers[g].hit_blocks(chains[g], hit)
-                self._hit_tokens[g] += hit
         return CacheHit(num_tokens=hit, blocks=tuple(blocks))
+
+    def _count_lookup(self, req: CacheRequest, hit: CacheHit) -> None:
+        """Prefix-cache statistics, once per request: at its first allocation, with the hit it takes. (A request
+        at the head of the queue that does not fit yet is looked up again at every step; counting those lookups
+        would inflate the query count and understate the hit rate.)"""
+        for g, blocks in enumerate(hit.blocks):
+            self._queries[g] += 1
+            self._query_tokens[g] += req.num_prompt_tokens
+            if blocks:
+                self._hit_tokens[g] += hit.num_tokens
 
     def allocate_slots(self, req: CacheRequest, num_new_tokens: int, hit: CacheHit | None = None,
                        num_external_tokens: int = 0) -> StepBlocks | None:
@@ -117,6 +123,8 @@ class KVCacheManager:
         steps = [m.apply(rid, p) for m, p in zip(self._managers, plans)]
         self._next_start[rid] = start
         self._forget_quiet(rid)
+        if first:
+            self._count_lookup(req, hit)
         return StepBlocks(
             block_tables=tuple([s.table for s in steps]),
             mamba=tuple([s.mamba for s in steps]),

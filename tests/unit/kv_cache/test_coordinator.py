@@ -106,3 +106,20 @@ def test_reset_prefix_cache():
     m.reset_prefix_cache()
     assert m.get_computed_blocks(Req("b", list(PROMPT))).num_tokens == 0
     assert all(s.num_cached == 0 for s in m.stats())
+
+
+@pytest.mark.parametrize("lookups_before_it_fits", [0, 1, 5])
+def test_a_request_is_counted_once_however_often_it_is_looked_up(lookups_before_it_fits):
+    """A head-of-queue request that does not fit is looked up again every step; the statistics count it once,
+    with the hit it finally takes (issue: inflated prefix-cache metrics)."""
+    m = manager(fa(4), mamba(8))
+    prefill(m, Req("a", list(PROMPT)))
+    req = Req("b", list(PROMPT))
+    for _ in range(lookups_before_it_fits):
+        m.get_computed_blocks(req)  # the scheduler's lookup of a request that then does not fit
+    hit = m.get_computed_blocks(req)
+    m.allocate_slots(req, 40 - hit.num_tokens, hit)
+    assert [(s.queries, s.query_tokens, s.hit_tokens) for s in m.stats()] == [(2, 80, 32), (2, 80, 32)]
+    m.free("a")
+    m.free("b")
+    assert all_free(m)
