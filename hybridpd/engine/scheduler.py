@@ -179,7 +179,7 @@ class Scheduler:
     def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
         """Allocate for the remotely prefilled prompt (all but its last token) and hand it to the loader."""
         external = seq.num_prompt_tokens - 1 - hit.num_tokens
-        blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external)
+        blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external, remote=True)
         if blocks is None:
             return False
         self.waiting.popleft()

@@ -85,13 +85,14 @@ class KVCacheManager:
                 self._hit_tokens[g] += hit.num_tokens
 
     def allocate_slots(self, req: CacheRequest, num_new_tokens: int, hit: CacheHit | None = None,
-                       num_external_tokens: int = 0) -> StepBlocks | None:
+                       num_external_tokens: int = 0, remote: bool = False) -> StepBlocks | None:
         """Blocks for [0, start + num_new_tokens); None (and nothing changed) if some group lacks free blocks.
 
         The first call of a request takes references on `hit`'s blocks; its new tokens start after the hit and
-        the `num_external_tokens` that arrive from a connector. For a remotely filled request (external tokens,
-        or `skip_mamba_align`) that call also says which blocks to `load`. Later calls pass only new tokens,
-        which start at the last committed count.
+        the `num_external_tokens` that arrive from a connector. For a remotely filled request (`remote`: its
+        prompt was prefilled elsewhere, even when the local hit leaves no token to pull) that call also says which
+        blocks to `load`; its Mamba state always comes from the connector, since no compute step runs before the
+        loader hands the request back. Later calls pass only new tokens, which start at the last committed count.
         """
         rid = req.request_id
         if num_new_tokens < 0 or num_external_tokens < 0:
@@ -103,7 +104,7 @@ class KVCacheManager:
                 raise ValueError(f"a CacheHit for {len(hit.blocks)} groups, the cache has {len(self.groups)}")
             start = hit.num_tokens + num_external_tokens
             tokens = TokenRange(first=True, hit=hit.num_tokens, start=start, end=start + num_new_tokens,
-                                external=num_external_tokens > 0 or req.skip_mamba_align)
+                                external=remote or num_external_tokens > 0 or req.skip_mamba_align)
         else:
             if hit is not None or num_external_tokens:
                 raise ValueError(f"request {rid} already holds blocks: only its first allocate_slots takes a hit "
