@@ -2,7 +2,8 @@
 
 `compat_fields` names what matters as strings; `compat_hash` is a sha256 over their canonical JSON (so the
 group order is covered: group keys are numbered); `describe_mismatch` names what differs in words. The model's
-identity is the hash of its checkpoint's `config.json` contents plus the size of its weights, never its path.
+identity is the hash of its checkpoint's `config.json` plus a content digest of its weights, never its path: a
+fine-tune of the same architecture is another model, whose KV a node must never decode from.
 """
 
 from __future__ import annotations
@@ -21,11 +22,48 @@ _HEAD = ("model", "dtype", "num_groups")
 _GROUP_PARTS = ("spec", "layers", "page bytes")
 
 
+DIGEST_CACHE = ".hybridpd-weights-digest.json"
+_CHUNK = 16 * 2**20
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over every `*.safetensors` file of the checkpoint (name and bytes, in name order).
+
+    Computed once and kept beside the checkpoint in `.hybridpd-weights-digest.json`, keyed by each file's size
+    and modification time: a later start reads it back unless a file changed. A read-only checkpoint directory
+    is hashed at every start instead."""
+    files = _weight_files(model_dir)
+    stamp = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    cache = model_dir / DIGEST_CACHE
+    try:
+        kept = json.loads(cache.read_text())
+        if kept.get("files") == stamp and isinstance(kept.get("sha256"), str):
+            return kept["sha256"]
+    except (OSError, ValueError):
+        pass
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    value = digest.hexdigest()
+    try:
+        cache.write_text(json.dumps({"files": stamp, "sha256": value}))
+    except OSError:
+        pass
+    return value
+
+
 def model_identity(model_dir: Path) -> str:
-    """`config-sha256:<16 hex> weights-bytes:<n>`: equal for two copies of one checkpoint anywhere on disk."""
+    """`config-sha256:<16 hex> weights-sha256:<16 hex>`: equal for two copies of one checkpoint anywhere on disk,
+    different for two checkpoints that differ in any weight."""
     config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
-    weights = sum(p.stat().st_size for p in sorted(model_dir.glob("*.safetensors")))
-    return f"config-sha256:{config} weights-bytes:{weights}"
+    return f"config-sha256:{config} weights-sha256:{weights_digest(model_dir)[:16]}"
 
 
 def _value(v: object) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -68,4 +70,31 @@ def test_model_identity_ignores_the_path_but_not_the_contents(tmp_path: Path) ->
         (d / "model.safetensors").write_bytes(weights)
     assert model_identity(a) == model_identity(b)
     assert model_identity(a) != model_identity(c)
-    assert model_identity(a).endswith("weights-bytes:10")
+
+
+def test_two_checkpoints_that_differ_only_in_weights_are_different_models(tmp_path: Path) -> None:
+    """A fine-tune: the same config and the same weight sizes, other values (it used to be accepted)."""
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    for d, weights in [(base, b"w" * 64), (tuned, b"w" * 63 + b"v")]:
+        d.mkdir()
+        (d / "config.json").write_bytes(b'{"x": 1}')
+        (d / "model-00001-of-00002.safetensors").write_bytes(weights)
+        (d / "model-00002-of-00002.safetensors").write_bytes(b"shard two")
+    assert model_identity(base) != model_identity(tuned)
+    fields = [compat_fields(model=model_identity(d), dtype="float32", groups=()) for d in (base, tuned)]
+    assert compat_hash(fields[0]) != compat_hash(fields[1])
+    assert describe_mismatch(*fields).startswith("model differs: local config-sha256:")
+
+
+def test_the_weights_digest_is_kept_beside_the_checkpoint_until_a_file_changes(tmp_path: Path) -> None:
+    from hybridpd.connector.compat import DIGEST_CACHE, weights_digest
+
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 32)
+    first = weights_digest(tmp_path)
+    assert json.loads((tmp_path / DIGEST_CACHE).read_text())["sha256"] == first
+    # the kept value is what a later start reads back (proved by planting another one under the same stamps)
+    kept = json.loads((tmp_path / DIGEST_CACHE).read_text())
+    (tmp_path / DIGEST_CACHE).write_text(json.dumps({**kept, "sha256": "planted"}))
+    assert weights_digest(tmp_path) == "planted"
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 33)  # another size: computed again
+    assert weights_digest(tmp_path) not in (first, "planted")
