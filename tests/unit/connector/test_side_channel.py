@@ -128,7 +128,7 @@ async def test_a_peer_that_never_answers_times_out() -> None:
             with pytest.raises(KVTransferError) as info:
                 await asyncio.wait_for(client.heartbeat("r"), timeout=30)
             assert info.value.peer == f"127.0.0.1:{port}"
-            assert "did not answer within 0.5s" in info.value.reason or "unreachable" in info.value.reason
+            assert "did not answer within 0.5s" in info.value.reason  # a deadline, not a refused connection
         finally:
             await client.close()
 

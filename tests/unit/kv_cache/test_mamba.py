@@ -68,9 +68,10 @@ def test_saves_are_best_effort_when_slots_run_out():
     step = m.allocate_slots(Req("a", list(PROMPT)), 30)
     assert step is not None
     assert [n for n, _ in step.mamba[1].saves] == [8]
-    assert m.allocate_slots(Req("b", list(PROMPT)), 30) is not None or m.num_free_blocks(1) == 0
+    assert m.num_free_blocks(1) == 0                      # a's running slot and its one save took both
+    assert m.allocate_slots(Req("b", list(PROMPT)), 30) is None  # no running slot left for b: refused, unchanged
+    m.check_invariants()
     m.free("a")
-    m.free("b")
     m.check_invariants()
     assert all_free(m)
 
