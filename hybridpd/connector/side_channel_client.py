@@ -53,11 +53,13 @@ class SideChannelClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
 
-    async def heartbeat(self, request_id: str) -> LeaseView:
-        """Renew the lease; raises KVTransferError when the lease is unknown or expired."""
+    async def heartbeat(self, request_id: str, secret: str) -> LeaseView:
+        """Renew the lease (`secret`: the lease's own); raises KVTransferError when it is unknown, expired or
+        another request's."""
         try:
             reply = await self._kv().Heartbeat(
-                pb.HeartbeatRequest(request_id=request_id), timeout=self._timeout_s, metadata=self._metadata
+                pb.HeartbeatRequest(request_id=request_id, lease_secret=secret), timeout=self._timeout_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
@@ -66,12 +68,12 @@ class SideChannelClient:
         return LeaseView(expiry=reply.lease_expiry, num_tokens=reply.num_tokens, prompt_digest=reply.prompt_digest,
                          block_ids=tuple(tuple(group.ids) for group in reply.block_ids))
 
-    async def release(self, request_id: str, aborted: bool) -> bool:
+    async def release(self, request_id: str, aborted: bool, secret: str) -> bool:
         """True only if the lease was still live when released: a READ done before saw valid data."""
         status = pb.ReleaseRequest.ABORTED if aborted else pb.ReleaseRequest.DONE
         try:
             reply = await self._kv().Release(
-                pb.ReleaseRequest(request_id=request_id, status=status), timeout=self._timeout_s,
+                pb.ReleaseRequest(request_id=request_id, status=status, lease_secret=secret), timeout=self._timeout_s,
                 metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as e:

@@ -29,12 +29,13 @@ class SideChannelHandler(Protocol):
 
     def metadata(self) -> pb.NodeMetadata: ...
 
-    def heartbeat(self, request_id: str) -> LeaseView | None:
+    def heartbeat(self, request_id: str, secret: str) -> LeaseView | None:
         """Extends the lease and returns it (new expiry, leased blocks); None if unknown or already expired, or
-        raises LookupError whose message says why (expired, already released, never held): the reader sees it."""
+        raises LookupError whose message says why (expired, already released, never held, another holder's): the
+        reader sees it. `secret` is the lease's own (only its holder may renew or release it)."""
         ...
 
-    def release(self, request_id: str, aborted: bool) -> bool:
+    def release(self, request_id: str, aborted: bool, secret: str) -> bool:
         """Ends the lease; True only if it was still live (so a READ before this call saw valid data)."""
         ...
 
@@ -57,7 +58,7 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
-            lease = self._handler.heartbeat(request.request_id)
+            lease = self._handler.heartbeat(request.request_id, request.lease_secret)
         except LookupError as exc:
             return pb.HeartbeatResponse(ok=False, reason=str(exc))
         if lease is None:
@@ -73,7 +74,8 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         if request.status == pb.ReleaseRequest.STATUS_UNSPECIFIED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "status must be DONE or ABORTED")
         aborted = request.status == pb.ReleaseRequest.ABORTED
-        return pb.ReleaseResponse(lease_was_live=self._handler.release(request.request_id, aborted))
+        return pb.ReleaseResponse(lease_was_live=self._handler.release(request.request_id, aborted,
+                                                                       request.lease_secret))
 
 
 class SideChannelServer:

@@ -102,7 +102,8 @@ class DecodeRole:
         client = self._clients.get((job.params.remote_host, job.params.remote_port))
         if client is not None:
             try:
-                await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True), 2.0)
+                secret = job.params.remote_lease_secret or ""
+                await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True, secret=secret), 2.0)
             except Exception:  # the peer may be gone; its lease then expires by itself
                 pass
         if job.request_id in self._stuck:  # fail it now; its blocks are freed once the stuck READ has stopped
@@ -156,7 +157,7 @@ class DecodeRole:
         params = job.params
         peer_name = await self._peer(params)
         client = self._client(params)
-        lease = await client.heartbeat(params.remote_request_id)
+        lease = await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")
         if lease.num_tokens != params.remote_num_tokens:
             raise KVTransferError(params.peer, f"the lease covers {lease.num_tokens} tokens, the request claims "
                                                f"{params.remote_num_tokens}")
@@ -172,7 +173,8 @@ class DecodeRole:
             if not self.transport.release(handle):
                 self._keep_blocks_until_stopped(job.request_id, handle)
         seconds = time.perf_counter() - started
-        if not await client.release(params.remote_request_id, aborted=False):
+        secret = params.remote_lease_secret or ""
+        if not await client.release(params.remote_request_id, aborted=False, secret=secret):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
         self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
 
@@ -206,7 +208,7 @@ class DecodeRole:
             if state is TransferState.FAILED:
                 raise KVTransferError(params.peer, "the READ failed (peer gone or link down)")
             if time.time() >= renew_at:
-                expiry = (await client.heartbeat(params.remote_request_id)).expiry
+                expiry = (await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")).expiry
                 renew_at = time.time() + (expiry - time.time()) / 2
             await asyncio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)

@@ -9,7 +9,7 @@ answered with, asks this node to pull the prompt's KV from that node and decode.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpd.errors import InvalidRequestError
@@ -33,6 +33,7 @@ class RemotePrefillParams:
     remote_port: int
     remote_num_tokens: int
     remote_lease_expiry: float | None = None
+    remote_lease_secret: str | None = field(default=None, repr=False)  # proves this request holds the lease
 
     @property
     def peer(self) -> str:
@@ -49,6 +50,7 @@ class RemotePrefillParams:
             "remote_port": self.remote_port,
             "remote_num_tokens": self.remote_num_tokens,
             "remote_lease_expiry": self.remote_lease_expiry,
+            "remote_lease_secret": self.remote_lease_secret,
         }
 
 
@@ -115,4 +117,5 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
         remote_port=port,
         remote_num_tokens=num_tokens,
         remote_lease_expiry=_field(raw, "remote_lease_expiry", float, optional=True),
+        remote_lease_secret=_field(raw, "remote_lease_secret", str, optional=True),
     )

@@ -4,11 +4,18 @@ A lease is HELD from the moment the prompt's first N-1 tokens are computed until
 expires; only then are its blocks freed (they stay in the prefix cache). Blocks under a HELD lease are never
 reused, so a READ that the decoder finishes before a successful `release` saw valid data. Finished leases are
 remembered (boundedly) so that a late heartbeat or release gets a precise reason.
+
+Only the holder may renew or release a lease: `add` draws a per-lease secret, which the prefill node hands out in
+its `kv_transfer_params` answer (`remote_lease_secret`) and which every Heartbeat and Release must present. A request
+that carries another request's `remote_request_id` without its secret (tampered or replayed params) can neither
+keep nor end that lease.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,6 +38,7 @@ class Lease:
     prompt_digest: bytes = b""                # connector.lease_view.prompt_digest of those tokens
     expiry: float
     state: LeaseState = LeaseState.HELD
+    secret: str = ""                          # what a holder presents to renew or release it
 
 
 class LeaseTable:
@@ -48,25 +56,26 @@ class LeaseTable:
     def add(self, request_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int,
             prompt_digest: bytes = b"") -> Lease:
         lease = Lease(request_id=request_id, block_ids=block_ids, num_tokens=num_tokens, prompt_digest=prompt_digest,
-                      expiry=self.clock() + self.lease_seconds)
+                      expiry=self.clock() + self.lease_seconds, secret=secrets.token_hex(16))
         with self._lock:
             self._held[request_id] = lease
             self._done.pop(request_id, None)
         return lease
 
-    def renew(self, request_id: str) -> Lease:
-        """Extend a live lease; raises LookupError naming why it cannot be renewed."""
+    def renew(self, request_id: str, secret: str) -> Lease:
+        """Extend a live lease its holder asks for; raises LookupError naming why it cannot be renewed."""
         with self._lock:
-            lease = self._live(request_id)
+            lease = self._held_by(request_id, secret)
             lease = replace(lease, expiry=self.clock() + self.lease_seconds)
             self._held[request_id] = lease
             return lease
 
-    def release(self, request_id: str) -> Lease | None:
-        """End a lease; returns it if it was still live (its blocks must now be freed), else None."""
+    def release(self, request_id: str, secret: str) -> Lease | None:
+        """End a lease its holder releases; returns it if it was still live (its blocks must now be freed), else
+        None (unknown, already ended, or asked without the lease's secret: then it stays held)."""
         with self._lock:
             try:
-                lease = self._live(request_id)
+                lease = self._held_by(request_id, secret)
             except LookupError:
                 return None
             del self._held[request_id]
@@ -111,6 +120,12 @@ class LeaseTable:
         if state is None:
             raise LookupError(f"no lease is held for request {request_id}")
         raise LookupError(f"the lease on request {request_id} was already {state.value}")
+
+    def _held_by(self, request_id: str, secret: str) -> Lease:
+        lease = self._live(request_id)
+        if not hmac.compare_digest(lease.secret.encode(), secret.encode()):
+            raise LookupError(f"the lease on request {request_id} is held by another request (wrong lease secret)")
+        return lease
 
     def _remember(self, request_id: str, state: LeaseState) -> None:
         self._done.pop(request_id, None)   # a reused id counts as the newest, so the bound evicts older ones

@@ -52,10 +52,11 @@ class PrefillRole:
         )
         if num_tokens == 0:  # a one-token prompt: nothing to transfer, the decoder computes it all
             core.kv.free(seq.request_id)
-            expiry = None
+            expiry, secret = None, None
         else:
             digest = prompt_digest(seq.prompt_token_ids[:num_tokens])
-            expiry = self.leases.add(seq.request_id, block_ids, num_tokens, digest).expiry
+            lease = self.leases.add(seq.request_id, block_ids, num_tokens, digest)
+            expiry, secret = lease.expiry, lease.secret
             self.metrics.lease_acquired()
         return RemotePrefillParams(
             remote_engine_id=self.engine_id,
@@ -65,15 +66,16 @@ class PrefillRole:
             remote_port=self.side_channel_port,
             remote_num_tokens=num_tokens,
             remote_lease_expiry=expiry,
+            remote_lease_secret=secret,
         ).to_json()
 
     # -- side channel (event loop) ------------------------------------------------------------------------------
-    def heartbeat(self, request_id: str) -> Lease:
-        """Renew; raises LookupError with the reason when the lease is not live."""
-        return self.leases.renew(request_id)
+    def heartbeat(self, request_id: str, secret: str) -> Lease:
+        """Renew; raises LookupError with the reason when the lease is not live or not the asker's."""
+        return self.leases.renew(request_id, secret)
 
-    def release(self, request_id: str, aborted: bool) -> bool:
-        lease = self.leases.release(request_id)
+    def release(self, request_id: str, aborted: bool, secret: str) -> bool:
+        lease = self.leases.release(request_id, secret)
         if lease is None:
             return False
         self._free(lease)

@@ -15,11 +15,11 @@ class PrefillSideChannel:
     def metadata(self) -> pb.NodeMetadata:
         return self._metadata
 
-    def heartbeat(self, request_id: str) -> LeaseView:
-        """Renews the lease; raises LookupError saying why not (expired, already released, never held)."""
-        lease = self._role.heartbeat(request_id)
+    def heartbeat(self, request_id: str, secret: str) -> LeaseView:
+        """Renews the lease; raises LookupError saying why not (expired, released, never held, not the holder)."""
+        lease = self._role.heartbeat(request_id, secret)
         return LeaseView(expiry=lease.expiry, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
                          prompt_digest=lease.prompt_digest)
 
-    def release(self, request_id: str, aborted: bool) -> bool:
-        return self._role.release(request_id, aborted)
+    def release(self, request_id: str, aborted: bool, secret: str) -> bool:
+        return self._role.release(request_id, aborted, secret)

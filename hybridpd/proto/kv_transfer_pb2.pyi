@@ -55,10 +55,12 @@ class NodeMetadata(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., compat_hash: _Optional[str] = ..., compat_fields: _Optional[_Mapping[str, str]] = ..., transport_name: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., transport_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupRegion, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "lease_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("ids",)
@@ -83,7 +85,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., lease_expiry: _Optional[float] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "status")
+    __slots__ = ("request_id", "status", "lease_secret")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[ReleaseRequest.Status]
@@ -94,9 +96,11 @@ class ReleaseRequest(_message.Message):
     ABORTED: ReleaseRequest.Status
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: ReleaseRequest.Status
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[ReleaseRequest.Status, str]] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[ReleaseRequest.Status, str]] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("lease_was_live",)

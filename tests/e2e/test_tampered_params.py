@@ -200,3 +200,24 @@ def test_a_live_lease_cannot_be_read_for_another_prompt(nodes):
     code, answer = _decode(decode, body_b, params_a)
     assert code == 502 and "prefilled for another prompt" in error_message(answer), answer
     assert_clean(prefill, decode)
+
+
+def test_another_requests_params_without_its_lease_secret_cannot_end_its_lease(nodes):
+    """Only the holder of a lease may renew or release it: a request carrying this request's id but not its
+    `remote_lease_secret` is refused, and the refusal's Release does not end the holder's lease."""
+    prefill, decode = nodes
+    body = completion(prompt("holder of the lease"))
+    params = remote_prefill(prefill, body)
+    assert isinstance(params["remote_lease_secret"], str) and len(params["remote_lease_secret"]) == 32
+    tampered = [
+        {**params, "remote_lease_secret": None},                                   # no secret: heartbeat refused
+        {**params, "remote_lease_secret": "0" * 32},                               # a guess: heartbeat refused
+        {**params, "remote_engine_id": "hybridpd-000000000000", "remote_lease_secret": "x" * 32},  # refused early
+    ]
+    for params_of_another in tampered:
+        code, answer = _decode(decode, body, params_of_another)
+        assert code == 502, answer
+    code, answer = _decode(decode, body, params)  # the holder still pulls and decodes
+    assert code == 200, answer
+    assert answer["choices"][0]["text"] == colocated_text(prefill, body)
+    assert_clean(prefill, decode)

@@ -25,6 +25,7 @@ class FakeHandler:
     def __init__(self) -> None:
         self.leases = {"req-live": 1000.0}
         self.released: list[tuple[str, bool]] = []
+        self.secrets_seen: list[str] = []
 
     def metadata(self) -> pb.NodeMetadata:
         return pb.NodeMetadata(
@@ -34,13 +35,15 @@ class FakeHandler:
                                    block_size=16)],
         )
 
-    def heartbeat(self, request_id: str) -> LeaseView | None:
+    def heartbeat(self, request_id: str, secret: str) -> LeaseView | None:
+        self.secrets_seen.append(secret)
         if request_id not in self.leases:
             return None
         self.leases[request_id] += 60.0
         return LeaseView(expiry=self.leases[request_id], block_ids=((3, 4, 5), (), (7,)), num_tokens=40)
 
-    def release(self, request_id: str, aborted: bool) -> bool:
+    def release(self, request_id: str, aborted: bool, secret: str) -> bool:
+        self.secrets_seen.append(secret)
         self.released.append((request_id, aborted))
         return self.leases.pop(request_id, None) is not None
 
@@ -68,15 +71,16 @@ async def test_metadata_heartbeat_release_round_trip(server) -> None:
     try:
         meta = await client.get_metadata("decode-0")
         assert meta == handler.metadata()
-        assert await client.heartbeat("req-live") == LeaseView(
+        assert await client.heartbeat("req-live", "s1") == LeaseView(
             expiry=1060.0, block_ids=((3, 4, 5), (), (7,)), num_tokens=40)
-        assert (await client.heartbeat("req-live")).expiry == 1120.0  # the channel is reused
+        assert (await client.heartbeat("req-live", "s1")).expiry == 1120.0  # the channel is reused
         with pytest.raises(KVTransferError, match="lease lost: no live lease for request req-gone") as info:
-            await client.heartbeat("req-gone")
+            await client.heartbeat("req-gone", "s2")
         assert info.value.peer == f"127.0.0.1:{srv.port}"
-        assert await client.release("req-live", aborted=False) is True
-        assert await client.release("req-live", aborted=True) is False
+        assert await client.release("req-live", aborted=False, secret="s1") is True
+        assert await client.release("req-live", aborted=True, secret="s1") is False
         assert handler.released == [("req-live", False), ("req-live", True)]
+        assert handler.secrets_seen == ["s1", "s1", "s2", "s1", "s1"]  # the lease secret travels with every call
     finally:
         await client.close()
 
@@ -88,7 +92,7 @@ async def test_a_missing_or_wrong_token_is_unauthenticated(client_token: str | N
     await srv.start()
     client = SideChannelClient("127.0.0.1", srv.port, client_token, timeout_s=5)
     try:
-        for call in (client.get_metadata(), client.heartbeat("req-live"), client.release("req-live", False)):
+        for call in (client.get_metadata(), client.heartbeat("req-live", "s"), client.release("req-live", False, "s")):
             with pytest.raises(KVTransferError, match="rejected the cluster token") as info:
                 await call
             assert TOKEN not in str(info.value)
@@ -126,7 +130,7 @@ async def test_a_peer_that_never_answers_times_out() -> None:
         client = SideChannelClient("127.0.0.1", port, None, timeout_s=0.5)
         try:
             with pytest.raises(KVTransferError) as info:
-                await asyncio.wait_for(client.heartbeat("r"), timeout=30)
+                await asyncio.wait_for(client.heartbeat("r", "s"), timeout=30)
             assert info.value.peer == f"127.0.0.1:{port}"
             assert "did not answer within 0.5s" in info.value.reason  # a deadline, not a refused connection
         finally:

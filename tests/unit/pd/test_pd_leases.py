@@ -1,4 +1,5 @@
-"""LeaseTable with a fake clock: every lease is freed exactly once, and a late call gets a precise reason."""
+"""LeaseTable with a fake clock: every lease is freed exactly once, a late call gets a precise reason, and only the
+holder of a lease (its secret) may renew or release it."""
 
 from __future__ import annotations
 
@@ -23,9 +24,34 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+class Holder:
+    """The table as decoders that hold every lease they were handed use it (each presents its lease's secret)."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+        self.secrets: dict[str, str] = {}
+
+    def add(self, request_id: str, blocks, num_tokens: int):
+        lease = self.table.add(request_id, blocks, num_tokens)
+        self.secrets[request_id] = lease.secret
+        return lease
+
+    def renew(self, request_id: str):
+        return self.table.renew(request_id, self.secrets.get(request_id, ""))
+
+    def release(self, request_id: str):
+        return self.table.release(request_id, self.secrets.get(request_id, ""))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getattr__(self, name: str):
+        return getattr(self.table, name)
+
+
 @pytest.fixture
-def table(clock: FakeClock) -> LeaseTable:
-    return LeaseTable(LEASE_S, clock)
+def table(clock: FakeClock) -> Holder:
+    return Holder(LeaseTable(LEASE_S, clock))
 
 
 def test_add_holds_exactly_what_it_was_given(table, clock):
@@ -138,7 +164,7 @@ def test_a_reused_request_id_is_leased_again(table, clock):
     (["a", "b", "a", "c", "d"], ["b"], ["a", "c", "d"]),      # a reused id is the newest again
 ])
 def test_the_memory_of_finished_leases_is_bounded_and_keeps_the_newest(clock, ids, forgotten, remembered):
-    table = LeaseTable(LEASE_S, clock, remembered=3)
+    table = Holder(LeaseTable(LEASE_S, clock, remembered=3))
     for rid in ids:
         table.add(rid, BLOCKS, 1)
         table.release(rid)
@@ -148,3 +174,22 @@ def test_the_memory_of_finished_leases_is_bounded_and_keeps_the_newest(clock, id
     for rid in remembered:
         with pytest.raises(LookupError, match="already released"):
             table.renew(rid)
+
+
+@pytest.mark.parametrize("presented", ["", "0" * 32, "not-the-secret"])
+def test_only_the_holder_renews_or_releases(table, clock, presented):
+    """Another request carrying this one's remote_request_id (tampered or replayed params) cannot end its lease."""
+    lease = table.add("r", BLOCKS, 33)
+    assert len(lease.secret) == 32 and lease.secret != presented
+    with pytest.raises(LookupError, match="held by another request"):
+        table.table.renew("r", presented)
+    assert table.table.release("r", presented) is None
+    assert len(table) == 1                      # still held: the honest decoder goes on
+    clock.now += 1
+    assert table.renew("r").expiry == pytest.approx(1011.0)
+    assert table.release("r") is not None
+
+
+def test_every_lease_has_its_own_secret(table):
+    secrets = {table.add(rid, BLOCKS, 1).secret for rid in ("a", "b", "c")}
+    assert len(secrets) == 3
