@@ -95,3 +95,27 @@ def greedy_reference(model: torch.nn.Module, prompt: list[int], max_tokens: int)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def check_alone_then_with_a_prefix_hit(model_dir: Path, reference: torch.nn.Module, greedy_of: str) -> None:
+    """The engine on `model_dir` against `reference`: two requests at once (every sampled logits row within 1e-4,
+    request `greedy_of`'s tokens equal to transformers' `generate`), then a request sharing 32 tokens of the first,
+    which hits the prefix cache in every group and matches too; every block is back afterwards."""
+    from tests.oracle.test_engine_vs_transformers import (
+        Recorder, assert_drained, check_against_reference, make_engine, prompt, run,
+    )
+
+    recorder = Recorder()
+    engine = make_engine(model_dir, recorder)
+    assert engine.eos_token_ids >= {298, 299}
+    requests = {"a": prompt(1, 37), "b": prompt(2, 23)}
+    outputs = run(engine, requests, max_tokens=8)
+    check_against_reference(reference, requests, outputs, recorder)
+    assert outputs[greedy_of] == greedy_reference(reference, list(requests[greedy_of]), 8)
+
+    recorder.rows.clear()
+    second = {"c": requests["a"][:32] + prompt(3, 6)}
+    outputs = run(engine, second, max_tokens=6)
+    assert all(s.hit_tokens > 0 for s in engine.kv.stats()), engine.kv.stats()
+    check_against_reference(reference, second, outputs, recorder)
+    assert_drained(engine)

@@ -12,10 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.oracle.saved_models import NEMOTRON_VARIANTS, greedy_reference, save_nemotron
-from tests.oracle.test_engine_vs_transformers import (
-    Recorder, assert_drained, check_against_reference, make_engine, prompt, run,
-)
+from tests.oracle.saved_models import NEMOTRON_VARIANTS, check_alone_then_with_a_prefix_hit, save_nemotron
 
 
 @pytest.fixture(scope="module", params=sorted(NEMOTRON_VARIANTS))
@@ -26,17 +23,4 @@ def saved(request, tmp_path_factory):
 
 def test_engine_matches_transformers_alone_and_with_a_prefix_hit(saved):
     model_dir, reference = saved
-    recorder = Recorder()
-    engine = make_engine(model_dir, recorder)
-    assert engine.eos_token_ids >= {298, 299}
-    requests = {"a": prompt(1, 37), "b": prompt(2, 23)}
-    outputs = run(engine, requests, max_tokens=8)
-    check_against_reference(reference, requests, outputs, recorder)
-    assert outputs["b"] == greedy_reference(reference, list(requests["b"]), 8)
-
-    recorder.rows.clear()
-    second = {"c": requests["a"][:32] + prompt(3, 6)}
-    outputs = run(engine, second, max_tokens=6)
-    assert all(s.hit_tokens > 0 for s in engine.kv.stats()), engine.kv.stats()
-    check_against_reference(reference, second, outputs, recorder)
-    assert_drained(engine)
+    check_alone_then_with_a_prefix_hit(model_dir, reference, greedy_of="b")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hybridpd.engine.model.config import read_config_json
-from tests.oracle.saved_models import GRANITE_VARIANTS, greedy_reference, save_granite
+from tests.oracle.saved_models import GRANITE_VARIANTS, check_alone_then_with_a_prefix_hit, save_granite
 from tests.oracle.test_engine_vs_transformers import (
-    Recorder, assert_drained, check_against_reference, make_engine, prompt, run,
+    Recorder, make_engine, prompt,
 )
 
 
@@ -46,20 +46,7 @@ def test_transformers_wrote_what_users_have(saved):
 
 def test_engine_matches_transformers_alone_and_with_a_prefix_hit(saved):
     _, model_dir, reference = saved
-    recorder = Recorder()
-    engine = make_engine(model_dir, recorder)
-    assert engine.eos_token_ids >= {298, 299}
-    requests = {"a": prompt(1, 37), "b": prompt(2, 21)}
-    outputs = run(engine, requests, max_tokens=8)
-    check_against_reference(reference, requests, outputs, recorder)
-    assert outputs["a"] == greedy_reference(reference, list(requests["a"]), 8)
-
-    recorder.rows.clear()
-    second = {"c": requests["a"][:32] + prompt(3, 6)}
-    outputs = run(engine, second, max_tokens=6)
-    assert all(s.hit_tokens > 0 for s in engine.kv.stats()), engine.kv.stats()
-    check_against_reference(reference, second, outputs, recorder)
-    assert_drained(engine)
+    check_alone_then_with_a_prefix_hit(model_dir, reference, greedy_of="a")
 
 
 def test_every_listed_eos_stops(saved):

@@ -158,12 +158,7 @@ class HybridConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir} is not a checkpoint directory: no config.json in it")
-        try:
-            raw = read_config_json(path)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path} must hold a JSON object")
+        raw = read_checkpoint_json(path)
         try:
             return _parse(raw)
         except CheckpointError:
@@ -182,6 +177,18 @@ def _decode_non_finite(obj: dict[str, Any]) -> Any:
 def read_config_json(path: Path) -> Any:
     """A config.json or generation_config.json as transformers reads it (non-finite floats decoded)."""
     return json.loads(Path(path).read_text(), object_hook=_decode_non_finite)
+
+
+def read_checkpoint_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON object (config.json, generation_config.json), as transformers reads it; a file that is
+    unreadable, not JSON or not an object is a CheckpointError naming it."""
+    try:
+        raw = read_config_json(path)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return raw
 
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")

@@ -7,12 +7,11 @@ without the file keeps the OpenAI defaults (temperature 1, top_p 1, no top-k, 16
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpd.engine.model.config import read_config_json
+from hybridpd.engine.model.config import read_checkpoint_json
 from hybridpd.errors import CheckpointError
 
 FILE = "generation_config.json"
@@ -55,12 +54,7 @@ class GenerationDefaults:
         path = Path(model_dir) / FILE
         if not path.is_file():
             return cls()
-        try:
-            raw = read_config_json(path)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path} must hold a JSON object")
+        raw = read_checkpoint_json(path)
         try:
             return cls.from_dict(raw)
         except ValueError as exc:

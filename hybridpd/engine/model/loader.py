@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridpd.engine.model.config import CheckpointError, read_config_json
+from hybridpd.engine.model.config import CheckpointError, read_checkpoint_json
 from hybridpd.engine.model.paged_lm import PagedCausalLM
 from hybridpd.engine.model.registry import ModelConfig, family_for
 
@@ -66,12 +66,7 @@ def read_model_config(model_dir: Path) -> tuple[ModelConfig, Callable[[torch.dty
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir} is not a checkpoint directory: no config.json in it")
-    try:
-        raw = read_config_json(path)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
+    raw = read_checkpoint_json(path)
     try:
         family = family_for(raw)
         config = family.parse_config(raw)
