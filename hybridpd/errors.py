@@ -19,6 +19,10 @@ class UnauthorizedError(HybridPDError):
     """A missing or wrong cluster token (HTTP 401)."""
 
 
+class ForbiddenError(HybridPDError):
+    """A request this node refuses by policy (HTTP 403): e.g. a pull from a peer it does not trust."""
+
+
 class NotFoundError(HybridPDError):
     """An unknown model, route or request (HTTP 404)."""
 

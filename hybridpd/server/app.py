@@ -21,7 +21,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hybridpd.engine.request import RequestOutput
-from hybridpd.errors import UnauthorizedError
+from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.errors import ForbiddenError, UnauthorizedError
 from hybridpd.server.admission import Admission
 from hybridpd.server.body import read_json_object
 from hybridpd.server.config import ServerConfig
@@ -71,6 +72,16 @@ class Handlers:
         if not hmac.compare_digest(sent.encode("utf-8"), self._config.cluster_token.encode("utf-8")):
             raise UnauthorizedError(f"kv_transfer_params need a valid {CLUSTER_TOKEN_HEADER} header")
 
+    def _check_peer(self, parsed: ParsedRequest) -> None:
+        """A remotely prefilled request may pull only from a trusted peer (`--kv-trusted-peers`): the blocks it pulls
+        enter this node's prefix cache."""
+        params = parsed.engine_request.kv_transfer
+        if isinstance(params, RemotePrefillParams) and not self._config.trusted_peers.allows(params.remote_host):
+            raise ForbiddenError(
+                f"kv_transfer_params.remote_host {params.remote_host} is not a trusted peer of this node "
+                f"(--kv-trusted-peers: {self._config.trusted_peers.describe()})"
+            )
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion_request)
 
@@ -82,6 +93,7 @@ class Handlers:
             body = await read_json_object(request)
             self._authorize(request, body)
             parsed = parse(body, self._engine, self._config.served_model_name)
+            self._check_peer(parsed)
             tracker = self._metrics.tracker()
             outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
             try:

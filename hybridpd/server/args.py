@@ -23,6 +23,7 @@ from hybridpd.config import (
     MambaCacheMode,
     SchedulerConfig,
 )
+from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.errors import HybridPDError
 from hybridpd.server.config import ServerConfig
 
@@ -99,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-load-timeout", type=float, default=30.0)
     pd.add_argument("--no-decode-skip-mamba-align", dest="decode_skip_mamba_align", action="store_false",
                     help="(debug) let Mamba groups limit the decode side's local prefix hit")
+    pd.add_argument("--kv-trusted-peers", nargs="+", default=list(LOOPBACK_ONLY), metavar="CIDR|HOST",
+                    help="prefill nodes this node may pull KV from (their remote_host): CIDRs, addresses or host "
+                         "names, also comma-separated (default: loopback only)")
     add_token_arguments(pd, "shared secret for the side channel and KV requests")
 
 
@@ -137,6 +141,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             served_model_name=args.served_model_name or Path(model_dir).resolve().name,
             shutdown_grace=args.shutdown_grace,
             cluster_token=cluster_token,
+            trusted_peers=TrustedPeers.parse(args.kv_trusted_peers),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -14,6 +16,8 @@ class ServerConfig:
     # When set, a request that carries `kv_transfer_params` must send it in CLUSTER_TOKEN_HEADER.
     cluster_token: str | None = field(default=None, repr=False)
     client_max_size: int = 64 * 1024 * 1024  # largest request body in bytes
+    # The prefill nodes a remotely prefilled request may name in kv_transfer_params.remote_host.
+    trusted_peers: TrustedPeers = field(default_factory=lambda: TrustedPeers.parse(LOOPBACK_ONLY))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from hybridpd.errors import (
     EngineDeadError,
+    ForbiddenError,
     InvalidRequestError,
     KVTransferError,
     NotFoundError,
@@ -49,6 +50,7 @@ class HTTPError:
 _STATUS_AND_TYPE: dict[type[BaseException], tuple[int, str]] = {
     InvalidRequestError: (400, "invalid_request_error"),
     UnauthorizedError: (401, "authentication_error"),
+    ForbiddenError: (403, "permission_error"),
     ModelNotFoundError: (404, "model_not_found"),
     NotFoundError: (404, "not_found_error"),
     ServerOverloadedError: (503, "server_overloaded"),

@@ -133,7 +133,8 @@ def _start(ns: str, addr: str, veth: str, model: Path, log_dir: Path) -> NsNode:
         proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "hybridpd", "serve", str(model), "--host", addr,
              "--port", str(HTTP_PORT), "--kv-port", str(KV_PORT), "--threads", "1", "--num-blocks", "256",
-             "--kv-lease-seconds", str(LEASE_S), "--kv-load-timeout", str(LOAD_TIMEOUT_S)],
+             "--kv-lease-seconds", str(LEASE_S), "--kv-load-timeout", str(LOAD_TIMEOUT_S),
+             "--kv-trusted-peers", "10.77.0.0/24"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **NODE_ENV})
     return NsNode(ns=ns, addr=addr, veth=veth, proc=proc, log_path=log_path)
 
