@@ -5,6 +5,9 @@ A request's path through the proxy:
            -> DECODING (one node; its bytes go to the client as they come) -> DONE
   A 4xx from a node goes back to the client as it is; any other node failure becomes a 502
   (504 on a timeout), or an error event when the stream to the client had already started.
+  When no prefill node can take the request (none known, or the prefill hop failed after its retry) and
+  `--fallback-colocated` is on (the default), the decode node gets the original body without kv_transfer_params
+  and prefills it itself: PREFILLING -> DECODING(colocated), counted in hybridpd_proxy_fallback_colocated_total.
   A client that goes away cancels the handler (`handler_cancellation=True`), which closes the
   upstream connection in flight, so the node aborts the request and frees its blocks.
 """
@@ -86,7 +89,7 @@ class Proxy:
         if not isinstance(body, dict):
             return invalid_request("request body must be a JSON object", request_id)
         try:
-            kv_params = await self._prefill(path, body, request_id)
+            kv_params = await self._prefill_or_fall_back(path, body, request_id)
             return await self._decode(request, path, decode_body(body, kv_params), request_id)
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
@@ -95,6 +98,18 @@ class Proxy:
         except UpstreamError as exc:
             logger.warning("request %s: %s", request_id, exc)
             return upstream_failed(exc, request_id)
+
+    async def _prefill_or_fall_back(self, path: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+        """The prefill node's kv_transfer_params; None (the decode node prefills) when no prefill node could take
+        the request and the colocated fallback is on. A 4xx (the client's own error) is never retried elsewhere."""
+        try:
+            return await self._prefill(path, body, request_id)
+        except (UpstreamError, NoUpstreamError) as exc:
+            if not self.config.fallback_colocated:
+                raise
+            logger.warning("request %s: %s; the decode node prefills it itself (fallback)", request_id, exc)
+            self.metrics.count_fallback()
+            return None
 
     async def _prefill(self, path: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
         router = self.routers[Role.PREFILL]

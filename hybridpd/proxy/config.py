@@ -84,6 +84,9 @@ class ProxyConfig:
     decode_dns: DnsSource | None = None
     dns_interval: float = 5.0
     dns_server: tuple[str, int] | None = None  # None: the system's resolver
+    # No prefill node can take a request (none known, or the prefill hop failed after its retry): send it to a
+    # decode node without kv_transfer_params, which prefills it locally (latency, not an error).
+    fallback_colocated: bool = True
 
     def __post_init__(self) -> None:
         if not self.prefillers and self.prefill_dns is None:

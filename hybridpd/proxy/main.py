@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a Kubernetes headless Service)")
     parser.add_argument("--decoder-dns", default=None, metavar="NAME:PORT", help="decode nodes from DNS, likewise")
     parser.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions")
+    parser.add_argument("--fallback-colocated", action=argparse.BooleanOptionalAction, default=True,
+                        help="when no prefill node can take a request, let a decode node prefill it itself")
     parser.add_argument("--dns-server", default=None, metavar="HOST:PORT",
                         help="ask this DNS server instead of the system's resolver")
     parser.add_argument(
@@ -90,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_dns=decode_dns,
         dns_interval=args.dns_interval,
         dns_server=_dns_server(args.dns_server),
+        fallback_colocated=args.fallback_colocated,
         routing=RoutingPolicy(args.routing),
         prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout,

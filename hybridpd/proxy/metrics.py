@@ -28,10 +28,17 @@ class ProxyMetrics:
             "hybridpd_proxy_upstream_latency_seconds", "Duration of a call to a node (decode: until the stream ends)",
             ["role", "upstream"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.fallback_colocated = Counter(
+            "hybridpd_proxy_fallback_colocated", "Requests a decode node prefilled itself because no prefill node "
+            "could take them", registry=self.registry,
+        )
         self.upstream_outstanding = Gauge(
             "hybridpd_proxy_upstream_outstanding", "Calls in flight to a node",
             ["role", "upstream"], registry=self.registry,
         )
+
+    def count_fallback(self) -> None:
+        self.fallback_colocated.inc()
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

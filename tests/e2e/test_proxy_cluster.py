@@ -146,16 +146,18 @@ async def test_the_cluster_token_reaches_the_nodes(cluster, token, status):
         assert read_after > read_before  # the decode node pulled KV over the token-checked side channel
 
 
-def test_killed_nodes_mean_retry_then_502_naming_the_node(cluster):
+def test_killed_nodes_mean_retry_then_colocated_fallback_then_502_naming_the_node(cluster):
     _, info = cluster
     os.kill(info.prefill[0].pid, signal.SIGKILL)
     for _ in range(2):  # round robin would pick the dead node for one of these: the proxy retries
         status, raw = _post(info.proxy_url + "/v1/completions", COMPLETION)
         assert status == 200, raw
     os.kill(info.prefill[1].pid, signal.SIGKILL)
-    status, raw = _post(info.proxy_url + "/v1/completions", COMPLETION)
-    assert status == 502
-    assert "prefill node" in json.loads(raw)["error"]["message"]
+    status, raw = _post(info.proxy_url + "/v1/completions", COMPLETION)  # no prefill node left: the decode node
+    assert status == 200, raw                                               # prefills it itself (--fallback-colocated)
+    assert json.loads(raw)["choices"][0]["text"] != ""
+    with urllib.request.urlopen(info.proxy_url + "/metrics", timeout=REQUEST_TIMEOUT) as answer:
+        assert "hybridpd_proxy_fallback_colocated_total 1.0" in answer.read().decode()
     os.kill(info.decode[0].pid, signal.SIGKILL)
     request = urllib.request.Request(info.proxy_url + "/v1/models")
     with pytest.raises(urllib.error.HTTPError) as failure:

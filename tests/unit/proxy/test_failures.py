@@ -51,7 +51,9 @@ async def test_prefill_failure_retries_on_the_other_node(make_harness, first):
 async def test_node_failure_is_a_gateway_error_naming_the_node(
     make_harness, prefill, decode, status, error_type, failed_role, failed_index
 ):
-    h = await make_harness(prefill, decode, prefill_timeout=0.5, decode_timeout=0.5, connect_timeout=1.0)
+    """With the colocated fallback off (`--no-fallback-colocated`) a prefill failure is the client's error too."""
+    h = await make_harness(prefill, decode, prefill_timeout=0.5, decode_timeout=0.5, connect_timeout=1.0,
+                           fallback_colocated=False)
     async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
         assert resp.status == status
         error = (await resp.json())["error"]
@@ -61,6 +63,29 @@ async def test_node_failure_is_a_gateway_error_naming_the_node(
     assert f"{failed_role} node 127.0.0.1:{ports[failed_index]}" in error["message"]
     if failed_role == "decode":
         assert len(h.prefill[0].received) == 1
+
+
+@pytest.mark.parametrize("prefill", [
+    [None],                              # nobody listens
+    [Behavior.FAIL, Behavior.FAIL],      # both fail: the retry too
+    [Behavior.HANG],                     # no answer within the prefill timeout
+])
+async def test_when_no_prefill_node_can_take_it_the_decode_node_prefills(make_harness, prefill):
+    """The colocated fallback (on by default): a prefill-pool outage costs latency, not errors."""
+    h = await make_harness(prefill, [Behavior.OK], prefill_timeout=0.5, connect_timeout=1.0)
+    async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
+        assert resp.status == 200, await resp.text()
+    (call,) = h.decode[0].received
+    assert "kv_transfer_params" not in call.body and call.body["prompt"] == BODY["prompt"]
+    assert "hybridpd_proxy_fallback_colocated_total 1.0" in h.proxy.metrics.render().decode()
+
+
+async def test_a_prefill_4xx_is_not_a_reason_to_fall_back(make_harness):
+    h = await make_harness([Behavior.REJECT], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
+        assert resp.status == 400 and await resp.read() == REJECT_BODY
+    assert h.decode[0].received == []
+    assert "hybridpd_proxy_fallback_colocated_total 0.0" in h.proxy.metrics.render().decode()
 
 
 async def test_decode_failure_after_stream_started_is_an_error_event(make_harness):
