@@ -1,8 +1,11 @@
 """`hybridpd up`: a local cluster of N prefill + M decode nodes and a proxy, until Ctrl-C or SIGTERM.
 
 Node i (prefill nodes first) serves HTTP on --base-port + i and its side channel on --base-port + 1000 + i.
-Flags after `--` go to every `hybridpd serve`. Exits non-zero, with the child's name and log tail,
-when a child fails to start or dies; every child is stopped in every case.
+Flags after `--` go to every `hybridpd serve`. A child that fails during start-up makes `up` exit at once (non-zero,
+with the child's name and log tail); one that dies later is restarted with backoff (`--restart on-failure`, the
+default; `--restart never` exits instead), each restart logged with its exit cause. The proxy routes around a node
+while it is down (retries on another prefill node, or the decode node prefills). Every child is stopped in every
+case.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.errors import ClusterError, StartupInterruptedError
 from hybridpd.launcher.spec import ClusterSpec
+from hybridpd.launcher.supervisor import RestartPolicy, Supervisor
 
 _WATCH_SECONDS = 0.5
 
@@ -32,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds until all must be healthy")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--routing", default=None, help="the proxy's --routing")
+    parser.add_argument("--restart", choices=[p.value for p in RestartPolicy], default=RestartPolicy.ON_FAILURE.value,
+                        help="restart a node or the proxy that dies after start-up (with backoff), or exit")
     parser.add_argument("serve_args", nargs="*", metavar="-- SERVE_FLAGS",
                         help="extra `hybridpd serve` flags for every node, after `--`")
 
@@ -59,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridpd up: starting {spec.num_prefill} prefill + {spec.num_decode} decode nodes ...", flush=True)
         info = cluster.start()
         print(info.describe(), "\nPress Ctrl-C to stop.", sep="", flush=True)
+        supervisor = Supervisor(list(cluster.children), RestartPolicy(args.restart), cluster.respawn,
+                                report=lambda line: print(line, flush=True))
         while not stop.wait(_WATCH_SECONDS):
-            cluster.check_alive()
+            supervisor.check()
         print("hybridpd up: stopping ...", flush=True)
         return 0
     except StartupInterruptedError:

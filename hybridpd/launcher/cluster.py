@@ -136,6 +136,12 @@ class LocalCluster:
         )
         return self.info
 
+    def respawn(self, child: ChildProcess) -> ChildProcess:
+        """Start `child` again (same name, argv, environment and log file, appended) in its place."""
+        again = ChildProcess(child.name, child.argv, child.log_path, self._env)
+        self._children[self._children.index(child)] = again
+        return again
+
     def check_alive(self) -> None:
         """Raises ChildExitedError naming the first child that is no longer running."""
         for child in self._children:

@@ -27,6 +27,7 @@ from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.errors import ChildExitedError, StartupTimeoutError
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec
+from hybridpd.launcher.supervisor import RestartPolicy, Supervisor
 
 STARTUP_DEADLINE = 240.0  # seconds for a real cluster on 2 busy cores
 EXIT_DEADLINE = 60.0
@@ -235,3 +236,31 @@ def test_a_node_that_never_gets_healthy_times_out_and_is_stopped(fake_python, tm
     with pytest.raises(StartupTimeoutError, match="prefill-0 was not healthy"):
         cluster.start()
     assert cluster.children and [c.name for c in cluster.children if c.returncode() is None] == []
+
+
+def test_a_node_that_dies_after_start_up_is_restarted_and_serves_again(fake_python, tmp_path):
+    """`hybridpd up --restart on-failure` (the default): the supervisor notices the exit, names its cause, and
+    starts the node again on the same ports; the cluster answers again through the proxy."""
+    cluster = LocalCluster(_spec(fake_python, tmp_path))
+    lines: list[str] = []
+    try:
+        info = cluster.start()
+        supervisor = Supervisor(list(cluster.children), RestartPolicy.ON_FAILURE, cluster.respawn,
+                                report=lines.append)
+        os.kill(info.prefill[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + STARTUP_DEADLINE
+        while supervisor.restarts("prefill-0") == 0 or _get(info.prefill[0].url + "/health")[0] != 200:
+            assert time.monotonic() < deadline, f"prefill-0 was not restarted: {lines}"
+            supervisor.check()
+            time.sleep(0.1)  # a poll interval under a deadline, not a synchronisation
+        assert any("prefill-0 killed by SIGKILL; restarting it" in line for line in lines), lines
+        restarted = next(c for c in cluster.children if c.name == "prefill-0")
+        assert restarted.pid != info.prefill[0].pid and restarted.returncode() is None
+        request = urllib.request.Request(info.proxy_url + "/v1/completions", data=b'{"prompt": "x"}',
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.loads(response.read())["params"]["from"] == info.prefill[0].port
+        pids = [c.pid for c in cluster.children]
+    finally:
+        cluster.stop()
+    assert [pid for pid in pids if _alive(pid)] == []
