@@ -32,12 +32,14 @@ from hybridpd.proxy.responses import (
     invalid_request, no_upstream, sse_error_event, upstream_failed, upstream_rejected,
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, discovery_context
+from hybridpd.proxy.health_watch import health_watch_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
 _MAX_PREFILL_ATTEMPTS = 2  # the first node, then one retry on another
+_HEALTH_WATCH_INTERVAL_S = 1.0  # how often nodes marked down are probed
 
 
 class Proxy:
@@ -193,6 +195,8 @@ def build_app(config: ProxyConfig) -> web.Application:
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.client_session)
     app.cleanup_ctx.append(discovery_context(proxy.discoveries, config.dns_interval))
+    app.cleanup_ctx.append(health_watch_context(tuple(proxy.routers.values()), lambda: proxy.client,
+                                                _HEALTH_WATCH_INTERVAL_S))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.models)

@@ -2,6 +2,8 @@
 
 The set of nodes can change while the proxy runs (DNS discovery, proxy/discovery.py): `replace` installs a new
 tuple; calls already in flight on a node that left finish where they are and are still counted until they end.
+A node that could not be reached is marked down (`mark_down`) and gets no new calls while another node of its role
+is up; the health watch (proxy/health_watch.py) marks it up again once its `/health` answers 200.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Router:
         self._upstreams = upstreams
         self._policy = policy
         self._outstanding: dict[Upstream, int] = {}
+        self._down: set[Upstream] = set()
         self._next = 0  # index where the round-robin order starts
 
     @property
@@ -42,6 +45,16 @@ class Router:
             self._upstreams = upstreams
             self._next = self._next % len(upstreams) if upstreams else 0
 
+    @property
+    def down(self) -> frozenset[Upstream]:
+        return frozenset(self._down & set(self._upstreams))
+
+    def mark_down(self, upstream: Upstream) -> None:
+        self._down.add(upstream)
+
+    def mark_up(self, upstream: Upstream) -> None:
+        self._down.discard(upstream)
+
     def outstanding(self, upstream: Upstream) -> int:
         return self._outstanding.get(upstream, 0)
 
@@ -49,6 +62,8 @@ class Router:
         count = len(self._upstreams)
         order = [(self._next + k) % count for k in range(count)]
         candidates = [i for i in order if self._upstreams[i] not in exclude]
+        up = [i for i in candidates if self._upstreams[i] not in self._down]
+        candidates = up or candidates  # every candidate down: try one anyway (it may be back)
         if not candidates:
             role = self._role_name
             raise NoUpstreamError(f"no {role} node known" if not count else f"no {role} node left to try")

@@ -89,6 +89,8 @@ class UpstreamClient:
                 yield
         except UpstreamError as exc:
             self._metrics.count_error(upstream, exc.kind.value)
+            if exc.kind is FailureKind.UNREACHABLE:
+                router.mark_down(upstream)  # routed around until the health watch sees it answer again
             raise
         except UpstreamRejectedError:
             self._metrics.count_error(upstream, "rejected")
