@@ -33,6 +33,7 @@ from hybridpd.proxy.responses import (
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, discovery_context
 from hybridpd.proxy.health_watch import health_watch_context
+from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import UpstreamClient
 
@@ -55,6 +56,8 @@ class Proxy:
         resolver = DnsResolver(config.dns_server, timeout=config.connect_timeout)
         self.discoveries = tuple(DnsDiscovery(source, self.routers[source.role], resolver)
                                  for source in config.dns_sources)
+        if config.nodes_file is not None:
+            self.discoveries += (NodesFile(config.nodes_file, self.routers),)
         self._client: UpstreamClient | None = None
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class Role(enum.Enum):
@@ -84,15 +85,16 @@ class ProxyConfig:
     decode_dns: DnsSource | None = None
     dns_interval: float = 5.0
     dns_server: tuple[str, int] | None = None  # None: the system's resolver
+    nodes_file: Path | None = None             # both roles' nodes from a watched JSON file (proxy/nodes_file.py)
     # No prefill node can take a request (none known, or the prefill hop failed after its retry): send it to a
     # decode node without kv_transfer_params, which prefills it locally (latency, not an error).
     fallback_colocated: bool = True
 
     def __post_init__(self) -> None:
-        if not self.prefillers and self.prefill_dns is None:
-            raise ValueError("at least one prefill node is required (or --prefiller-dns)")
-        if not self.decoders and self.decode_dns is None:
-            raise ValueError("at least one decode node is required (or --decoder-dns)")
+        if not self.prefillers and self.prefill_dns is None and self.nodes_file is None:
+            raise ValueError("at least one prefill node is required (or --prefiller-dns, or --nodes-file)")
+        if not self.decoders and self.decode_dns is None and self.nodes_file is None:
+            raise ValueError("at least one decode node is required (or --decoder-dns, or --nodes-file)")
         if self.dns_interval <= 0:
             raise ValueError(f"--dns-interval must be positive, got {self.dns_interval}")
         if any(u.role is not Role.PREFILL for u in self.prefillers):

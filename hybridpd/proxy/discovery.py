@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import dns.asyncresolver
 import dns.exception
@@ -71,14 +72,18 @@ class DnsDiscovery:
         self._router.replace(upstreams)
 
 
-async def run_discoveries(discoveries: tuple[DnsDiscovery, ...], interval: float) -> None:
+class Refreshable(Protocol):
+    async def refresh(self) -> None: ...
+
+
+async def run_discoveries(discoveries: tuple[Refreshable, ...], interval: float) -> None:
     """Refresh every discovery now, then every `interval` seconds, until cancelled."""
     while True:
         await asyncio.gather(*(d.refresh() for d in discoveries))
         await asyncio.sleep(interval)
 
 
-def discovery_context(discoveries: tuple[DnsDiscovery, ...], interval: float):
+def discovery_context(discoveries: tuple[Refreshable, ...], interval: float):
     """An aiohttp cleanup_ctx: the first resolution before the proxy answers, then a background refresh task."""
 
     async def context(_app) -> AsyncIterator[None]:
@@ -99,6 +104,6 @@ def discovery_context(discoveries: tuple[DnsDiscovery, ...], interval: float):
     return context
 
 
-async def _refresh_after(discoveries: tuple[DnsDiscovery, ...], interval: float) -> None:
+async def _refresh_after(discoveries: tuple[Refreshable, ...], interval: float) -> None:
     await asyncio.sleep(interval)
     await run_discoveries(discoveries, interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -30,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill nodes from DNS: every A/AAAA record of NAME, re-resolved every --dns-interval "
                              "(a Kubernetes headless Service)")
     parser.add_argument("--decoder-dns", default=None, metavar="NAME:PORT", help="decode nodes from DNS, likewise")
-    parser.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions")
+    parser.add_argument("--nodes-file", type=Path, default=None, metavar="PATH",
+                        help='both roles\' nodes from a JSON file {"prefill": ["host:port", ...], "decode": [...]}, '
+                             're-read when it changes')
+    parser.add_argument("--dns-interval", type=float, default=5.0,
+                        help="seconds between DNS resolutions (and checks of --nodes-file)")
     parser.add_argument("--fallback-colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="when no prefill node can take a request, let a decode node prefill it itself")
     parser.add_argument("--dns-server", default=None, metavar="HOST:PORT",
@@ -80,9 +85,18 @@ def _dns_server(text: str | None) -> tuple[str, int] | None:
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """Raises ValueError with a message meant for the user."""
-    prefillers, prefill_dns = _role_nodes(Role.PREFILL, args.prefiller_hosts, args.prefiller_ports,
-                                          args.prefiller_dns, 8100)
-    decoders, decode_dns = _role_nodes(Role.DECODE, args.decoder_hosts, args.decoder_ports, args.decoder_dns, 8200)
+    if args.nodes_file is not None:
+        given = [flag for flag, value in (("--prefiller-hosts", args.prefiller_hosts), ("--prefiller-ports",
+                 args.prefiller_ports), ("--decoder-hosts", args.decoder_hosts), ("--decoder-ports", args.decoder_ports),
+                 ("--prefiller-dns", args.prefiller_dns), ("--decoder-dns", args.decoder_dns)) if value is not None]
+        if given:
+            raise ValueError(f"--nodes-file gives every node: drop {', '.join(given)}")
+        prefillers, prefill_dns, decoders, decode_dns = (), None, (), None
+    else:
+        prefillers, prefill_dns = _role_nodes(Role.PREFILL, args.prefiller_hosts, args.prefiller_ports,
+                                              args.prefiller_dns, 8100)
+        decoders, decode_dns = _role_nodes(Role.DECODE, args.decoder_hosts, args.decoder_ports, args.decoder_dns,
+                                           8200)
     return ProxyConfig(
         host=args.host,
         port=args.port,
@@ -93,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         dns_interval=args.dns_interval,
         dns_server=_dns_server(args.dns_server),
         fallback_colocated=args.fallback_colocated,
+        nodes_file=args.nodes_file,
         routing=RoutingPolicy(args.routing),
         prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout,
@@ -111,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info(
         "proxy on %s:%d, prefill %s, decode %s, routing %s", config.host, config.port,
-        config.prefill_dns or [u.address for u in config.prefillers],
-        config.decode_dns or [u.address for u in config.decoders], config.routing.value,
+        config.nodes_file or config.prefill_dns or [u.address for u in config.prefillers],
+        config.nodes_file or config.decode_dns or [u.address for u in config.decoders], config.routing.value,
     )
     web.run_app(
         build_app(config), host=config.host, port=config.port, handler_cancellation=True,
