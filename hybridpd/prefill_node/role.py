@@ -40,6 +40,10 @@ class PrefillRole:
         self.leases = LeaseTable(lease_seconds, clock=time.time)
         self._sweeper: asyncio.Task | None = None
         self._progress: asyncio.Task | None = None
+        # Set (from the engine thread, through the loop) when a lease is added: wakes the transport progress loop
+        # at once, instead of after an idle poll (which cost a pull up to 50 ms before the READ could complete).
+        self._lease_added: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def hold(self, seq: Sequence) -> dict:
@@ -57,6 +61,8 @@ class PrefillRole:
             digest = prompt_digest(seq.prompt_token_ids[:num_tokens])
             lease = self.leases.add(seq.request_id, block_ids, num_tokens, digest)
             expiry, secret = lease.expiry, lease.secret
+            if self._loop is not None and self._lease_added is not None:
+                self._loop.call_soon_threadsafe(self._lease_added.set)
             self.metrics.lease_acquired()
         return RemotePrefillParams(
             remote_engine_id=self.engine_id,
@@ -89,6 +95,7 @@ class PrefillRole:
     # -- expiry and transport progress ---------------------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._loop, self._lease_added = loop, asyncio.Event()
         self._sweeper = loop.create_task(self._sweep())
         self._progress = loop.create_task(self._make_progress())
 
@@ -127,9 +134,14 @@ class PrefillRole:
     async def _make_progress(self) -> None:
         """On one host, a decoder's READ of our blocks completes only while we poll our transport (measured:
         UCX's control messages travel over loopback TCP), so poll every millisecond while a lease is held."""
+        lease_added = self._lease_added
+        if lease_added is None:
+            raise RuntimeError("start() creates the lease event before the progress loop runs")
         while True:
             if len(self.leases):
                 self.transport.get_notifs()
                 await asyncio.sleep(PROGRESS_POLL_S)
-            else:
-                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            lease_added.clear()
+            if not len(self.leases):  # checked after the clear: a lease added since then sets the event again
+                await lease_added.wait()
