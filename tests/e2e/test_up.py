@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,6 +129,26 @@ def _get(url: str) -> tuple[int, bytes]:
         return 0, b""
 
 
+class _Output:
+    """A child's stdout read by a thread, line by line, so the test can wait for a line with a deadline."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(process.stdout.readline, "")),
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_for(self, marker: str, deadline: float) -> None:
+        while not any(marker in line for line in list(self.lines)):
+            assert self._thread.is_alive(), f"the process ended before printing `{marker}`:\n{self.text()}"
+            assert time.monotonic() < deadline, f"`{marker}` never printed:\n{self.text()}"
+            time.sleep(0.1)  # a poll interval under a deadline, not a synchronisation
+
+    def text(self, timeout: float = 0.0) -> str:
+        self._thread.join(timeout)
+        return "".join(self.lines)
+
+
 def test_up_serves_through_the_proxy_and_sigterm_leaves_no_child(tmp_path, cluster_ports, tiny_checkpoint):
     proxy_port, base_port = cluster_ports
     up = subprocess.Popen(
@@ -136,10 +157,11 @@ def test_up_serves_through_the_proxy_and_sigterm_leaves_no_child(tmp_path, clust
          "--stop-grace", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    output_reader = _Output(up)
     try:
         deadline = time.monotonic() + STARTUP_DEADLINE
         while _get(f"http://127.0.0.1:{proxy_port}/health")[0] != 200:
-            assert up.poll() is None, f"up exited early:\n{up.stdout.read()}"
+            assert up.poll() is None, f"up exited early:\n{output_reader.text(timeout=5)}"
             assert time.monotonic() < deadline, "the cluster did not become healthy in time"
             time.sleep(0.5)  # a poll interval under a deadline, not a synchronisation
         body = json.dumps({"prompt": "hello hybrid world", "max_tokens": 4, "temperature": 0}).encode()
@@ -151,9 +173,12 @@ def test_up_serves_through_the_proxy_and_sigterm_leaves_no_child(tmp_path, clust
         assert answer["usage"]["completion_tokens"] >= 1
         children = _children([proxy_port, base_port, base_port + 1])
         assert len(children) == 4  # up itself (its --port) + 2 nodes + the proxy
+        # `up` counts as started once it says so (its own health wait may still be polling the proxy): a SIGTERM
+        # before that is an interrupted start-up (exit 130), not the clean stop this test is about
+        output_reader.wait_for("Press Ctrl-C to stop.", deadline)
         up.send_signal(signal.SIGTERM)
         assert up.wait(EXIT_DEADLINE) == 0
-        output = up.stdout.read()
+        output = output_reader.text(timeout=EXIT_DEADLINE)
         assert f"http://127.0.0.1:{proxy_port}" in output and f"http://127.0.0.1:{base_port}/metrics" in output
         assert _children([proxy_port, base_port, base_port + 1]) == []
     finally:
