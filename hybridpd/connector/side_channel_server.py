@@ -8,6 +8,7 @@ configured, every KVTransfer call must carry `authorization: Bearer <token>`, el
 from __future__ import annotations
 
 import logging
+import urllib.parse
 from typing import Protocol
 
 import grpc
@@ -16,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from hybridpd.connector.lease_view import LeaseView
 from hybridpd.connector.side_channel_auth import is_authorized
+from hybridpd.connector.trusted_peers import TrustedPeers
 from hybridpd.proto import kv_transfer_pb2 as pb
 from hybridpd.proto import kv_transfer_pb2_grpc as pb_grpc
 
@@ -40,17 +42,32 @@ class SideChannelHandler(Protocol):
         ...
 
 
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string: `ipv4:127.0.0.1:5555` -> `127.0.0.1`, `ipv6:%5B::1%5D:5555` -> `::1`."""
+    address = urllib.parse.unquote(peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer)
+    host = address.rpartition(":")[0] or address
+    return host.strip("[]")
+
+
 class _KVTransferServicer(pb_grpc.KVTransferServicer):
-    def __init__(self, handler: SideChannelHandler, cluster_token: str | None) -> None:
+    def __init__(self, handler: SideChannelHandler, cluster_token: str | None,
+                 trusted_peers: TrustedPeers | None) -> None:
         self._handler = handler
         self._token = cluster_token
+        self._trusted = trusted_peers
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if not is_authorized(context.invocation_metadata(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
 
     async def GetMetadata(self, request: pb.GetMetadataRequest, context: grpc.aio.ServicerContext) -> pb.NodeMetadata:
+        """The transport metadata lets its holder READ all of this node's registered KV memory: only an
+        authenticated peer inside `--kv-trusted-peers` gets it."""
         await self._authorize(context)
+        peer = peer_host(context.peer())
+        if self._trusted is not None and not self._trusted.allows(peer):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{peer} is not a trusted peer of this node (--kv-trusted-peers)")
         return self._handler.metadata()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
@@ -79,8 +96,11 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
 
 
 class SideChannelServer:
-    def __init__(self, handler: SideChannelHandler, host: str, port: int, cluster_token: str | None) -> None:
+    def __init__(self, handler: SideChannelHandler, host: str, port: int, cluster_token: str | None,
+                 trusted_peers: TrustedPeers | None = None) -> None:
+        """`trusted_peers`: who may ask for this node's transport metadata (None: anyone with the token)."""
         self._handler = handler
+        self._trusted = trusted_peers
         self._host = host
         self._requested_port = port
         self._token = cluster_token
@@ -96,7 +116,8 @@ class SideChannelServer:
 
     async def start(self) -> None:
         server = grpc.aio.server()
-        pb_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self._handler, self._token), server)
+        pb_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self._handler, self._token, self._trusted),
+                                                 server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self._host}]" if ":" in self._host else self._host
         port = server.add_insecure_port(f"{host}:{self._requested_port}")

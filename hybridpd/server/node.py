@@ -72,7 +72,7 @@ class Node:
                                  fields=fields, compat_hash=hash_, transport=transport, groups=core.groups,
                                  transport_address=cfg.kv_transfer.kv_host)
         side = SideChannelServer(PrefillSideChannel(prefill, metadata), cfg.kv_transfer.kv_host,
-                                 cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token)
+                                 cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token, cfg.server.trusted_peers)
         await side.start()
         prefill.side_channel_port = side.port
         prefill.start()

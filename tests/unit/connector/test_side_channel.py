@@ -150,3 +150,35 @@ async def test_release_without_status_is_invalid(server) -> None:
 
 def test_the_client_repr_never_shows_the_token() -> None:
     assert TOKEN not in repr(SideChannelClient("127.0.0.1", 1, TOKEN, timeout_s=1))
+
+
+@pytest.mark.parametrize("peer, host", [
+    ("ipv4:127.0.0.1:5555", "127.0.0.1"), ("ipv6:[::1]:5555", "::1"), ("ipv6:%5B::1%5D:5555", "::1"),
+    ("ipv4:10.77.0.2:41000", "10.77.0.2"),
+])
+def test_peer_host(peer, host):
+    from hybridpd.connector.side_channel_server import peer_host
+
+    assert peer_host(peer) == host
+
+
+@pytest.mark.parametrize("trusted, allowed", [(["127.0.0.0/8"], True), (["10.77.0.0/24"], False)])
+async def test_metadata_goes_only_to_trusted_peers(trusted, allowed) -> None:
+    """The transport metadata lets its holder READ all registered KV memory: GetMetadata needs the token AND a
+    trusted peer address; heartbeats and releases (which need a lease secret) are not affected."""
+    from hybridpd.connector.trusted_peers import TrustedPeers
+
+    handler = FakeHandler()
+    srv = SideChannelServer(handler, "127.0.0.1", 0, TOKEN, TrustedPeers.parse(trusted))
+    await srv.start()
+    client = SideChannelClient("127.0.0.1", srv.port, TOKEN, timeout_s=5)
+    try:
+        if allowed:
+            assert await client.get_metadata("decode-0") == handler.metadata()
+        else:
+            with pytest.raises(KVTransferError, match="PERMISSION_DENIED: 127.0.0.1 is not a trusted peer"):
+                await client.get_metadata("decode-0")
+        assert (await client.heartbeat("req-live", "s")).num_tokens == 40
+    finally:
+        await client.close()
+        await srv.stop(0)
