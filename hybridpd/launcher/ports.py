@@ -9,7 +9,9 @@ from hybridpd.launcher.errors import ClusterError
 from hybridpd.launcher.spec import KV_PORT_OFFSET
 
 _ATTEMPTS = 200
-_LOW, _HIGH = 20000, 60000  # below the usual ephemeral range start on Linux (32768) and above it: both fine
+# Below Linux's ephemeral range (32768-60999): a port the OS hands out for an outgoing connection can never take
+# one chosen here between the check and the bind.
+_LOW, _HIGH = 20000, 32767
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -22,7 +24,12 @@ def _bindable(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (bound to port 0, then released)."""
+    """A port free now, below the ephemeral range (bound, then released); the OS's choice if none is found."""
+    rng = random.Random()
+    for _ in range(_ATTEMPTS):
+        port = rng.randrange(_LOW, _HIGH)
+        if _bindable(host, port):
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

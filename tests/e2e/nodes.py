@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -36,7 +37,22 @@ def kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+# Below Linux's ephemeral range (32768-60999): a port the OS hands out for an outgoing connection (there are many
+# in this suite) can never collide with one chosen here between the check and the node's bind.
+_PORT_LOW, _PORT_HIGH = 20000, 32767
+_PORTS = random.Random()
+
+
 def free_port() -> int:
+    """A port nobody listens on now, outside the ephemeral range (bound, then released)."""
+    for _ in range(200):
+        port = _PORTS.randrange(_PORT_LOW, _PORT_HIGH)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,7 +109,27 @@ class NodeProcess:
         kill(self.proc)
 
 
+_BIND_FAILED = ("Failed to bind", "address already in use", "Address already in use")
+
+
 def start_node(model_dir: Path, log_dir: Path, args: Sequence[str] = (), *, name: str = "node") -> NodeProcess:
+    """Start a node on free ports; if another process took one of them first (the node's log says it could not
+    bind), try once more on other ports."""
+    try:
+        return _start_node(model_dir, log_dir, args, name=name)
+    except NodeStartError as exc:
+        if not any(marker in exc.log_tail for marker in _BIND_FAILED):
+            raise
+        return _start_node(model_dir, log_dir, args, name=name)
+
+
+class NodeStartError(RuntimeError):
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def _start_node(model_dir: Path, log_dir: Path, args: Sequence[str], *, name: str) -> NodeProcess:
     port, kv_port = free_port(), free_port()
     log_path = log_dir / f"{name}-{port}.log"
     cmd = [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -105,7 +141,8 @@ def start_node(model_dir: Path, log_dir: Path, args: Sequence[str] = (), *, name
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{node.log_tail()}")
+            tail = node.log_tail()
+            raise NodeStartError(f"{name} exited with {proc.returncode} during start-up:\n{tail}", tail)
         try:
             with urllib.request.urlopen(node.url + "/health", timeout=2) as resp:
                 if resp.status == 200:
