@@ -81,3 +81,22 @@ async def make_harness() -> AsyncIterator[MakeHarness]:
             await runner.cleanup()
         for fake in nodes:
             await fake.stop()
+
+
+def proxy_config(argv: list[str]) -> ProxyConfig:
+    """The config `hybridpd proxy ARGV...` would run with (raises ValueError as the command would exit 2)."""
+    import argparse
+
+    from hybridpd.proxy.main import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+async def serve_proxy(config: ProxyConfig) -> tuple[web.AppRunner, str]:
+    """The proxy app on a free port of 127.0.0.1: (its runner, to clean up; its base URL)."""
+    runner = web.AppRunner(build_app(config), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"

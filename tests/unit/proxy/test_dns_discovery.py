@@ -9,14 +9,14 @@ import socket
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from hybridpd.proxy.app import PROXY_KEY, build_app
+from hybridpd.proxy.app import PROXY_KEY
 from hybridpd.proxy.config import DnsSource, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver
 from hybridpd.proxy.main import add_arguments, config_from_args
 from hybridpd.proxy.routing import Router
 
+from .conftest import proxy_config, serve_proxy
 from .dns_server import LocalDns
 from .fake_node import FakeNode
 
@@ -91,17 +91,12 @@ async def test_nodes_join_and_leave_through_dns(dns):
     for host, node in decoders.items():
         await node.start(host, port)
     dns.set(NAME, ["127.0.0.2", "127.0.0.3"])
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    config = config_from_args(parser.parse_args([
+    config = proxy_config([
         "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill.port),
         "--decoder-dns", f"{NAME}:{port}", "--dns-server", f"127.0.0.1:{dns.port}", "--dns-interval", "0.1",
-    ]))
+    ])
     assert config.decoders == () and config.decode_dns == DnsSource(role=Role.DECODE, name=NAME, port=port)
-    runner = web.AppRunner(build_app(config), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_proxy(config)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     try:
         async with aiohttp.ClientSession() as session:

@@ -8,14 +8,14 @@ import json
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from hybridpd.proxy.app import PROXY_KEY, build_app
+from hybridpd.proxy.app import PROXY_KEY
 from hybridpd.proxy.config import Role, RoutingPolicy, Upstream
 from hybridpd.proxy.main import add_arguments, config_from_args
 from hybridpd.proxy.nodes_file import NodesFile, parse_nodes
 from hybridpd.proxy.routing import Router
 
+from .conftest import proxy_config, serve_proxy
 from .fake_node import FakeNode
 
 WAIT_ROUNDS = 200  # rounds of 50 ms at most (bounded waiting, never a timed assertion)
@@ -65,13 +65,8 @@ async def test_rewriting_the_file_moves_requests_without_a_restart(tmp_path):
         await node.start()
     path = tmp_path / "nodes.json"
     path.write_text(json.dumps({"prefill": [f"127.0.0.1:{prefill.port}"], "decode": [f"127.0.0.1:{first.port}"]}))
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    config = config_from_args(parser.parse_args(["--nodes-file", str(path), "--dns-interval", "0.1"]))
-    runner = web.AppRunner(build_app(config), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+    runner, base = await serve_proxy(proxy_config(["--nodes-file", str(path), "--dns-interval", "0.1"]))
+    url = base + "/v1/completions"
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     try:
         async with aiohttp.ClientSession() as session:
