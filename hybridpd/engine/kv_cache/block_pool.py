@@ -6,13 +6,14 @@ allocated, never freed and never hashed.
 The free queue holds exactly the blocks with reference count 0. Uncached free blocks sit at its front (they are
 worth nothing, so they are reused first); a cached block goes to the back when its last reference is dropped,
 so popping from the front evicts the least recently freed cached block. A freed block keeps its hash, and can
-be taken back by a prefix hit (`touch`), until it is evicted.
+be taken back by a prefix hit (`touch`), until it is evicted. `on_removed`, if given, hears every hash that stops
+being a hit (evicted or reset), at the moment it happens.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from hybridpd.engine.kv_cache.hashing import BlockHash
 
@@ -24,7 +25,7 @@ class KVCacheInvariantError(AssertionError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_removed: Callable[[BlockHash], None] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         self._size = num_blocks
@@ -32,6 +33,7 @@ class BlockPool:
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._on_removed = on_removed
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +81,8 @@ class BlockPool:
             if old is not None:
                 del self._cached[old]
                 self._hashes[b] = None
+                if self._on_removed is not None:
+                    self._on_removed(old)
             self._refs[b] = 1
             out.append(b)
         return out
@@ -97,13 +101,11 @@ class BlockPool:
                     self._free.move_to_end(b, last=False)
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Register a held block under its hash; False (and no change) if that hash already has a block."""
+        """Register a held block under its hash. True if that made a new hit; False (and no change) if the block is
+        registered already or another block holds that hash."""
         if block_id == NULL_BLOCK_ID or self._refs[block_id] == 0:
             raise KVCacheInvariantError(f"only a held block can be cached, not block {block_id}")
-        current = self._hashes[block_id]
-        if current is not None:
-            return current == block_hash
-        if block_hash in self._cached:
+        if self._hashes[block_id] is not None or block_hash in self._cached:
             return False
         self._cached[block_hash] = block_id
         self._hashes[block_id] = block_hash
@@ -117,6 +119,8 @@ class BlockPool:
                 del self._cached[h]
                 self._hashes[b] = None
                 self._free.move_to_end(b, last=False)
+                if self._on_removed is not None:
+                    self._on_removed(h)
 
     def check_invariants(self, expected_refs: Mapping[int, int]) -> None:
         """`expected_refs`: block id -> how many table entries of running requests hold it (null excluded)."""

@@ -2,7 +2,8 @@
 
 Per request, the engine calls `get_computed_blocks` once at admission, `allocate_slots` every step it schedules
 the request (the first call with the hit, and with the tokens that arrive from a connector), `commit` after
-every step, and `free` when the request finishes, aborts, fails or is preempted.
+every step, and `free` when the request finishes, aborts, fails or is preempted. With `record_events`, every
+change of the set of hits is recorded in order (`take_events`), for the node's KV event publisher.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from hybridpd.config import CacheConfig, MambaCacheMode
 from hybridpd.engine.kv_cache.block_pool import BlockPool, KVCacheInvariantError
 from hybridpd.engine.kv_cache.cache_types import CacheHit, CacheRequest, GroupStats, MambaStepOps, StepBlocks
+from hybridpd.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
 from hybridpd.engine.kv_cache.hit_search import find_common_hit
 from hybridpd.engine.kv_cache.managers import make_manager
@@ -21,12 +23,14 @@ __all__ = ["CacheHit", "CacheRequest", "GroupStats", "KVCacheManager", "MambaSte
 
 
 class KVCacheManager:
-    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig) -> None:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig,
+                 *, record_events: bool = False) -> None:
         validate_layout(groups, num_blocks, config)
         self.groups = groups
         self.config = config
         self.caching = config.enable_prefix_caching
-        self._pools = tuple(BlockPool(n) for n in num_blocks)
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+        self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
         self._managers = tuple(
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g))
             for g, pool in zip(groups, self._pools)
@@ -45,6 +49,38 @@ class KVCacheManager:
         self._queries = [0] * len(groups)
         self._query_tokens = [0] * len(groups)
         self._hit_tokens = [0] * len(groups)
+
+    def _removal_recorder(self, group_idx: int):
+        events = self._events
+        if events is None:
+            return None
+        return lambda block_hash: events.append(BlockRemoved(group_idx=group_idx, block_hashes=(block_hash,)))
+
+    def _record_stored(self, req: CacheRequest, group_idx: int, chain: list[BlockHash], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive chain indices that became hits."""
+        assert self._events is not None
+        size = self._managers[group_idx].block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(BlockStored(
+                group_idx=group_idx, block_hashes=tuple(chain[first : last + 1]),
+                parent_block_hash=chain[first - 1] if first else None,
+                token_ids=tuple(req.all_token_ids[first * size : (last + 1) * size]), block_size=size,
+            ))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (empty unless `record_events`)."""
+        if not self._events:
+            return []
+        events = list(self._events)
+        self._events.clear()
+        return events
 
     def _group_caches(self, group: KVCacheGroup) -> bool:
         return not isinstance(group.spec, MambaSpec) or self.config.mamba_cache_mode is MambaCacheMode.ALIGN
@@ -139,8 +175,10 @@ class KVCacheManager:
             return
         if self._quiet_end.pop(rid, None) != num_computed_tokens:  # else: the quiet step's commit, a no-op
             chains = self._chains(req)
-            for m, hashes in zip(self._managers, chains):
-                m.commit(rid, num_computed_tokens, hashes)
+            for g, (m, hashes) in enumerate(zip(self._managers, chains)):
+                stored = m.commit(rid, num_computed_tokens, hashes)
+                if stored and self._events is not None:
+                    self._record_stored(req, g, hashes, stored)
             self._quiet_blocks.pop(rid, None)
         self._next_start[rid] = max(self._next_start[rid], num_computed_tokens)
 
@@ -201,6 +239,11 @@ class KVCacheManager:
             pool.check_invariants(m.owned())
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash of a free block (blocks held by running requests keep theirs)."""
+        """Forget every cached hash of a free block (blocks held by running requests keep theirs). When no hash is
+        left, the removals are recorded as one AllBlocksCleared."""
+        mark = len(self._events) if self._events is not None else 0
         for pool in self._pools:
             pool.reset_cache()
+        if self._events is not None and all(pool.num_cached == 0 for pool in self._pools):
+            del self._events[mark:]
+            self._events.append(AllBlocksCleared())

@@ -10,16 +10,10 @@ from hybridpd.engine.kv_cache.single_type import FRESH, GroupPlan, SingleTypeMan
 
 class FullAttentionManager(SingleTypeManager):
     decides_remote_hit = True
-    downward_closed = True
     search_order = 0
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
-        b = self.block_size
-        limit = min(max_tokens // b, len(hashes))
-        n = 0
-        while n < limit and self.pool.lookup(hashes[n]) is not None:
-            n += 1
-        return n * b // alignment * alignment
+        return self.rule.longest_hit(self.present, hashes, max_tokens, alignment)
 
     def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         return tuple(self.pool.lookup(h) for h in hashes[: num_tokens // self.block_size])  # type: ignore[misc]

@@ -1,15 +1,28 @@
-"""The longest prefix every deciding group can serve."""
+"""The longest prefix every deciding group can serve: one pure function, used by the engine's coordinator over its
+block pools and by the proxy's cache-aware routing over the hashes a node's KV events announced."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
+from typing import Protocol
+
 from hybridpd.engine.kv_cache.hashing import BlockHash
-from hybridpd.engine.kv_cache.single_type import SingleTypeManager
 
 
-def find_common_hit(managers: Sequence[SingleTypeManager], chains: Sequence[Sequence[BlockHash]], max_tokens: int) -> int:
+class GroupHits(Protocol):
+    """One group's answer to "how long a prefix can you serve": a manager, or an index of a node's group."""
+
+    block_size: int
+
+    @property
+    def downward_closed(self) -> bool: ...
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int: ...
+
+
+def find_common_hit(managers: Sequence[GroupHits], chains: Sequence[Sequence[BlockHash]], max_tokens: int) -> int:
     """Fixed-point search over groups, aligned to the LCM of their block sizes.
 
     Each group answers the largest aligned L <= candidate that it can serve. Window and Mamba hits are not

@@ -30,10 +30,7 @@ class MambaManager(SingleTypeManager):
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
         if not self.caching:
             return 0
-        length = min(max_tokens, len(hashes) * self.block_size) // alignment * alignment
-        while length > 0 and self.pool.lookup(hashes[length // self.block_size - 1]) is None:
-            length -= alignment
-        return max(length, 0)
+        return self.rule.longest_hit(self.present, hashes, max_tokens, alignment)
 
     def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         if num_tokens == 0:
@@ -95,18 +92,21 @@ class MambaManager(SingleTypeManager):
         """The ops of a quiet step: the running slot, nothing to copy or save."""
         return MambaStepOps(state_slot=self._tables[request_id][0], copy_from=None, saves=())
 
-    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
-        """Saved states at or below num_computed become cached (hash, then release); the hit slot is released."""
+    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> list[int]:
+        """Saved states at or below num_computed become cached (hash, then release); the hit slot is released.
+        Returns the chain indices (prefix of (i+1)*interval tokens) whose state became a hit."""
         copied = self._copy_from.pop(request_id, None)
         if copied is not None:
             self.pool.free((copied,))
         pending = self._saves.get(request_id, [])
         done = [(n, s, h) for n, s, h in pending if n <= num_computed]
         self._saves[request_id] = [p for p in pending if p[0] > num_computed]
-        for _, slot, h in done:
-            if self.caching:
-                self.pool.cache(slot, h)
+        stored = []
+        for n, slot, h in done:
+            if self.caching and self.pool.cache(slot, h):
+                stored.append(n // self.block_size - 1)
         self.pool.free(s for _, s, _ in done)
+        return stored
 
     def free(self, request_id: str) -> None:
         copied = self._copy_from.pop(request_id, None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hybridpd.engine.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from hybridpd.engine.kv_cache.cache_types import MambaStepOps
 from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.hit_rules import rule_for
 from hybridpd.engine.kv_cache.spec import KVCacheSpec
 
 FRESH = -1  # a table entry of a plan that takes a new block from the free queue
@@ -73,7 +74,6 @@ class SingleTypeManager(abc.ABC):
 
     decides_remote_hit = False   # True: this kind limits the hit of a remotely prefilled request
     search_order = 0             # cheap, downward-closed kinds first: they shrink the candidate fastest
-    downward_closed = False      # True: serving L means serving every shorter aligned length
 
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, *, caching: bool) -> None:
         self.spec = spec
@@ -82,8 +82,17 @@ class SingleTypeManager(abc.ABC):
         self.caching = caching
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}   # logical blocks already offered to the prefix cache
+        self.rule = rule_for(spec.kind, spec.block_size, getattr(spec, "sliding_window", None))
+
+    def present(self, block_hash: BlockHash) -> bool:
+        """Is `block_hash` a hit in this group's pool (the predicate the hit rule reads)."""
+        return self.pool.lookup(block_hash) is not None
 
     # --- hit search (reads only) ---
+    @property
+    def downward_closed(self) -> bool:
+        return self.rule.downward_closed
+
     @abc.abstractmethod
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
         """The largest L <= max_tokens, a multiple of `alignment`, that this group can serve (0 always can)."""
@@ -123,18 +132,20 @@ class SingleTypeManager(abc.ABC):
         """The Mamba ops of a quiet step (None: an attention group has none)."""
         return None
 
-    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
-        """Offer the newly full, computed blocks to the prefix cache."""
+    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> list[int]:
+        """Offer the newly full, computed blocks to the prefix cache; returns the chain indices that became hits."""
         table = self._tables.get(request_id)
         if table is None:
-            return
+            return []
         done = self._num_hashed[request_id]
         full = min(num_computed // self.block_size, len(table), len(hashes))
+        stored = []
         if self.caching:
             for i in range(done, full):
-                if table[i] != NULL_BLOCK_ID:
-                    self.pool.cache(table[i], hashes[i])
+                if table[i] != NULL_BLOCK_ID and self.pool.cache(table[i], hashes[i]):
+                    stored.append(i)
         self._num_hashed[request_id] = max(done, full)
+        return stored
 
     def free(self, request_id: str) -> None:
         """Everything back to the pool, tail first (so the tail of a prefix is evicted before its head)."""

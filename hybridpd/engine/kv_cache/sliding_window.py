@@ -28,20 +28,7 @@ class SlidingWindowManager(SingleTypeManager):
         return max(0, position - self.window + 1) // self.block_size
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
-        """Right-to-left: try the largest aligned L; when block j inside its window is missing, no L with
-        j*b < L can succeed (its window also contains j), so jump to align_down(j*b). Candidates only shrink and
-        every block is looked up at most once, so the search is linear in the number of blocks."""
-        b = self.block_size
-        length = min(max_tokens, len(hashes) * b) // alignment * alignment
-        while length > 0:
-            first = self.first_visible_block(length)
-            j = length // b - 1
-            while j >= first and self.pool.lookup(hashes[j]) is not None:
-                j -= 1
-            if j < first:
-                return length
-            length = j * b // alignment * alignment
-        return 0
+        return self.rule.longest_hit(self.present, hashes, max_tokens, alignment)
 
     def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         first = self.first_visible_block(num_tokens)
@@ -86,20 +73,21 @@ class SlidingWindowManager(SingleTypeManager):
             min(self.first_visible_block(end), len(table)) <= self._first_live.get(request_id, 0)  # type: ignore[arg-type]
         )
 
-    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> None:
+    def commit(self, request_id: str, num_computed: int, hashes: Sequence[BlockHash]) -> list[int]:
         """Cache the full blocks, then release every block no future query (position >= num_computed) sees."""
-        super().commit(request_id, num_computed, hashes)
+        stored = super().commit(request_id, num_computed, hashes)
         table = self._tables.get(request_id)
         if table is None:
-            return
+            return stored
         start = self._first_live.get(request_id, 0)
         upto = min(self.first_visible_block(num_computed), len(table))
         if upto <= start:  # the window has not left another block behind (most steps)
-            return
+            return stored
         released = [table[i] for i in range(start, upto) if table[i] != NULL_BLOCK_ID]
         table[start:upto] = [NULL_BLOCK_ID] * (upto - start)
         self.pool.free(released)
         self._first_live[request_id] = upto
+        return stored
 
     def free(self, request_id: str) -> None:
         self._first_live.pop(request_id, None)
