@@ -25,6 +25,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     mamba_cache_interval: int | None = None  # None: the model's mamba_chunk_size rounded up to the block size
+    enable_kv_cache_events: bool = False     # record every change of the prefix cache's hits (KV events)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.kv_cache.events import KVCacheEvent
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput
 from hybridpd.errors import EngineDeadError, ServerOverloadedError
 
@@ -21,10 +22,14 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 
+# Hears the KV cache events of each engine-thread iteration; must not block (the node's publisher only enqueues).
+KVEventSink = Callable[[list[KVCacheEvent]], None]
+
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, kv_event_sink: KVEventSink | None = None) -> None:
         self.engine = engine
+        self._kv_event_sink = kv_event_sink
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -126,6 +131,10 @@ class AsyncEngine:
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
                 self.engine.refresh_stats()
+                if self._kv_event_sink is not None:
+                    events = self.engine.kv.take_events()
+                    if events:
+                        self._kv_event_sink(events)
         except BaseException as exc:  # the engine is broken: fail everyone, report unhealthy
             log.exception("engine thread died")
             self._dead = exc

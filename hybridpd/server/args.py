@@ -25,6 +25,7 @@ from hybridpd.config import (
 )
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.errors import HybridPDError
+from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.server.config import ServerConfig
 
 KV_PORT_OFFSET = 1000  # --kv-port 0: the side channel listens on the HTTP port + this
@@ -46,6 +47,7 @@ class NodeConfigs:
     engine: EngineConfig
     kv_transfer: KVTransferConfig
     server: ServerConfig
+    kv_events: KVEventsConfig = KVEventsConfig()
 
 
 def parse_size(text: str) -> int:
@@ -105,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "names, also comma-separated (default: loopback only)")
     add_token_arguments(pd, "shared secret for the side channel and KV requests")
 
+    events = parser.add_argument_group("KV cache events (vLLM's format)")
+    events.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help='vLLM\'s KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+                             '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": '
+                             '"kv-events"}\'')
+
 
 def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], Path]) -> NodeConfigs:
     """The node's configs; `default_model_dir()` is called only when no MODEL_DIR was given.
@@ -115,6 +123,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
     kv_port = args.kv_port or (args.port + KV_PORT_OFFSET if args.port else 0)
     try:
+        kv_events = KVEventsConfig.parse(args.kv_events_config)
         engine = EngineConfig(
             model_dir=model_dir,
             dtype=args.dtype,
@@ -127,6 +136,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 enable_prefix_caching=args.enable_prefix_caching,
                 mamba_cache_mode=MambaCacheMode(args.mamba_cache_mode),
                 mamba_cache_interval=args.mamba_cache_interval,
+                enable_kv_cache_events=kv_events.publishes,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -156,4 +166,4 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
         )
     except ValueError as exc:
         raise BadArgumentsError(str(exc)) from exc
-    return NodeConfigs(engine=engine, kv_transfer=kv_transfer, server=server)
+    return NodeConfigs(engine=engine, kv_transfer=kv_transfer, server=server, kv_events=kv_events)

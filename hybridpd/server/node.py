@@ -27,10 +27,13 @@ from hybridpd.decode_node.loader import DecodeRole
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.metrics import EngineCollector
+from hybridpd.kv_events.publisher import ZmqEventPublisher
+from hybridpd.kv_events.wire import GroupInfo
 from hybridpd.prefill_node.role import PrefillRole
 from hybridpd.prefill_node.side_channel import PrefillSideChannel
 from hybridpd.server.app import ADMISSION_KEY, create_app
 from hybridpd.server.args import NodeConfigs
+from hybridpd.server.kv_events_routes import kv_events_routes
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,10 @@ class Node:
         cfg = self.configs
         core = await asyncio.to_thread(LLMEngine, cfg.engine)
         EngineCollector(core).register(self.registry)
-        engine = AsyncEngine(core, cfg.server.served_model_name)
+        groups = [GroupInfo.of(i, g) for i, g in enumerate(core.groups)]
+        publisher = ZmqEventPublisher(cfg.kv_events, groups) if cfg.kv_events.publishes else None
+        engine = AsyncEngine(core, cfg.server.served_model_name,
+                             kv_event_sink=publisher.publish if publisher is not None else None)
         engine.start()
 
         transport = NixlTransport(self.engine_id, progress_thread=cfg.kv_transfer.kv_host not in LOOPBACK)
@@ -77,7 +83,11 @@ class Node:
         prefill.side_channel_port = side.port
         prefill.start()
 
-        app = create_app(engine, cfg.server, self.registry)
+        events_routes = kv_events_routes(
+            cfg.kv_events, groups, host=cfg.kv_transfer.kv_host, instance_id=self.engine_id,
+            reset_prefix_cache=lambda: engine.call_soon(core.kv.reset_prefix_cache),
+            cluster_token=cfg.server.cluster_token)
+        app = create_app(engine, cfg.server, self.registry, extra_routes=events_routes)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
@@ -106,4 +116,6 @@ class Node:
         await side.stop(1.0)
         await runner.cleanup()
         transport.close()
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
         return 0

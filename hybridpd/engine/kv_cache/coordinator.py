@@ -2,8 +2,9 @@
 
 Per request, the engine calls `get_computed_blocks` once at admission, `allocate_slots` every step it schedules
 the request (the first call with the hit, and with the tokens that arrive from a connector), `commit` after
-every step, and `free` when the request finishes, aborts, fails or is preempted. With `record_events`, every
-change of the set of hits is recorded in order (`take_events`), for the node's KV event publisher.
+every step, and `free` when the request finishes, aborts, fails or is preempted. With
+`config.enable_kv_cache_events`, every change of the set of hits is recorded in order (`take_events`), for the
+node's KV event publisher.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ __all__ = ["CacheHit", "CacheRequest", "GroupStats", "KVCacheManager", "MambaSte
 
 
 class KVCacheManager:
-    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig,
-                 *, record_events: bool = False) -> None:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig) -> None:
         validate_layout(groups, num_blocks, config)
         self.groups = groups
         self.config = config
         self.caching = config.enable_prefix_caching
-        self._events: list[KVCacheEvent] | None = [] if record_events else None
+        self._events: list[KVCacheEvent] | None = [] if config.enable_kv_cache_events else None
         self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
         self._managers = tuple(
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g))
@@ -75,7 +75,7 @@ class KVCacheManager:
             ))
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The events recorded since the last call, oldest first (empty unless `record_events`)."""
+        """The events recorded since the last call, oldest first (always empty without enable_kv_cache_events)."""
         if not self._events:
             return []
         events = list(self._events)

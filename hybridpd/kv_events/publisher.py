@@ -1,0 +1,121 @@
+"""The node's KV event publisher: a ZMQ PUB socket and a replay ROUTER socket, served by one thread.
+
+The engine thread only calls `publish`, which puts the step's events on a bounded queue and returns; when the
+queue is full the batch is dropped and counted (the engine never waits). The publisher thread encodes each batch,
+numbers it (0, 1, 2, ... from the node's start), sends `(topic, seq, payload)` on PUB (ZMQ drops for a subscriber
+past the high-water mark) and keeps the last `buffer_steps` for replay. A replay request is
+`(identity, b"", seq)` on the ROUTER; the answer is every buffered `(b"", seq, payload)` from that number on, then
+`(b"", -1, b"")`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from hybridpd.engine.kv_cache.events import KVCacheEvent
+from hybridpd.kv_events.config import KVEventsConfig
+from hybridpd.kv_events.wire import END_OF_REPLAY, GroupInfo, encode_batch, seq_bytes, seq_of
+
+log = logging.getLogger(__name__)
+
+_STOP = None
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: an address with a wildcard (or ipc/inproc) is bound, any other is connected to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    def __init__(self, config: KVEventsConfig, groups: Sequence[GroupInfo]) -> None:
+        self._config = config
+        self._groups = tuple(groups)
+        self._queue: queue.Queue[tuple[float, list[KVCacheEvent]] | None] = queue.Queue(config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode("utf-8")
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.set_hwm(config.hwm)
+            if binds(config.endpoint):
+                self._pub.bind(config.endpoint)
+            else:
+                self._pub.connect(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise OSError(f"KV events: cannot open {config.endpoint} / {config.replay_endpoint}: {exc}") from exc
+        self.published = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    # -- engine thread ------------------------------------------------------------------------------------------
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        """Non-blocking: a full queue drops this batch (counted in `dropped`)."""
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.dropped += 1
+
+    # -- publisher thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        seq = 0
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            try:
+                item = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if item is _STOP:
+                return
+            ts, events = item
+            try:
+                payload = encode_batch(events, self._groups, ts)
+                self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
+            except Exception:  # noqa: BLE001 - a broken batch must not stop the publisher
+                log.exception("KV events: could not publish batch %d", seq)
+                continue
+            self._buffer.append((seq, payload))
+            self.published += 1
+            seq += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("KV events: ignoring a malformed replay request (%d frames)", len(frames))
+            return
+        identity, start = frames[0], seq_of(frames[2])
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((identity, b"", seq_bytes(seq), payload))
+        self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def close(self, timeout: float = 1.0) -> None:
+        """Send what is queued (up to `timeout`), then close the sockets."""
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._ctx.term()
