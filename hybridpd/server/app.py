@@ -40,6 +40,9 @@ from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
 
 CLUSTER_TOKEN_HEADER = "X-HybridPD-Cluster-Token"
+# The request's local prefix hit in tokens (usage.prompt_tokens_details.cached_tokens), known at its first output,
+# so also on a stream without usage: the proxy compares it with the hit its cache-aware routing predicted.
+CACHED_TOKENS_HEADER = "X-HybridPD-Cached-Tokens"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
 
 ADMISSION_KEY = web.AppKey("admission", Admission)
@@ -102,15 +105,17 @@ class Handlers:
                 if error is not None:
                     tracker.observe(first)
                     raise error
+                headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
                 if parsed.stream:
                     builder = ChunkBuilder(parsed, self._config.served_model_name, self._engine.tokenizer)
-                    return await stream_outputs(request, parsed, first, outputs, builder, tracker)
-                return await self._answer(request, parsed, first, outputs, tracker)
+                    return await stream_outputs(request, parsed, first, outputs, builder, tracker, headers)
+                return await self._answer(request, parsed, first, outputs, tracker, headers)
             finally:
                 await outputs.close()
 
     async def _answer(self, request: web.Request, parsed: ParsedRequest, first: RequestOutput,
-                      outputs: EngineOutputs, tracker: RequestTracker) -> web.StreamResponse:
+                      outputs: EngineOutputs, tracker: RequestTracker,
+                      headers: dict[str, str]) -> web.StreamResponse:
         collected = [first]
         tracker.observe(first)
         while not collected[-1].finished:
@@ -124,7 +129,7 @@ class Handlers:
             collected.append(output)
         body = final_response(parsed, FinalOutput.join(collected), self._config.served_model_name,
                               self._engine.tokenizer)
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body, dumps=_dumps, headers=headers)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(models_response(self._engine, self._config.served_model_name, self._created))

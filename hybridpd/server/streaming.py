@@ -114,10 +114,11 @@ async def stream_outputs(
     rest: EngineOutputs,
     builder: ChunkBuilder,
     tracker: RequestTracker,
+    headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     """Streams `first` and then `rest` until the finished output. Returns the prepared response; never raises
     for a failed request (the error goes into the stream), only for cancellation."""
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
     await response.prepare(request)
     output = first
     try:

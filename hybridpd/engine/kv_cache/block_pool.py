@@ -51,6 +51,9 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 
+    def cached_hashes(self) -> frozenset[BlockHash]:
+        return frozenset(self._cached)
+
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._hashes[block_id]
 

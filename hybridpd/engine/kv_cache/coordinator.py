@@ -218,6 +218,10 @@ class KVCacheManager:
         """The block of group `group_id` cached under `block_hash`, if any (read-only; tests and tooling)."""
         return self._pools[group_id].lookup(block_hash)
 
+    def cached_hashes(self, group_id: int) -> frozenset[BlockHash]:
+        """Every hash group `group_id` can serve a hit from (read-only; tests and tooling)."""
+        return self._pools[group_id].cached_hashes()
+
     def usage(self) -> float:
         return max(1 - p.num_free / p.num_blocks for p in self._pools)
 

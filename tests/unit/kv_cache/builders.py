@@ -36,10 +36,10 @@ def groups_of(*specs: KVCacheSpec) -> tuple[KVCacheGroup, ...]:
 
 
 def manager(*specs: KVCacheSpec, blocks: int | tuple[int, ...] = 64, caching: bool = True,
-            mode: MambaCacheMode = MambaCacheMode.ALIGN) -> KVCacheManager:
+            mode: MambaCacheMode = MambaCacheMode.ALIGN, events: bool = False) -> KVCacheManager:
     counts = blocks if isinstance(blocks, tuple) else (blocks,) * len(specs)
     config = CacheConfig(block_size=min(s.block_size for s in specs), enable_prefix_caching=caching,
-                         mamba_cache_mode=mode)
+                         mamba_cache_mode=mode, enable_kv_cache_events=events)
     return KVCacheManager(groups_of(*specs), counts, config)
 
 
