@@ -10,6 +10,9 @@ A request's path through the proxy:
   and prefills it itself: PREFILLING -> DECODING(colocated), counted in hybridpd_proxy_fallback_colocated_total.
   A client that goes away cancels the handler (`handler_cancellation=True`), which closes the
   upstream connection in flight, so the node aborts the request and frees its blocks.
+With `--routing cache_aware` the prompt is tokenized first (RECEIVED -> TOKENIZED) and each hop's node is chosen by
+proxy/cache_aware.py from the nodes' KV events (proxy/kv_feed.py); each hit it predicted is compared with the
+node's report (X-HybridPD-Cached-Tokens) in the metrics.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridpd.proxy.bodies import decode_body, prefill_body, wants_stream
-from hybridpd.proxy.config import ProxyConfig, Role
+from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body
+from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
 from hybridpd.proxy.metrics import ProxyMetrics
@@ -33,6 +37,8 @@ from hybridpd.proxy.responses import (
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, discovery_context
 from hybridpd.proxy.health_watch import health_watch_context
+from hybridpd.proxy.kv_feed import KVFeeds, feeds_context
+from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import UpstreamClient
@@ -41,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_PREFILL_ATTEMPTS = 2  # the first node, then one retry on another
 _HEALTH_WATCH_INTERVAL_S = 1.0  # how often nodes marked down are probed
+_FEEDS_INTERVAL_S = 1.0  # how often the KV event feeds follow the node list (and each checks its node)
 
 
 class Proxy:
@@ -59,6 +66,14 @@ class Proxy:
         if config.nodes_file is not None:
             self.discoveries += (NodesFile(config.nodes_file, self.routers),)
         self._client: UpstreamClient | None = None
+        self.feeds: KVFeeds | None = None
+
+    @property
+    def cache_aware(self) -> bool:
+        return self.config.routing is RoutingPolicy.CACHE_AWARE
+
+    def all_upstreams(self) -> tuple[Upstream, ...]:
+        return self.routers[Role.PREFILL].upstreams + self.routers[Role.DECODE].upstreams
 
     @property
     def client(self) -> UpstreamClient:
@@ -71,8 +86,15 @@ class Proxy:
         connector = aiohttp.TCPConnector(limit=0)  # nodes do their own admission; don't queue here
         async with aiohttp.ClientSession(connector=connector) as session:
             self._client = UpstreamClient(session, self.config, self.metrics)
-            yield
-            self._client = None
+            if self.cache_aware:
+                self.feeds = KVFeeds(session, check_interval=_FEEDS_INTERVAL_S, timeout=self.config.health_timeout)
+            try:
+                yield
+            finally:
+                if self.feeds is not None:
+                    await self.feeds.close()
+                    self.feeds = None
+                self._client = None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/completions")
@@ -93,9 +115,10 @@ class Proxy:
             return invalid_request(f"request body is not valid JSON: {exc}", request_id)
         if not isinstance(body, dict):
             return invalid_request("request body must be a JSON object", request_id)
+        prompt = await self._prompt(path, body) if self.cache_aware else None
         try:
-            kv_params = await self._prefill_or_fall_back(path, body, request_id)
-            return await self._decode(request, path, decode_body(body, kv_params), request_id)
+            kv_params = await self._prefill_or_fall_back(path, body, request_id, prompt)
+            return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt)
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
         except NoUpstreamError as exc:
@@ -104,11 +127,33 @@ class Proxy:
             logger.warning("request %s: %s", request_id, exc)
             return upstream_failed(exc, request_id)
 
-    async def _prefill_or_fall_back(self, path: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+    async def _prompt(self, path: str, body: dict[str, Any]) -> PromptHashes | None:
+        """The request's prompt, hashed as the nodes hash it; None when it cannot be known (then no prediction)."""
+        tokens = token_ids_in_body(path, body)
+        if tokens is None:
+            tokenize = tokenize_body(path, body)
+            router = self.routers[Role.DECODE]
+            if tokenize is None or not router.upstreams:
+                return None
+            tokens = await self.client.tokenize(router.pick(), tokenize)
+        return PromptHashes(tokens, cache_salt(body)) if tokens else None
+
+    def _choose(self, role: Role, prompt: PromptHashes | None, exclude: tuple[Upstream, ...] = ()) -> Choice:
+        router = self.routers[role]
+        if prompt is None or self.feeds is None:
+            return Choice(upstream=router.pick(exclude=exclude), predicted_hit=None, work_tokens=0)
+        return choose(router, role, prompt, self.feeds.index, self.config.load_tokens_per_request, exclude)
+
+    def _compare(self, choice: Choice, reported: int | None) -> None:
+        if choice.predicted_hit is not None and reported is not None:
+            self.metrics.count_prediction(choice.upstream, choice.predicted_hit, reported)
+
+    async def _prefill_or_fall_back(self, path: str, body: dict[str, Any], request_id: str,
+                                    prompt: PromptHashes | None) -> dict[str, Any] | None:
         """The prefill node's kv_transfer_params; None (the decode node prefills) when no prefill node could take
         the request and the colocated fallback is on. A 4xx (the client's own error) is never retried elsewhere."""
         try:
-            return await self._prefill(path, body, request_id)
+            return await self._prefill(path, body, request_id, prompt)
         except (UpstreamError, NoUpstreamError) as exc:
             if not self.config.fallback_colocated:
                 raise
@@ -116,15 +161,17 @@ class Proxy:
             self.metrics.count_fallback()
             return None
 
-    async def _prefill(self, path: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+    async def _prefill(self, path: str, body: dict[str, Any], request_id: str,
+                       prompt: PromptHashes | None) -> dict[str, Any] | None:
         router = self.routers[Role.PREFILL]
         attempts = min(_MAX_PREFILL_ATTEMPTS, len(router.upstreams))
         failed: list[UpstreamError] = []
         while True:
-            upstream = router.pick(exclude=[error.upstream for error in failed])
+            choice = self._choose(Role.PREFILL, prompt, tuple(error.upstream for error in failed))
+            upstream = choice.upstream
             try:
-                params = await self.client.prefill(
-                    router, upstream, path, prefill_body(body), f"{request_id}-prefill"
+                answer = await self.client.prefill(
+                    router, upstream, path, prefill_body(body), f"{request_id}-prefill", choice.work_tokens
                 )
             except UpstreamError as exc:
                 failed.append(exc)
@@ -132,17 +179,20 @@ class Proxy:
                     raise _combined(failed) from exc
                 logger.warning("request %s: %s; retrying on another prefill node", request_id, exc)
                 continue
+            self._compare(choice, answer.cached_tokens)
+            params = answer.kv_transfer_params
             if params is None:
                 logger.warning("request %s: %s answered without kv_transfer_params; "
                                "the decode node computes the prompt itself", request_id, upstream.name)
             return params
 
     async def _decode(
-        self, request: web.Request, path: str, body: dict[str, Any], request_id: str
+        self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None
     ) -> web.StreamResponse:
         router = self.routers[Role.DECODE]
-        upstream = router.pick()
-        async with self.client.decode(router, upstream, path, body, request_id) as stream:
+        choice = self._choose(Role.DECODE, prompt)
+        async with self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens) as stream:
+            self._compare(choice, stream.cached_tokens)
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
@@ -200,6 +250,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(discovery_context(proxy.discoveries, config.dns_interval))
     app.cleanup_ctx.append(health_watch_context(tuple(proxy.routers.values()), lambda: proxy.client,
                                                 _HEALTH_WATCH_INTERVAL_S))
+    app.cleanup_ctx.append(feeds_context(lambda: proxy.feeds, proxy.all_upstreams, _FEEDS_INTERVAL_S))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.models)

@@ -15,6 +15,7 @@ class Role(enum.Enum):
 class RoutingPolicy(enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_OUTSTANDING = "least_outstanding"
+    CACHE_AWARE = "cache_aware"   # proxy/cache_aware.py: predicted prefix hit traded against load
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,8 @@ class ProxyConfig:
     # No prefill node can take a request (none known, or the prefill hop failed after its retry): send it to a
     # decode node without kv_transfer_params, which prefills it locally (latency, not an error).
     fallback_colocated: bool = True
+    # cache_aware: the load one request in flight adds to a node's cost, in tokens (proxy/cache_aware.py)
+    load_tokens_per_request: int = 256
 
     def __post_init__(self) -> None:
         if not self.prefillers and self.prefill_dns is None and self.nodes_file is None:
@@ -104,6 +107,8 @@ class ProxyConfig:
         for name in ("prefill_timeout", "decode_timeout", "connect_timeout", "health_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.load_tokens_per_request < 0:
+            raise ValueError(f"--load-tokens-per-request must be >= 0, got {self.load_tokens_per_request}")
         if self.cluster_token is not None and not self.cluster_token:
             raise ValueError("the cluster token must not be empty")
 

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing", choices=[policy.value for policy in RoutingPolicy], default=RoutingPolicy.ROUND_ROBIN.value,
         help="how a node of each role is picked per request",
     )
+    parser.add_argument("--load-tokens-per-request", type=int, default=256, metavar="TOKENS",
+                        help="cache_aware: the cost of one call in flight on a node, in prompt tokens (see "
+                             "proxy/cache_aware.py: cost = miss + queued miss tokens + this x calls in flight)")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")
     parser.add_argument("--decode-timeout", type=float, default=120.0,
                         help="seconds without a byte from the decode node before the call fails")
@@ -109,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         fallback_colocated=args.fallback_colocated,
         nodes_file=args.nodes_file,
         routing=RoutingPolicy(args.routing),
+        load_tokens_per_request=args.load_tokens_per_request,
         prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout,
         connect_timeout=args.connect_timeout,

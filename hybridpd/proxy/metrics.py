@@ -37,6 +37,26 @@ class ProxyMetrics:
             ["role", "upstream"], registry=self.registry,
         )
 
+        self.predicted_hit_tokens = Counter(
+            "hybridpd_proxy_predicted_hit_tokens", "Prefix-hit tokens cache-aware routing predicted on the node it "
+            "chose", ["role", "upstream"], registry=self.registry,
+        )
+        self.reported_hit_tokens = Counter(
+            "hybridpd_proxy_reported_hit_tokens", "Prefix-hit tokens the node reported (cached_tokens) for calls "
+            "whose hit was predicted", ["role", "upstream"], registry=self.registry,
+        )
+        self.hit_predictions = Counter(
+            "hybridpd_proxy_hit_predictions", "Predicted hits compared with the node's report: exact, over "
+            "(predicted more) or under", ["role", "upstream", "outcome"], registry=self.registry,
+        )
+
+    def count_prediction(self, upstream: Upstream, predicted: int, reported: int) -> None:
+        labels = {"role": upstream.role.value, "upstream": upstream.address}
+        self.predicted_hit_tokens.labels(**labels).inc(predicted)
+        self.reported_hit_tokens.labels(**labels).inc(reported)
+        outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
+        self.hit_predictions.labels(**labels, outcome=outcome).inc()
+
     def count_fallback(self) -> None:
         self.fallback_colocated.inc()
 

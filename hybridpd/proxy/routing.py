@@ -9,7 +9,7 @@ is up; the health watch (proxy/health_watch.py) marks it up again once its `/hea
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from hybridpd.proxy.config import RoutingPolicy, Upstream
 
@@ -23,7 +23,10 @@ class Router:
 
     Round robin: the upstreams in turn, starting after the last one picked. Least outstanding: the
     fewest calls in flight; ties go to the first in round-robin order, so an idle cluster still
-    spreads calls. `exclude` skips upstreams that already failed this request (the retry path).
+    spreads calls. Cache aware: the lowest `cost` the caller gives (proxy/cache_aware.py), ties likewise; without
+    a cost (nothing known of the prompt) it is least outstanding. `exclude` skips upstreams that already failed
+    this request (the retry path). Each call in flight may carry `work_tokens` (the prompt tokens it makes the node
+    compute), summed per upstream as `queued_tokens`.
     Single-threaded by design: all calls happen on the proxy's event loop.
     """
 
@@ -32,6 +35,7 @@ class Router:
         self._upstreams = upstreams
         self._policy = policy
         self._outstanding: dict[Upstream, int] = {}
+        self._queued_tokens: dict[Upstream, int] = {}
         self._down: set[Upstream] = set()
         self._next = 0  # index where the round-robin order starts
 
@@ -55,10 +59,17 @@ class Router:
     def mark_up(self, upstream: Upstream) -> None:
         self._down.discard(upstream)
 
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
     def outstanding(self, upstream: Upstream) -> int:
         return self._outstanding.get(upstream, 0)
 
-    def pick(self, exclude: Collection[Upstream] = ()) -> Upstream:
+    def queued_tokens(self, upstream: Upstream) -> int:
+        return self._queued_tokens.get(upstream, 0)
+
+    def pick(self, exclude: Collection[Upstream] = (), cost: Callable[[Upstream], float] | None = None) -> Upstream:
         count = len(self._upstreams)
         order = [(self._next + k) % count for k in range(count)]
         candidates = [i for i in order if self._upstreams[i] not in exclude]
@@ -67,22 +78,30 @@ class Router:
         if not candidates:
             role = self._role_name
             raise NoUpstreamError(f"no {role} node known" if not count else f"no {role} node left to try")
-        if self._policy is RoutingPolicy.LEAST_OUTSTANDING:
-            chosen = min(candidates, key=lambda i: self.outstanding(self._upstreams[i]))  # min keeps the first
+        if self._policy is RoutingPolicy.CACHE_AWARE and cost is not None:
+            chosen = min(candidates, key=lambda i: cost(self._upstreams[i]))  # min keeps the first
+        elif self._policy is not RoutingPolicy.ROUND_ROBIN:
+            chosen = min(candidates, key=lambda i: self.outstanding(self._upstreams[i]))
         else:
             chosen = candidates[0]
         self._next = (chosen + 1) % count
         return self._upstreams[chosen]
 
     @contextlib.contextmanager
-    def in_flight(self, upstream: Upstream) -> Iterator[None]:
-        """Counts one call to `upstream` as outstanding for the duration of the block."""
-        self._outstanding[upstream] = self._outstanding.get(upstream, 0) + 1
+    def in_flight(self, upstream: Upstream, work_tokens: int = 0) -> Iterator[None]:
+        """Counts one call to `upstream` (and its `work_tokens`) as outstanding for the duration of the block."""
+        _add(self._outstanding, upstream, 1)
+        _add(self._queued_tokens, upstream, work_tokens)
         try:
             yield
         finally:
-            left = self._outstanding[upstream] - 1
-            if left:
-                self._outstanding[upstream] = left
-            else:
-                del self._outstanding[upstream]
+            _add(self._outstanding, upstream, -1)
+            _add(self._queued_tokens, upstream, -work_tokens)
+
+
+def _add(counts: dict[Upstream, int], upstream: Upstream, delta: int) -> None:
+    left = counts.get(upstream, 0) + delta
+    if left:
+        counts[upstream] = left
+    else:
+        counts.pop(upstream, None)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -19,7 +20,7 @@ from hybridpd.proxy.config import ProxyConfig, Upstream
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.routing import Router
-from hybridpd.server.app import CLUSTER_TOKEN_HEADER
+from hybridpd.server.app import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
 
 _ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
 
@@ -33,6 +34,17 @@ def _failure(upstream: Upstream, exc: BaseException) -> UpstreamError:
     return UpstreamError(upstream, FailureKind.UNREACHABLE, f"{type(exc).__name__}: {exc}")
 
 
+def _cached_tokens(response: aiohttp.ClientResponse) -> int | None:
+    value = response.headers.get(CACHED_TOKENS_HEADER, "")
+    return int(value) if value.isdigit() else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillAnswer:
+    kv_transfer_params: dict[str, Any] | None
+    cached_tokens: int | None   # the prefill node's prefix hit, when it said
+
+
 class DecodeStream:
     """An open 2xx answer of a decode node: its status and content type, and its bytes as they come."""
 
@@ -40,6 +52,7 @@ class DecodeStream:
         self.upstream = upstream
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/json")
+        self.cached_tokens = _cached_tokens(response)
         self._response = response
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -79,12 +92,12 @@ class UpstreamClient:
         return headers
 
     @contextlib.asynccontextmanager
-    async def _call(self, router: Router, upstream: Upstream) -> AsyncIterator[None]:
+    async def _call(self, router: Router, upstream: Upstream, work_tokens: int = 0) -> AsyncIterator[None]:
         """Counts, times and tracks one call; records its failure kind if it raises."""
         self._metrics.count_call(upstream)
         start = time.perf_counter()
         try:
-            with router.in_flight(upstream):
+            with router.in_flight(upstream, work_tokens):
                 self._metrics.set_outstanding(upstream, router.outstanding(upstream))
                 yield
         except UpstreamError as exc:
@@ -111,10 +124,11 @@ class UpstreamClient:
         raise UpstreamError(upstream, FailureKind.SERVER_ERROR, f"HTTP {response.status}: {snippet}")
 
     async def prefill(
-        self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str
-    ) -> dict[str, Any] | None:
+        self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str,
+        work_tokens: int = 0,
+    ) -> PrefillAnswer:
         """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent)."""
-        async with self._call(router, upstream):
+        async with self._call(router, upstream, work_tokens):
             try:
                 async with self._session.post(
                     upstream.base_url + path, json=body, headers=self._headers(request_id, body),
@@ -122,6 +136,7 @@ class UpstreamClient:
                 ) as response:
                     await self._raise_for_status(upstream, response)
                     raw = await response.read()
+                    cached = _cached_tokens(response)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _failure(upstream, exc) from exc
             try:
@@ -131,18 +146,19 @@ class UpstreamClient:
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             if params is not None and not isinstance(params, dict):
                 raise UpstreamError(upstream, FailureKind.BAD_ANSWER, "kv_transfer_params is not an object")
-            return params
+            return PrefillAnswer(kv_transfer_params=params, cached_tokens=cached)
 
     @contextlib.asynccontextmanager
     async def decode(
-        self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str
+        self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str,
+        work_tokens: int = 0,
     ) -> AsyncIterator[DecodeStream]:
         """Opens the decode call; the connection closes (and the node sees it) when the block exits.
 
         Only opening the call is guarded here: an error raised by the block itself (the client went
         away while we wrote to it) is not the node's failure and passes through untouched.
         """
-        async with self._call(router, upstream), contextlib.AsyncExitStack() as stack:
+        async with self._call(router, upstream, work_tokens), contextlib.AsyncExitStack() as stack:
             try:
                 response = await stack.enter_async_context(self._session.post(
                     upstream.base_url + path, json=body, headers=self._headers(request_id, body),
@@ -165,6 +181,19 @@ class UpstreamClient:
                     )
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _failure(upstream, exc) from exc
+
+    async def tokenize(self, upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
+        """A node's `POST /tokenize` of `body`: its token ids, or None when it cannot say (any failure: the caller
+        then routes without a prediction, and the request itself meets the node's verdict)."""
+        try:
+            async with self._session.post(upstream.base_url + "/tokenize", json=body,
+                                          timeout=self._health_timeout) as response:
+                if response.status != 200:
+                    return None
+                tokens = (await response.json()).get("tokens")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
 
     async def probe(self, upstream: Upstream) -> tuple[int | None, str]:
         """GET /health without counting it as a call: (status or None, a short detail)."""

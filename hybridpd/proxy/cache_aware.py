@@ -1,0 +1,87 @@
+"""`--routing cache_aware`: which node of a role serves a prompt, from the hits its KV events predict and its load.
+
+The rule, one for both roles, in tokens of work:
+
+    cost(node) = (prompt tokens - predicted hit on node)          # what this request makes it compute (or pull)
+               + queued_tokens(node)                              # the same, summed over its calls in flight
+               + load_tokens_per_request * outstanding(node)      # every call in flight also costs its decode
+
+and the cheapest node wins (ties: round-robin order). The predicted hit is `NodeIndex.prefill_hit` (the hybrid hit
+over every group) for a prefill node and `NodeIndex.decode_hit` (full-attention groups: a decode node skips Mamba
+alignment for remotely prefilled prompts) for a decode node; 0 for a node the proxy has no index of. So a node
+holding a hot prefix keeps winning only until the work queued on it exceeds what its hit saves: one hot prefix
+does not pile every request on one node. With no index at all (nothing known) every miss is the whole prompt and
+the rule is least outstanding work.
+
+The prompt is tokenized once per request: token-id prompts as they are; text and chat through a node's
+`POST /tokenize`, which renders and tokenizes exactly as the node will (same chat template, same special tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpd.proxy.config import Role, Upstream
+from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
+from hybridpd.proxy.routing import Router
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """A routed call: the node, the hit predicted there, and the work it adds (prompt tokens it computes)."""
+
+    upstream: Upstream
+    predicted_hit: int | None     # None: nothing known of this node's cache
+    work_tokens: int
+
+
+def predicted_hit(index: NodeIndex | None, prompt: PromptHashes, role: Role) -> int | None:
+    if index is None:
+        return None
+    return index.prefill_hit(prompt) if role is Role.PREFILL else index.decode_hit(prompt)
+
+
+def choose(router: Router, role: Role, prompt: PromptHashes, index_of: Callable[[Upstream], NodeIndex | None],
+           load_tokens_per_request: int, exclude: tuple[Upstream, ...] = ()) -> Choice:
+    hits: dict[Upstream, int | None] = {}
+
+    def cost(upstream: Upstream) -> float:
+        hit = hits.setdefault(upstream, predicted_hit(index_of(upstream), prompt, role))
+        return ((prompt.num_tokens - (hit or 0)) + router.queued_tokens(upstream)
+                + load_tokens_per_request * router.outstanding(upstream))
+
+    upstream = router.pick(exclude=exclude, cost=cost)
+    hit = hits.get(upstream)
+    if upstream not in hits:
+        hit = predicted_hit(index_of(upstream), prompt, role)
+    return Choice(upstream=upstream, predicted_hit=hit, work_tokens=prompt.num_tokens - (hit or 0))
+
+
+def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
+    """A completions prompt given as token ids (or one list of them); None when it must be tokenized."""
+    if path != "/v1/completions":
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return None
+
+
+def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize."""
+    model = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
+    if path == "/v1/chat/completions":
+        return {**model, "messages": body["messages"]} if isinstance(body.get("messages"), list) else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return {**model, "prompt": prompt} if isinstance(prompt, str) and prompt else None
+
+
+def cache_salt(body: dict[str, Any]) -> bytes | None:
+    salt = body.get("cache_salt")
+    return salt.encode("utf-8") if isinstance(salt, str) else None
