@@ -49,6 +49,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         base_port=args.base_port, threads=args.threads, serve_args=tuple(args.serve_args),
         proxy_args=("--routing", args.routing) if args.routing else (), run_dir=args.run_dir,
         startup_timeout=args.startup_timeout, stop_grace=args.stop_grace,
+        kv_events=args.routing == "cache_aware",
     )
 
 

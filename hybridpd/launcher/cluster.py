@@ -11,6 +11,7 @@ before the error leaves `start()`, so no process is ever left behind.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -22,7 +23,7 @@ from types import TracebackType
 
 from hybridpd.launcher.errors import ChildExitedError, StartupInterruptedError, StartupTimeoutError
 from hybridpd.launcher.process import ChildProcess
-from hybridpd.launcher.spec import ClusterInfo, ClusterSpec, NodeInfo
+from hybridpd.launcher.spec import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, ClusterInfo, ClusterSpec, NodeInfo
 from hybridpd.proxy.config import Role
 
 _POLL_SECONDS = 0.2
@@ -74,6 +75,14 @@ class LocalCluster:
             argv.append(str(self.spec.model_dir))
         argv += ["--host", self.spec.host, "--port", str(port), "--kv-port", str(kv_port),
                  "--threads", str(self.spec.threads)]
+        if self.spec.kv_events:
+            offset = port - self.spec.base_port
+            argv += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.spec.base_port + EVENTS_PORT_OFFSET + offset}",
+                "replay_endpoint": f"tcp://*:{self.spec.base_port + REPLAY_PORT_OFFSET + offset}",
+                "topic": "kv-events",
+            })]
         return argv + list(self.spec.serve_args)
 
     def _proxy_argv(self, nodes: tuple[NodeInfo, ...]) -> list[str]:

@@ -6,7 +6,7 @@ import random
 import socket
 
 from hybridpd.launcher.errors import ClusterError
-from hybridpd.launcher.spec import KV_PORT_OFFSET
+from hybridpd.launcher.spec import EVENTS_PORT_OFFSET, KV_PORT_OFFSET, REPLAY_PORT_OFFSET
 
 _ATTEMPTS = 200
 # Below Linux's ephemeral range (32768-60999): a port the OS hands out for an outgoing connection can never take
@@ -35,15 +35,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def free_cluster_ports(num_nodes: int, host: str = "127.0.0.1") -> tuple[int, int]:
+def free_cluster_ports(num_nodes: int, host: str = "127.0.0.1", *, kv_events: bool = False) -> tuple[int, int]:
     """(proxy port, base port) such that the proxy port, base..base+n-1 and their side-channel ports
-    (base+1000..) are all free now. Another process may still take one before the cluster binds it:
-    the launcher then fails with that node's log, and a caller can retry."""
+    (base+1000..; with `kv_events` also the event ports base+2000.. and base+3000..) are all free now. Another
+    process may still take one before the cluster binds it: the launcher then fails with that node's log, and a
+    caller can retry."""
     rng = random.Random()
+    offsets = (0, KV_PORT_OFFSET, EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET) if kv_events else (0, KV_PORT_OFFSET)
     for _ in range(_ATTEMPTS):
-        base = rng.randrange(_LOW, _HIGH - KV_PORT_OFFSET - num_nodes)
+        base = rng.randrange(_LOW, _HIGH - offsets[-1] - num_nodes)
         proxy = base - 1
-        ports = [proxy, *range(base, base + num_nodes), *range(base + KV_PORT_OFFSET, base + KV_PORT_OFFSET + num_nodes)]
+        ports = [proxy, *(base + offset + i for offset in offsets for i in range(num_nodes))]
         if all(_bindable(host, port) for port in ports):
             return proxy, base
     raise ClusterError(f"no free range of ports for {num_nodes} nodes after {_ATTEMPTS} attempts")

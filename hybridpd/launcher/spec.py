@@ -9,6 +9,8 @@ from pathlib import Path
 from hybridpd.proxy.config import Role
 
 KV_PORT_OFFSET = 1000  # node i: HTTP on base_port + i, gRPC side channel on base_port + 1000 + i
+EVENTS_PORT_OFFSET = 2000  # with kv_events: KV event PUB on base_port + 2000 + i, its replay on base_port + 3000 + i
+REPLAY_PORT_OFFSET = 3000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,19 +28,22 @@ class ClusterSpec:
     startup_timeout: float = 300.0         # seconds until every child must be healthy
     stop_grace: float = 10.0               # seconds between SIGTERM and SIGKILL
     python: str = sys.executable
+    kv_events: bool = False                # nodes publish KV events (vLLM's format), for --routing cache_aware
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"--prefill and --decode must be >= 1, got {self.num_prefill} and {self.num_decode}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        last_port = self.base_port + KV_PORT_OFFSET + self.num_prefill + self.num_decode - 1
+        top = REPLAY_PORT_OFFSET if self.kv_events else KV_PORT_OFFSET
+        last_port = self.base_port + top + self.num_prefill + self.num_decode - 1
         if self.base_port < 1 or last_port > 65535:
             raise ValueError(f"--base-port {self.base_port} leaves no room for the nodes' ports (up to {last_port})")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
         node_ports = set(range(self.base_port, self.base_port + self.num_prefill + self.num_decode))
-        kv_ports = {p + KV_PORT_OFFSET for p in node_ports}
+        offsets = (KV_PORT_OFFSET, EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET) if self.kv_events else (KV_PORT_OFFSET,)
+        kv_ports = {p + offset for p in node_ports for offset in offsets}
         if self.port in node_ports | kv_ports:
             raise ValueError(f"--port {self.port} collides with a node port derived from --base-port {self.base_port}")
         if self.startup_timeout <= 0 or self.stop_grace <= 0:

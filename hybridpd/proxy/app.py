@@ -226,6 +226,9 @@ class Proxy:
         return web.json_response(body, status=status)
 
     async def prometheus(self, request: web.Request) -> web.StreamResponse:
+        for feed in self.feeds.feeds() if self.feeds is not None else ():
+            host, port = feed.address
+            self.metrics.set_index(f"{host}:{port}", feed.index.num_hashes if feed.index else None, feed.batches)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -50,6 +50,19 @@ class ProxyMetrics:
             "(predicted more) or under", ["role", "upstream", "outcome"], registry=self.registry,
         )
 
+        self.kv_index_hashes = Gauge(
+            "hybridpd_proxy_kv_index_hashes", "Block hashes the proxy knows a node's cache holds (all groups; -1: "
+            "no index of the node)", ["upstream"], registry=self.registry,
+        )
+        self.kv_event_batches = Gauge(
+            "hybridpd_proxy_kv_event_batches", "KV event batches applied from a node since the proxy started",
+            ["upstream"], registry=self.registry,
+        )
+
+    def set_index(self, address: str, num_hashes: int | None, batches: int) -> None:
+        self.kv_index_hashes.labels(upstream=address).set(-1 if num_hashes is None else num_hashes)
+        self.kv_event_batches.labels(upstream=address).set(batches)
+
     def count_prediction(self, upstream: Upstream, predicted: int, reported: int) -> None:
         labels = {"role": upstream.role.value, "upstream": upstream.address}
         self.predicted_hit_tokens.labels(**labels).inc(predicted)

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from hybridpd.connector.compat import compat_fields, compat_hash, model_identity
 from hybridpd.connector.metadata import node_metadata
@@ -61,6 +61,11 @@ class Node:
         publisher = ZmqEventPublisher(cfg.kv_events, groups) if cfg.kv_events.publishes else None
         engine = AsyncEngine(core, cfg.server.served_model_name,
                              kv_event_sink=publisher.publish if publisher is not None else None)
+        if publisher is not None:
+            Gauge("hybridpd:kv_event_batches_published", "KV event batches sent on the PUB socket",
+                  registry=self.registry).set_function(lambda: publisher.published)
+            Gauge("hybridpd:kv_event_batches_dropped", "KV event batches dropped because the publisher queue was full",
+                  registry=self.registry).set_function(lambda: publisher.dropped)
         engine.start()
 
         transport = NixlTransport(self.engine_id, progress_thread=cfg.kv_transfer.kv_host not in LOOPBACK)
