@@ -91,7 +91,7 @@ class ProxyConfig:
     # decode node without kv_transfer_params, which prefills it locally (latency, not an error).
     fallback_colocated: bool = True
     # cache_aware: the load one request in flight adds to a node's cost, in tokens (proxy/cache_aware.py)
-    load_tokens_per_request: int = 256
+    load_tokens_per_request: int = 32
 
     def __post_init__(self) -> None:
         if not self.prefillers and self.prefill_dns is None and self.nodes_file is None:

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing", choices=[policy.value for policy in RoutingPolicy], default=RoutingPolicy.ROUND_ROBIN.value,
         help="how a node of each role is picked per request",
     )
-    parser.add_argument("--load-tokens-per-request", type=int, default=256, metavar="TOKENS",
+    parser.add_argument("--load-tokens-per-request", type=int, default=32, metavar="TOKENS",
                         help="cache_aware: the cost of one call in flight on a node, in prompt tokens (see "
                              "proxy/cache_aware.py: cost = miss + queued miss tokens + this x calls in flight)")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")

@@ -1,0 +1,156 @@
+"""Cache-aware routing against round robin: 2 prefill + 2 decode nodes on the default model, a prefix-repetition
+workload with more distinct prefixes than one node's KV memory holds.
+
+Per policy a fresh `LocalCluster` (nodes publishing KV events; `--num-blocks` sized so that one node holds about
+60% of the prefixes and two hold them all), the proxy on that `--routing`, and the same request stream: each of
+`--prefixes` random prefixes of `--prefix-len` tokens is asked `--repeats` times, in a shuffled order, each time
+with a fresh suffix, streamed with usage, `--concurrency` at a time. The decode hit rate is what the decode nodes
+report (usage.prompt_tokens_details.cached_tokens over prompt tokens); TTFT is measured at the client; the
+prediction accuracy is the proxy's share of exact predictions (its `hybridpd_proxy_hit_predictions` metric, both
+roles). Policies run in turn, `--rounds` times each (a fresh cluster every time), figures are means over rounds.
+
+Last line: JSON with `decode_hit_rate_ratio` (cache_aware / round_robin, goal >= 1.8), `mean_ttft_ratio`
+(cache_aware / round_robin, goal <= 0.6), `prediction_accuracy` (goal >= 0.95) and per policy the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import aiohttp
+
+from hybridpd.engine.model.presets import default_model_dir
+from hybridpd.launcher.cluster import LocalCluster
+from hybridpd.launcher.ports import free_cluster_ports
+from hybridpd.launcher.spec import ClusterSpec
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, usage = None, None
+    async with session.post(url + "/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:300]!r}")
+        async for line in response.content:
+            text = line.decode().strip()
+            if not text.startswith("data: ") or text == "data: [DONE]":
+                continue
+            event = json.loads(text[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if event.get("choices") and ttft is None:
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                usage = event["usage"]
+    return {"ttft": ttft, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+async def run_workload(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[dict]:
+    limit = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def guarded(prompt: list[int]) -> dict:
+            async with limit:
+                return await one_request(session, url, prompt, max_tokens)
+        return await asyncio.gather(*(guarded(p) for p in prompts))
+
+
+def predictions(proxy_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(proxy_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hybridpd_proxy_hit_predictions_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 250) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
+    order = [p for p in prefixes for _ in range(args.repeats)]
+    rng.shuffle(order)
+    return [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in order]
+
+
+def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    proxy_port, base_port = free_cluster_ports(4, kv_events=True)
+    spec = ClusterSpec(
+        num_prefill=2, num_decode=2, model_dir=default_model_dir(), port=proxy_port, base_port=base_port,
+        kv_events=True, serve_args=("--num-blocks", str(args.num_blocks)),
+        proxy_args=("--routing", policy, "--prefill-timeout", "600", "--decode-timeout", "600",
+                    *(("--load-tokens-per-request", str(args.load_tokens_per_request))
+                      if args.load_tokens_per_request is not None else ())),
+    )
+    with LocalCluster(spec) as info:
+        results = asyncio.run(run_workload(info.proxy_url, prompts, args.max_tokens, args.concurrency))
+        predicted = predictions(info.proxy_url)
+    cached = sum(r["cached_tokens"] for r in results)
+    total = sum(r["prompt_tokens"] for r in results)
+    judged = sum(predicted.values())
+    return {
+        "decode_hit_rate": cached / total,
+        "mean_ttft_ms": statistics.mean(r["ttft"] for r in results) * 1e3,
+        "p90_ttft_ms": statistics.quantiles([r["ttft"] for r in results], n=10)[-1] * 1e3,
+        "prediction_accuracy": predicted.get("exact", 0.0) / judged if judged else None,
+        "predictions": predicted,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefixes", type=int, default=24)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks per attention group per node (default: ~60%% of the prefixes' blocks)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
+    args = parser.parse_args()
+    if args.num_blocks is None:
+        per_prefix = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16)
+        args.num_blocks = int(0.6 * args.prefixes * per_prefix) + 1
+    runs: dict[str, list[dict[str, Any]]] = {"round_robin": [], "cache_aware": []}
+    for r in range(args.rounds):
+        prompts = workload(args, seed=r)
+        for policy in (("round_robin", "cache_aware") if r % 2 == 0 else ("cache_aware", "round_robin")):
+            figures = run_policy(policy, args, prompts)
+            runs[policy].append(figures)
+            print(f"round {r} {policy}: {json.dumps(figures)}", file=sys.stderr, flush=True)
+
+    def mean(policy: str, key: str) -> float:
+        return statistics.mean(f[key] for f in runs[policy])
+
+    out = {
+        "decode_hit_rate_ratio": round(mean("cache_aware", "decode_hit_rate") / max(mean("round_robin",
+                                                                                         "decode_hit_rate"), 1e-9), 3),
+        "mean_ttft_ratio": round(mean("cache_aware", "mean_ttft_ms") / mean("round_robin", "mean_ttft_ms"), 3),
+        "prediction_accuracy": round(mean("cache_aware", "prediction_accuracy"), 4),
+        "workload": {k: getattr(args, k) for k in ("prefixes", "prefix_len", "suffix_len", "repeats", "max_tokens",
+                                                   "concurrency", "num_blocks", "rounds")},
+        "round_robin": {k: round(mean("round_robin", k), 4) for k in ("decode_hit_rate", "mean_ttft_ms",
+                                                                       "p90_ttft_ms")},
+        "cache_aware": {k: round(mean("cache_aware", k), 4) for k in ("decode_hit_rate", "mean_ttft_ms",
+                                                                       "p90_ttft_ms", "prediction_accuracy")},
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""`--kv-events-config` parsing (vLLM's field names and defaults) and the publisher's promise to the engine thread:
+`publish` never blocks, a full queue drops and counts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hybridpd.engine.kv_cache.events import BlockRemoved
+from hybridpd.kv_events.config import KVEventsConfig
+from hybridpd.kv_events.publisher import ZmqEventPublisher
+
+
+@pytest.mark.parametrize("text, publishes", [
+    (None, False),
+    ('{"enable_kv_cache_events": true}', True),                         # vLLM: publisher defaults to zmq
+    ('{"enable_kv_cache_events": true, "publisher": "null"}', False),
+    ('{"enable_kv_cache_events": false, "publisher": "zmq"}', False),
+])
+def test_parse(text, publishes):
+    assert KVEventsConfig.parse(text).publishes is publishes
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not JSON"),
+    ("[]", "JSON object"),
+    ('{"enable_kv_cache_events": true, "bogus": 1}', "unknown field"),
+    ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events must be bool"),
+    ('{"buffer_steps": 0}', "buffer_steps must be >= 1"),
+    ('{"publisher": "kafka"}', "publisher must be"),
+    ('{"endpoint": "localhost:5557"}', "ZMQ address"),
+    ('{"hwm": 1.5}', "hwm must be int"),
+])
+def test_bad_configs_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        KVEventsConfig.parse(text)
+
+
+def test_publish_never_blocks_and_counts_what_it_drops():
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://never-read",
+                            max_queue_size=2)
+    publisher = ZmqEventPublisher(config, ())
+    stalled = threading.Event()
+    try:
+        # hold the publisher thread: no batch leaves the queue while we fill it
+        original = publisher._queue.get
+        publisher._queue.get = lambda timeout=None: (stalled.wait(), original(timeout=timeout))[1]
+        for _ in range(50):
+            publisher.publish([BlockRemoved(group_idx=0, block_hashes=(b"x" * 32,))])
+        assert publisher.dropped >= 47   # at most 2 queued and 1 taken by the stalled thread
+    finally:
+        stalled.set()
+        publisher.close()

@@ -1,0 +1,109 @@
+"""The cache-aware choice on tiny indexes: the cost rule of proxy/cache_aware.py, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpd.engine.kv_cache.hashing import RequestBlockHashes
+from hybridpd.kv_events import wire
+from hybridpd.kv_events.wire import GroupInfo
+from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, tokenize_body
+from hybridpd.proxy.config import Role, RoutingPolicy, Upstream
+from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
+from hybridpd.proxy.routing import Router
+
+B = 4
+GROUPS = (GroupInfo(group_idx=0, kind="full_attention", block_size=B, sliding_window=None),
+          GroupInfo(group_idx=1, kind="mamba", block_size=2 * B, sliding_window=None))
+PROMPT = list(range(1, 34))   # 33 tokens: hits are capped at 32
+
+
+def _node(port: int) -> Upstream:
+    return Upstream(role=Role.DECODE, host="127.0.0.1", port=port)
+
+
+def _index_holding(tokens: list[int], mamba_upto: int | None = None) -> NodeIndex:
+    index = NodeIndex(GROUPS)
+    hashes = RequestBlockHashes(None)
+    fa = hashes.chain(B, tokens)
+    events: list = [wire.BlockStored(block_hashes=fa, parent_block_hash=None, token_ids=tokens[: len(fa) * B],
+                                     block_size=B, lora_id=None, medium="GPU", lora_name=None, group_idx=0)]
+    if mamba_upto:
+        state = hashes.chain(2 * B, tokens)[mamba_upto // (2 * B) - 1]
+        events.append(wire.BlockStored(block_hashes=[state], parent_block_hash=None, token_ids=[], block_size=2 * B,
+                                       lora_id=None, medium="GPU", lora_name=None, group_idx=1))
+    index.apply(events)
+    return index
+
+
+@pytest.mark.parametrize("held, role, expected", [
+    (PROMPT[:20], Role.DECODE, 20),          # full attention alone decides a decode node's hit
+    (PROMPT[:20], Role.PREFILL, 0),          # no Mamba state: no hybrid hit
+    (PROMPT, Role.DECODE, 32),               # capped at prompt length - 1
+])
+def test_predicted_hits(held, role, expected):
+    router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
+    choice = choose(router, role, PromptHashes(PROMPT, None), lambda u: _index_holding(held), 0)
+    assert choice.predicted_hit == expected and choice.work_tokens == len(PROMPT) - expected
+
+
+def test_prefill_hit_needs_a_mamba_state_at_the_hit():
+    router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
+    choice = choose(router, Role.PREFILL, PromptHashes(PROMPT, None), lambda u: _index_holding(PROMPT, 16), 0)
+    assert choice.predicted_hit == 16
+
+
+@pytest.mark.parametrize("in_flight_on_holder, load_per_request, expected_port", [
+    (0, 32, 1),     # the holder wins: 1 vs 33
+    (3, 8, 1),      # calls in flight that cost less than the hit saves keep it there: 1 + 3 + 24 = 28 < 33
+    (4, 8, 2),      # ...one more and the prefix spreads: 1 + 4 + 32 = 37 > 33
+    (1, 64, 2),     # one call that costs more than the hit saves: 1 + 1 + 64 > 33
+])
+def test_a_hot_prefix_spreads_once_its_node_is_busy(in_flight_on_holder, load_per_request, expected_port):
+    holder, other = _node(1), _node(2)
+    router = Router((holder, other), RoutingPolicy.CACHE_AWARE)
+    indexes = {holder: _index_holding(PROMPT), other: NodeIndex(GROUPS)}
+    prompt = PromptHashes(PROMPT, None)
+    contexts = [router.in_flight(holder, work_tokens=1) for _ in range(in_flight_on_holder)]
+    for c in contexts:
+        c.__enter__()
+    try:
+        # holder: 1 miss + n*(1 queued + load);  other: 33 misses
+        assert choose(router, Role.DECODE, prompt, indexes.get, load_per_request).upstream.port == expected_port
+    finally:
+        for c in contexts:
+            c.__exit__(None, None, None)
+
+
+def test_without_any_index_it_is_least_outstanding_work():
+    a, b = _node(1), _node(2)
+    router = Router((a, b), RoutingPolicy.CACHE_AWARE)
+    with router.in_flight(a, work_tokens=100):
+        assert choose(router, Role.DECODE, PromptHashes(PROMPT, None), lambda u: None, 32).upstream == b
+
+
+def test_a_salted_prompt_does_not_hit_unsalted_blocks():
+    router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
+    choice = choose(router, Role.DECODE, PromptHashes(PROMPT, b"tenant"), lambda u: _index_holding(PROMPT), 0)
+    assert choice.predicted_hit == 0
+
+
+@pytest.mark.parametrize("path, body, ids, tokenize", [
+    ("/v1/completions", {"prompt": [5, 6]}, [5, 6], None),
+    ("/v1/completions", {"prompt": [[5, 6]]}, [5, 6], None),
+    ("/v1/completions", {"prompt": "hi", "model": "m"}, None, {"prompt": "hi", "model": "m"}),
+    ("/v1/completions", {"prompt": ["hi"]}, None, {"prompt": "hi"}),
+    ("/v1/completions", {"prompt": ""}, None, None),
+    ("/v1/completions", {"prompt": [True, 1]}, None, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, None,
+     {"messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": "nope"}, None, None),
+])
+def test_how_a_prompt_is_found(path, body, ids, tokenize):
+    assert token_ids_in_body(path, body) == ids
+    if ids is None:
+        assert tokenize_body(path, body) == tokenize
+
+
+def test_cache_salt_is_utf8():
+    assert cache_salt({"cache_salt": "é"}) == "é".encode() and cache_salt({}) is None
