@@ -34,9 +34,13 @@ def _patch_window(attn: nn.Module, window: int) -> None:
     original = attn.forward
 
     def forward(hidden_states, attention_mask, past_key_values=None, **kwargs):
-        past = past_key_values.get_seq_length(attn.layer_idx) if past_key_values is not None else 0
+        # transformers >= 5.2x hands the cache over as `cache` (`past_key_values` is its deprecated name)
+        cache = kwargs.get("cache") if kwargs.get("cache") is not None else past_key_values
+        past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
         mask = _band_mask(past, hidden_states.shape[1], window, hidden_states.dtype)
-        return original(hidden_states, mask, past_key_values=past_key_values, **kwargs)
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        return original(hidden_states, mask, **kwargs)
 
     attn.forward = forward
 
