@@ -2,7 +2,8 @@
 
 A READ copies the bytes when the reader first polls it (so a test can observe PENDING), then sends the
 notification to the peer. The fabric can make a peer fail (every read from it FAILS) or stall (reads from it
-stay TRANSFERRING until the stall is lifted).
+stay TRANSFERRING until the stall is lifted), and make its reads uncancellable (`release` of one still running
+returns False and the READ goes on, as NIXL may refuse to cancel).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class FakeFabric:
         self._nodes: dict[str, FakeTransport] = {}
         self._failing: set[str] = set()
         self._stalled: set[str] = set()
+        self._uncancellable: set[str] = set()
 
     def attach(self, transport: FakeTransport) -> None:
         if transport.name in self._nodes:
@@ -38,6 +40,12 @@ class FakeFabric:
 
     def set_stalled(self, name: str, stalled: bool = True) -> None:
         (self._stalled.add if stalled else self._stalled.discard)(name)
+
+    def set_uncancellable(self, name: str, uncancellable: bool = True) -> None:
+        (self._uncancellable.add if uncancellable else self._uncancellable.discard)(name)
+
+    def is_uncancellable(self, name: str) -> bool:
+        return name in self._uncancellable
 
     def is_failing(self, name: str) -> bool:
         return name in self._failing
@@ -122,6 +130,10 @@ class FakeTransport:
         return state
 
     def release(self, handle: int) -> bool:
+        read, state = self._reads.get(handle), self._states.get(handle)
+        if (read is not None and state not in (TransferState.DONE, TransferState.FAILED)
+                and self._fabric.is_uncancellable(read.peer_name)):
+            return False
         self._reads.pop(handle, None)
         self._states.pop(handle, None)
         return True

@@ -7,7 +7,9 @@ other requests keep running) -> RUNNING (it computes its last prompt token, then
 
 The pull, step by step: the peer's metadata (compatibility hash and engine id checked), a heartbeat that renews
 the lease and says which blocks it covers (the only blocks this node will read), one batch of READs, heartbeats
-while it runs, then `Release`. Only if the lease was still live at release are the bytes trusted.
+while it runs, then `Release`. Only if the lease was still live at release are the bytes trusted. How the pull
+ends (its verdict, and a READ that could not be cancelled) is one state machine per pull, `PullEnd`, the only thing
+that tells the engine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.connector.side_channel_client import SideChannelClient
 from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import BlockRead, RegionLayout, TransferState, Transport
+from hybridpd.decode_node.pull_end import PullEnd
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.kv_cache.coordinator import StepBlocks
 from hybridpd.engine.sequence import Sequence
@@ -45,6 +48,25 @@ class PullJob:
     prompt_digest: bytes                            # of this request's first N-1 prompt tokens
 
 
+class _EngineCalls:
+    """PullEnd's calls, posted to the engine thread."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def complete_load(self, request_id: str) -> None:
+        self._engine.call_soon(lambda: self._engine.engine.complete_load(request_id))
+
+    def fail_load(self, request_id: str, error: Exception, recompute: bool) -> None:
+        self._engine.call_soon(lambda: self._engine.engine.fail_load(request_id, error, recompute=recompute))
+
+    def fail(self, request_id: str, error: Exception) -> None:
+        self._engine.call_soon(lambda: self._engine.engine.fail(request_id, error))
+
+    def release_load(self, request_id: str) -> None:
+        self._engine.call_soon(lambda: self._engine.engine.scheduler.finish_load(request_id, ok=False))
+
+
 class DecodeRole:
     def __init__(self, engine: AsyncEngine, transport: Transport, *, engine_id: str, compat_hash: str,
                  compat_fields: dict[str, str], config: KVTransferConfig, metrics: ConnectorMetrics) -> None:
@@ -59,7 +81,7 @@ class DecodeRole:
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
         self._peers: dict[tuple[str, int], str] = {}   # side channel address -> transport name of its engine
         self._tasks: set[asyncio.Task] = set()
-        self._stuck: set[str] = set()   # requests whose abandoned READ may still write into their blocks
+        self._engine_calls = _EngineCalls(engine)
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
@@ -84,19 +106,22 @@ class DecodeRole:
     async def _run(self, job: PullJob) -> None:
         peer = job.params.peer
         self.metrics.record_decode_hit(peer, job.hit_tokens)
+        end = PullEnd(job.request_id, self._engine_calls,
+                      recompute=self.config.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE)
         try:
-            await asyncio.wait_for(self._pull(job), self.config.load_timeout_seconds)
+            await asyncio.wait_for(self._pull(job, end), self.config.load_timeout_seconds)
         except asyncio.TimeoutError:
-            await self._failed(job, KVTransferError(peer, f"timed out after {self.config.load_timeout_seconds:g} s"))
+            timeout = self.config.load_timeout_seconds
+            await self._failed(job, end, KVTransferError(peer, f"timed out after {timeout:g} s"))
         except KVTransferError as exc:
-            await self._failed(job, exc)
+            await self._failed(job, end, exc)
         except Exception as exc:  # a bug or an unexpected transport error: still the request's failure, not a hang
             log.exception("pull of %s from %s failed", job.request_id, peer)
-            await self._failed(job, KVTransferError(peer, f"{type(exc).__name__}: {exc}"))
+            await self._failed(job, end, KVTransferError(peer, f"{type(exc).__name__}: {exc}"))
         else:
-            self.engine.call_soon(lambda: self.engine.engine.complete_load(job.request_id))
+            end.succeed()
 
-    async def _failed(self, job: PullJob, error: KVTransferError) -> None:
+    async def _failed(self, job: PullJob, end: PullEnd, error: KVTransferError) -> None:
         self.metrics.record_failed_load(job.params.peer)
         log.warning("request %s: %s", job.request_id, error)
         client = self._clients.get((job.params.remote_host, job.params.remote_port))
@@ -106,11 +131,7 @@ class DecodeRole:
                 await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True, secret=secret), 2.0)
             except Exception:  # the peer may be gone; its lease then expires by itself
                 pass
-        if job.request_id in self._stuck:  # fail it now; its blocks are freed once the stuck READ has stopped
-            self.engine.call_soon(lambda: self.engine.engine.fail(job.request_id, error))
-            return
-        recompute = self.config.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE
-        self.engine.call_soon(lambda: self.engine.engine.fail_load(job.request_id, error, recompute=recompute))
+        end.fail(error)
 
     def _client(self, params: RemotePrefillParams) -> SideChannelClient:
         key = (params.remote_host, params.remote_port)
@@ -153,7 +174,7 @@ class DecodeRole:
                 reads.append(BlockRead(group_id=g, remote_block=leased[g][logical - start], local_block=local))
         return reads
 
-    async def _pull(self, job: PullJob) -> None:
+    async def _pull(self, job: PullJob, end: PullEnd) -> None:
         params = job.params
         peer_name = await self._peer(params)
         client = self._client(params)
@@ -171,24 +192,23 @@ class DecodeRole:
             await self._wait_read(handle, client, params, lease.expiry)
         finally:
             if not self.transport.release(handle):
-                self._keep_blocks_until_stopped(job.request_id, handle)
+                self._keep_blocks_until_stopped(end, handle)
         seconds = time.perf_counter() - started
         secret = params.remote_lease_secret or ""
         if not await client.release(params.remote_request_id, aborted=False, secret=secret):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
         self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
 
-    def _keep_blocks_until_stopped(self, request_id: str, handle: int) -> None:
+    def _keep_blocks_until_stopped(self, end: PullEnd, handle: int) -> None:
         """A READ we gave up on (timeout, cancel) could not be cancelled: it may still write into the request's
-        blocks, so they stay allocated until it has stopped; only then does the engine free them."""
-        self._stuck.add(request_id)
+        blocks, so the pull's end waits until it has stopped (PullEnd keeps the blocks until then)."""
+        end.read_outstanding()
 
         async def drain() -> None:
             while self.transport.poll(handle) not in (TransferState.DONE, TransferState.FAILED):
                 await asyncio.sleep(_POLL_MAX_S)
             self.transport.release(handle)
-            self._stuck.discard(request_id)
-            self.engine.call_soon(lambda: self.engine.engine.scheduler.finish_load(request_id, ok=False))
+            end.read_stopped()
 
         task = self._loop.create_task(drain())
         self._tasks.add(task)

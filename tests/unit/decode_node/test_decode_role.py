@@ -1,0 +1,165 @@
+"""DecodeRole over the fake transport: a pull that succeeds, whose READ fails, and one that times out on a stalled
+READ NIXL refuses to cancel, with the READ finishing before, during or after the lease release. In each the engine
+hears exactly one final verdict, never while the READ may still write into the request's blocks, and the request
+is never left without one (defect 2 of issue 15: a drain that finished during the release left it hanging)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from hybridpd.config import KVLoadFailurePolicy, KVTransferConfig
+from hybridpd.connector.fake_transport import FakeFabric, FakeTransport
+from hybridpd.connector.lease_view import LeaseView, prompt_digest
+from hybridpd.connector.metrics import ConnectorMetrics
+from hybridpd.decode_node.loader import DecodeRole, PullJob
+from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup
+from hybridpd.engine.transfer_params import RemotePrefillParams
+
+BLOCK, NUM_TOKENS = 4, 11
+GROUPS = (KVCacheGroup(spec=FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32),
+                       layer_ids=(0,)),)
+PROMPT = list(range(NUM_TOKENS + 1))
+FINAL = {"complete_load", "fail_load", "release_load"}
+
+
+class FakeCore:
+    def __init__(self, fabric: FakeFabric) -> None:
+        self.groups = GROUPS
+        self.fabric = fabric
+        self.calls: list[str] = []
+        self.scheduler = self
+
+    def _record(self, call: str) -> None:
+        if call in FINAL:  # the blocks may be freed or reused: no READ into them may still run
+            assert not self.fabric.is_stalled("P"), f"{call} while the READ still runs"
+        self.calls.append(call)
+
+    def complete_load(self, rid):
+        self._record("complete_load")
+
+    def fail_load(self, rid, error, recompute):
+        self._record("fail_load")
+
+    def fail(self, rid, error):
+        self._record("fail")
+
+    def finish_load(self, rid, ok):
+        self._record("release_load")
+
+
+class FakeEngine:
+    def __init__(self, core: FakeCore) -> None:
+        self.engine = core
+
+    def call_soon(self, fn) -> None:
+        fn()
+
+
+class FakeClient:
+    """The prefill node's side channel: a live lease over blocks 1..3; `release` may wait for the test."""
+
+    def __init__(self) -> None:
+        self.release_gate: asyncio.Event | None = None
+        self.releases: list[bool] = []
+
+    async def heartbeat(self, request_id, secret):
+        return LeaseView(expiry=time.time() + 60, block_ids=((1, 2, 3),), num_tokens=NUM_TOKENS,
+                         prompt_digest=prompt_digest(PROMPT[:NUM_TOKENS]))
+
+    async def release(self, request_id, aborted, secret):
+        self.releases.append(aborted)
+        if self.release_gate is not None:
+            await self.release_gate.wait()
+        return True
+
+    async def close(self):
+        pass
+
+
+def _transport(name: str, fabric: FakeFabric) -> FakeTransport:
+    transport = FakeTransport(name, fabric)
+    transport.register([torch.zeros(8, GROUPS[0].page_size_bytes, dtype=torch.int8)])
+    return transport
+
+
+async def _role(policy=KVLoadFailurePolicy.FAIL, timeout=0.2):
+    fabric = FakeFabric()
+    prefill, decode = _transport("P", fabric), _transport("D", fabric)
+    decode.add_peer("P", prefill.local_metadata(), prefill.local_layouts())
+    core = FakeCore(fabric)
+    role = DecodeRole(FakeEngine(core), decode, engine_id="D", compat_hash="h", compat_fields={},
+                      config=KVTransferConfig(load_timeout_seconds=timeout, load_failure_policy=policy),
+                      metrics=ConnectorMetrics(CollectorRegistry()))
+    client = FakeClient()
+    role._clients[("127.0.0.1", 1)] = client
+    role._peers[("127.0.0.1", 1)] = "P"
+    params = RemotePrefillParams(remote_engine_id="P", remote_request_id="p-1", remote_block_ids=((1, 2, 3),),
+                                 remote_host="127.0.0.1", remote_port=1, remote_num_tokens=NUM_TOKENS)
+    job = PullJob(request_id="r", params=params, hit_tokens=0, load=(((0, 4), (1, 5), (2, 6)),),
+                  prompt_digest=prompt_digest(PROMPT[:NUM_TOKENS]))
+    return role, fabric, core, client, job
+
+
+async def _settle(role: DecodeRole) -> None:
+    while role._tasks:
+        await asyncio.gather(*list(role._tasks), return_exceptions=True)
+
+
+async def test_a_pull_that_succeeds_completes_the_load():
+    role, fabric, core, client, job = await _role()
+    await role._run(job)
+    assert core.calls == ["complete_load"] and client.releases == [False]
+
+
+@pytest.mark.parametrize("policy", list(KVLoadFailurePolicy))
+async def test_a_failed_read_fails_the_load_once(policy):
+    role, fabric, core, client, job = await _role(policy)
+    fabric.set_failing("P")
+    await role._run(job)
+    assert core.calls == ["fail_load"] and client.releases == [True]
+
+
+@pytest.mark.parametrize("policy", list(KVLoadFailurePolicy))
+@pytest.mark.parametrize("read_ends", ["before_release", "during_release", "after_release"])
+@pytest.mark.parametrize("read_outcome", ["done", "failed"])
+async def test_a_timed_out_read_that_cannot_be_cancelled(policy, read_ends, read_outcome):
+    role, fabric, core, client, job = await _role(policy)
+    fabric.set_stalled("P")
+    fabric.set_uncancellable("P")
+    client.release_gate = asyncio.Event()
+
+    def end_read() -> None:
+        if read_outcome == "failed":
+            fabric.set_failing("P")
+        fabric.set_stalled("P", False)
+
+    run = asyncio.create_task(role._run(job))
+    while not client.releases:          # the pull timed out; its lease release is under way
+        await asyncio.sleep(0.01)
+    if read_ends == "before_release":
+        end_read()
+        while role._tasks - {run}:      # the drain saw the READ stop
+            await asyncio.sleep(0.01)
+        client.release_gate.set()
+    elif read_ends == "during_release":
+        end_read()
+        await asyncio.sleep(0.05)
+        client.release_gate.set()
+    else:
+        client.release_gate.set()
+        await run
+        assert not [c for c in core.calls if c in FINAL]   # the READ still runs: nothing final yet
+        end_read()
+    await run
+    await _settle(role)
+    finals = [c for c in core.calls if c in FINAL]
+    assert len(finals) == 1, core.calls
+    if read_ends == "after_release" and policy is KVLoadFailurePolicy.FAIL:
+        assert core.calls == ["fail", "release_load"]      # the client heard before the READ stopped
+    else:
+        assert core.calls == ["fail_load"]
