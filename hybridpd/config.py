@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridpd.tls import TLSConfig
 from pathlib import Path
 
 
@@ -67,6 +71,7 @@ class KVTransferConfig:
     decode_skip_mamba_align: bool = True
     load_timeout_seconds: float = 30.0
     cluster_token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None            # the side channel's TLS (hybridpd/tls.py)
 
     def __post_init__(self) -> None:
         if self.lease_seconds <= 0:

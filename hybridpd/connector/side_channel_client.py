@@ -16,12 +16,14 @@ from hybridpd.proto import kv_transfer_pb2_grpc as pb_grpc
 
 
 class SideChannelClient:
-    def __init__(self, host: str, port: int, cluster_token: str | None, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, cluster_token: str | None, timeout_s: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._metadata = bearer_metadata(cluster_token)
         self._timeout_s = timeout_s
+        self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.KVTransferStub | None = None
 
@@ -30,7 +32,10 @@ class SideChannelClient:
 
     def _kv(self) -> pb_grpc.KVTransferStub:
         if self._stub is None:  # created lazily, inside the running event loop
-            self._channel = grpc.aio.insecure_channel(self.peer)
+            if self._credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.peer, self._credentials)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.peer)
             self._stub = pb_grpc.KVTransferStub(self._channel)
         return self._stub
 

@@ -97,10 +97,12 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
 
 class SideChannelServer:
     def __init__(self, handler: SideChannelHandler, host: str, port: int, cluster_token: str | None,
-                 trusted_peers: TrustedPeers | None = None) -> None:
+                 trusted_peers: TrustedPeers | None = None,
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         """`trusted_peers`: who may ask for this node's transport metadata (None: anyone with the token)."""
         self._handler = handler
         self._trusted = trusted_peers
+        self._credentials = credentials
         self._host = host
         self._requested_port = port
         self._token = cluster_token
@@ -120,15 +122,19 @@ class SideChannelServer:
                                                  server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self._host}]" if ":" in self._host else self._host
-        port = server.add_insecure_port(f"{host}:{self._requested_port}")
+        address = f"{host}:{self._requested_port}"
+        if self._credentials is not None:
+            port = server.add_secure_port(address, self._credentials)
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"side channel: cannot bind {self._host}:{self._requested_port}")
         await server.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._server, self._port = server, port
-        log.info("side channel listening on %s:%d (cluster token %s)", self._host, port,
-                 "required" if self._token is not None else "off")
+        log.info("side channel listening on %s:%d (cluster token %s, TLS %s)", self._host, port,
+                 "required" if self._token is not None else "off", "on" if self._credentials is not None else "off")
 
     async def stop(self, grace: float | None = None) -> None:
         if self._server is None:

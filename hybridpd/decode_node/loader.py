@@ -82,6 +82,7 @@ class DecodeRole:
         self._peers: dict[tuple[str, int], str] = {}   # side channel address -> transport name of its engine
         self._tasks: set[asyncio.Task] = set()
         self._engine_calls = _EngineCalls(engine)
+        self._credentials = config.tls.grpc_channel_credentials() if config.tls is not None else None
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
@@ -138,7 +139,8 @@ class DecodeRole:
         if key not in self._clients:
             self._clients[key] = SideChannelClient(params.remote_host, params.remote_port,
                                                    cluster_token=self.config.cluster_token,
-                                                   timeout_s=min(10.0, self.config.load_timeout_seconds))
+                                                   timeout_s=min(10.0, self.config.load_timeout_seconds),
+                                                   credentials=self._credentials)
         return self._clients[key]
 
     async def _peer(self, params: RemotePrefillParams) -> str:

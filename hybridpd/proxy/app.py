@@ -83,11 +83,14 @@ class Proxy:
 
     async def client_session(self, app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: the one ClientSession for every upstream call, closed on shutdown."""
-        connector = aiohttp.TCPConnector(limit=0)  # nodes do their own admission; don't queue here
+        tls = self.config.tls
+        # nodes do their own admission; don't queue here
+        connector = aiohttp.TCPConnector(limit=0, ssl=tls.client_context() if tls is not None else True)
         async with aiohttp.ClientSession(connector=connector) as session:
             self._client = UpstreamClient(session, self.config, self.metrics)
             if self.cache_aware:
-                self.feeds = KVFeeds(session, check_interval=_FEEDS_INTERVAL_S, timeout=self.config.health_timeout)
+                self.feeds = KVFeeds(session, self.config.base_url, check_interval=_FEEDS_INTERVAL_S,
+                                     timeout=self.config.health_timeout)
             try:
                 yield
             finally:

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridpd.tls import TLSConfig
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
@@ -35,11 +37,6 @@ class Upstream:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
 
     @property
     def name(self) -> str:
@@ -92,6 +89,16 @@ class ProxyConfig:
     fallback_colocated: bool = True
     # cache_aware: the load one request in flight adds to a node's cost, in tokens (proxy/cache_aware.py)
     load_tokens_per_request: int = 32
+    tls: TLSConfig | None = None     # proxy -> node calls over HTTPS, with this certificate (hybridpd/tls.py)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    def base_url(self, upstream: Upstream) -> str:
+        """Where the proxy calls `upstream` (https when TLS is on)."""
+        host = f"[{upstream.host}]" if ":" in upstream.host else upstream.host
+        return f"{self.scheme}://{host}:{upstream.port}"
 
     def __post_init__(self) -> None:
         if not self.prefillers and self.prefill_dns is None and self.nodes_file is None:

@@ -164,8 +164,10 @@ class NodeFeed:
 class KVFeeds:
     """The feeds of the current nodes: `reconcile` starts one per new node and stops those of nodes that left."""
 
-    def __init__(self, session: aiohttp.ClientSession, *, check_interval: float = 1.0, timeout: float = 2.0) -> None:
+    def __init__(self, session: aiohttp.ClientSession, base_url: Callable[[Upstream], str], *,
+                 check_interval: float = 1.0, timeout: float = 2.0) -> None:
         self._session = session
+        self._base_url = base_url
         self._ctx = zmq.asyncio.Context()
         self._check_interval = check_interval
         self._timeout = timeout
@@ -186,7 +188,7 @@ class KVFeeds:
                 task.cancel()
         for address, upstream in wanted.items():
             if address not in self._feeds:
-                feed = NodeFeed(address, upstream.base_url, self._session, self._ctx,
+                feed = NodeFeed(address, self._base_url(upstream), self._session, self._ctx,
                                 check_interval=self._check_interval, timeout=self._timeout)
                 self._feeds[address] = (feed, asyncio.create_task(feed.run(), name=f"kv-feed-{upstream.address}"))
 

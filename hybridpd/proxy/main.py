@@ -12,6 +12,7 @@ from aiohttp import web
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
+from hybridpd.tls import TLSConfig, add_tls_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for one node's GET /health")
     add_token_arguments(parser, "sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry "
                                 "kv_transfer_params")
+    add_tls_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -118,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout=args.connect_timeout,
         health_timeout=args.health_timeout,
         cluster_token=read_token(args),
+        tls=TLSConfig.from_args(args),
     )
 
 

@@ -131,7 +131,7 @@ class UpstreamClient:
         async with self._call(router, upstream, work_tokens):
             try:
                 async with self._session.post(
-                    upstream.base_url + path, json=body, headers=self._headers(request_id, body),
+                    self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
                     timeout=self._prefill_timeout,
                 ) as response:
                     await self._raise_for_status(upstream, response)
@@ -161,7 +161,7 @@ class UpstreamClient:
         async with self._call(router, upstream, work_tokens), contextlib.AsyncExitStack() as stack:
             try:
                 response = await stack.enter_async_context(self._session.post(
-                    upstream.base_url + path, json=body, headers=self._headers(request_id, body),
+                    self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
                     timeout=self._decode_timeout,
                 ))
                 await self._raise_for_status(upstream, response)
@@ -173,7 +173,8 @@ class UpstreamClient:
         """A GET (models); a 4xx comes back as it is, a 5xx or no answer raises UpstreamError."""
         async with self._call(router, upstream):
             try:
-                async with self._session.get(upstream.base_url + path, timeout=self._health_timeout) as response:
+                url = self._config.base_url(upstream) + path
+                async with self._session.get(url, timeout=self._health_timeout) as response:
                     if response.status >= 500:
                         await self._raise_for_status(upstream, response)
                     return response.status, await response.read(), response.headers.get(
@@ -186,7 +187,7 @@ class UpstreamClient:
         """A node's `POST /tokenize` of `body`: its token ids, or None when it cannot say (any failure: the caller
         then routes without a prediction, and the request itself meets the node's verdict)."""
         try:
-            async with self._session.post(upstream.base_url + "/tokenize", json=body,
+            async with self._session.post(self._config.base_url(upstream) + "/tokenize", json=body,
                                           timeout=self._health_timeout) as response:
                 if response.status != 200:
                     return None
@@ -198,7 +199,8 @@ class UpstreamClient:
     async def probe(self, upstream: Upstream) -> tuple[int | None, str]:
         """GET /health without counting it as a call: (status or None, a short detail)."""
         try:
-            async with self._session.get(upstream.base_url + "/health", timeout=self._health_timeout) as response:
+            url = self._config.base_url(upstream) + "/health"
+            async with self._session.get(url, timeout=self._health_timeout) as response:
                 await response.read()
                 return response.status, f"HTTP {response.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:

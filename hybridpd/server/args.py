@@ -27,6 +27,7 @@ from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.server.config import ServerConfig
+from hybridpd.tls import TLSConfig, add_tls_arguments
 
 KV_PORT_OFFSET = 1000  # --kv-port 0: the side channel listens on the HTTP port + this
 
@@ -107,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "names, also comma-separated (default: loopback only)")
     add_token_arguments(pd, "shared secret for the side channel and KV requests")
 
+    add_tls_arguments(parser.add_argument_group("TLS (HTTP and the side channel)"))
+
     events = parser.add_argument_group("KV cache events (vLLM's format)")
     events.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help='vLLM\'s KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": '
@@ -124,6 +127,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
     kv_port = args.kv_port or (args.port + KV_PORT_OFFSET if args.port else 0)
     try:
         kv_events = KVEventsConfig.parse(args.kv_events_config)
+        tls = TLSConfig.from_args(args)
         engine = EngineConfig(
             model_dir=model_dir,
             dtype=args.dtype,
@@ -152,6 +156,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             shutdown_grace=args.shutdown_grace,
             cluster_token=cluster_token,
             trusted_peers=TrustedPeers.parse(args.kv_trusted_peers),
+            tls=tls,
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")
@@ -163,6 +168,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             decode_skip_mamba_align=args.decode_skip_mamba_align,
             load_timeout_seconds=args.kv_load_timeout,
             cluster_token=cluster_token,
+            tls=tls,
         )
     except ValueError as exc:
         raise BadArgumentsError(str(exc)) from exc

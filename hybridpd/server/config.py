@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.tls import TLSConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +19,11 @@ class ServerConfig:
     client_max_size: int = 64 * 1024 * 1024  # largest request body in bytes
     # The prefill nodes a remotely prefilled request may name in kv_transfer_params.remote_host.
     trusted_peers: TrustedPeers = field(default_factory=lambda: TrustedPeers.parse(LOOPBACK_ONLY))
+    tls: TLSConfig | None = None    # HTTPS, mutual with a CA (hybridpd/tls.py)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -82,8 +82,10 @@ class Node:
         metadata = node_metadata(engine_id=self.engine_id, model_name=cfg.server.served_model_name,
                                  fields=fields, compat_hash=hash_, transport=transport, groups=core.groups,
                                  transport_address=cfg.kv_transfer.kv_host)
+        tls = cfg.server.tls
         side = SideChannelServer(PrefillSideChannel(prefill, metadata), cfg.kv_transfer.kv_host,
-                                 cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token, cfg.server.trusted_peers)
+                                 cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token, cfg.server.trusted_peers,
+                                 credentials=tls.grpc_server_credentials() if tls is not None else None)
         await side.start()
         prefill.side_channel_port = side.port
         prefill.start()
@@ -95,14 +97,17 @@ class Node:
         app = create_app(engine, cfg.server, self.registry, extra_routes=events_routes)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+        site = web.TCPSite(runner, cfg.server.host, cfg.server.port,
+                           ssl_context=tls.server_context() if tls is not None else None)
         await site.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        log.info("node %s serving %s on http://%s:%d (side channel %s:%d)", self.engine_id,
-                 cfg.server.served_model_name, cfg.server.host, cfg.server.port, cfg.kv_transfer.kv_host, side.port)
-        print(f"hybridpd node ready: http://{cfg.server.host}:{cfg.server.port} side-channel "
+        scheme = cfg.server.scheme
+        log.info("node %s serving %s on %s://%s:%d (side channel %s:%d)", self.engine_id,
+                 cfg.server.served_model_name, scheme, cfg.server.host, cfg.server.port, cfg.kv_transfer.kv_host,
+                 side.port)
+        print(f"hybridpd node ready: {scheme}://{cfg.server.host}:{cfg.server.port} side-channel "
               f"{cfg.kv_transfer.kv_host}:{side.port} engine {self.engine_id}", flush=True)
 
         await self.stopping.wait()

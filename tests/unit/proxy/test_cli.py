@@ -24,6 +24,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     (["--prefill-timeout", "0"], "--prefill-timeout must be positive"),
     (["--decoder-ports", "70000"], "decode port out of range"),
     (["--cluster-token-file", "/nonexistent/token"], "cannot read --cluster-token-file"),
+    (["--tls-key", "/nonexistent/key.pem"], "--tls-cert and --tls-key go together"),
+    (["--load-tokens-per-request", "-1"], "--load-tokens-per-request must be >= 0"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(argv, message, capsys):
     assert run(_parse(argv)) == 2

@@ -108,6 +108,9 @@ def test_argparse_rejects(argv, capsys):
         (["--kv-port", "70000"], "--kv-port"),
         (["--shutdown-grace", "-1"], "--shutdown-grace"),
         (["--cluster-token-file", "/nonexistent/token"], "--cluster-token-file"),
+        (["--tls-cert", "/nonexistent/cert.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"], "cannot read --tls-cert"),
+        (["--kv-events-config", "{"], "--kv-events-config is not JSON"),
     ],
 )
 def test_config_rejects_with_typed_error(argv, words):
