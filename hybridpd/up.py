@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds until all must be healthy")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--routing", default=None, help="the proxy's --routing")
+    parser.add_argument("--proxy-arg", dest="proxy_args", action="append", default=[], metavar="FLAG",
+                        help="one more `hybridpd proxy` flag (repeat it; a flag with a value as "
+                             "--proxy-arg=--prefill-timeout=30)")
     parser.add_argument("--restart", choices=[p.value for p in RestartPolicy], default=RestartPolicy.ON_FAILURE.value,
                         help="restart a node or the proxy that dies after start-up (with backoff), or exit")
     parser.add_argument("serve_args", nargs="*", metavar="-- SERVE_FLAGS",
@@ -47,7 +50,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, model_dir=args.model, host=args.host, port=args.port,
         base_port=args.base_port, threads=args.threads, serve_args=tuple(args.serve_args),
-        proxy_args=("--routing", args.routing) if args.routing else (), run_dir=args.run_dir,
+        proxy_args=(*(("--routing", args.routing) if args.routing else ()), *args.proxy_args), run_dir=args.run_dir,
         startup_timeout=args.startup_timeout, stop_grace=args.stop_grace,
         kv_events=args.routing == "cache_aware",
     )

@@ -4,7 +4,8 @@ A request's path through the proxy:
   RECEIVED -> PREFILLING (one node; on failure, once more on another node if there is one)
            -> DECODING (one node; its bytes go to the client as they come) -> DONE
   A 4xx from a node goes back to the client as it is; any other node failure becomes a 502
-  (504 on a timeout), or an error event when the stream to the client had already started.
+  (504 on a timeout), or an error event when the stream to the client had already started. A decode node that
+  could not even be connected to (nothing reached it) is replaced once by another decode node.
   When no prefill node can take the request (none known, or the prefill hop failed after its retry) and
   `--fallback-colocated` is on (the default), the decode node gets the original body without kv_transfer_params
   and prefills it itself: PREFILLING -> DECODING(colocated), counted in hybridpd_proxy_fallback_colocated_total.
@@ -17,6 +18,7 @@ node's report (X-HybridPD-Cached-Tokens) in the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -41,7 +43,7 @@ from hybridpd.proxy.kv_feed import KVFeeds, feeds_context
 from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.routing import NoUpstreamError, Router
-from hybridpd.proxy.upstream import UpstreamClient
+from hybridpd.proxy.upstream import DecodeStream, UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -192,10 +194,8 @@ class Proxy:
     async def _decode(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None
     ) -> web.StreamResponse:
-        router = self.routers[Role.DECODE]
-        choice = self._choose(Role.DECODE, prompt)
-        async with self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens) as stream:
-            self._compare(choice, stream.cached_tokens)
+        async with contextlib.AsyncExitStack() as stack:
+            stream = await self._open_decode(stack, path, body, request_id, prompt)
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
@@ -209,6 +209,25 @@ class Proxy:
                 await out.write(sse_error_event(exc))
             await out.write_eof()
             return out
+
+    async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
+                           request_id: str, prompt: PromptHashes | None) -> DecodeStream:
+        """The decode call, opened on a second node if the first could not be connected to."""
+        router = self.routers[Role.DECODE]
+        tried: list[Upstream] = []
+        while True:
+            choice = self._choose(Role.DECODE, prompt, tuple(tried))
+            try:
+                stream = await stack.enter_async_context(
+                    self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens))
+            except UpstreamError as exc:
+                tried.append(choice.upstream)
+                if not exc.nothing_sent or len(tried) >= min(2, len(router.upstreams)):
+                    raise
+                logger.warning("request %s: %s; trying another decode node", request_id, exc)
+                continue
+            self._compare(choice, stream.cached_tokens)
+            return stream
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex

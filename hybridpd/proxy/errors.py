@@ -18,11 +18,12 @@ class FailureKind(enum.Enum):
 class UpstreamError(HybridPDError):
     """A node failed this call; the message names the node (never the cluster token)."""
 
-    def __init__(self, upstream: Upstream, kind: FailureKind, reason: str) -> None:
+    def __init__(self, upstream: Upstream, kind: FailureKind, reason: str, *, nothing_sent: bool = False) -> None:
         super().__init__(f"{upstream.name} failed ({kind.value}): {reason}")
         self.upstream = upstream
         self.kind = kind
         self.reason = reason
+        self.nothing_sent = nothing_sent   # the connection was never opened: the node saw nothing of the call
 
 
 class UpstreamRejectedError(HybridPDError):

@@ -29,6 +29,8 @@ def _failure(upstream: Upstream, exc: BaseException) -> UpstreamError:
     """Classifies a transport-level exception; a connect timeout means the node is unreachable."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return UpstreamError(upstream, FailureKind.UNREACHABLE, "connect timed out")
+    if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(exc, aiohttp.ClientSSLError):
+        return UpstreamError(upstream, FailureKind.UNREACHABLE, f"{type(exc).__name__}: {exc}", nothing_sent=True)
     if isinstance(exc, TimeoutError):
         return UpstreamError(upstream, FailureKind.TIMEOUT, "no answer within the timeout")
     return UpstreamError(upstream, FailureKind.UNREACHABLE, f"{type(exc).__name__}: {exc}")

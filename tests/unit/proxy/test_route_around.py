@@ -30,7 +30,7 @@ async def test_an_unreachable_decode_node_is_routed_around_then_comes_back(make_
     for _ in range(4):
         async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
             statuses.append(resp.status)
-    assert statuses.count(502) == 1 and statuses.count(200) == 3   # only the first call found it down
+    assert statuses == [200] * 4   # the call that found it down went to the other decode node (nothing was sent)
     router = h.proxy.routers[Role.DECODE]
     assert {u.port for u in router.down} == {h.decode_ports[0]}
     revived = FakeNode()
