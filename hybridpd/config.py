@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hybridpd.tls import TLSConfig
-from pathlib import Path
+
+DEFAULT_MAMBA_CACHE_BUDGET = 0.1
 
 
 class MambaCacheMode(enum.Enum):
     ALIGN = "align"   # save a Mamba state every mamba_cache_interval tokens, so a later request can hit there
     NONE = "none"     # no Mamba prefix hits (so no prefix hits at all in a model with Mamba layers)
+
+
+class MambaRetentionPolicy(enum.Enum):
+    SPARSE = "sparse"   # a few chosen boundaries per request (engine/kv_cache/retention.py)
+    EVERY = "every"     # every interval boundary a request crosses (the first round's policy)
 
 
 class KVLoadFailurePolicy(enum.Enum):
@@ -30,6 +37,10 @@ class CacheConfig:
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     mamba_cache_interval: int | None = None  # None: the model's mamba_chunk_size rounded up to the block size
     enable_kv_cache_events: bool = False     # record every change of the prefix cache's hits (KV events)
+    # Share of the KV memory (after the null blocks and the running Mamba states) for cached Mamba states; the
+    # attention groups get the rest (engine/kv_cache/memory.py).
+    mamba_cache_budget: float = DEFAULT_MAMBA_CACHE_BUDGET
+    mamba_retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,6 +49,9 @@ class CacheConfig:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"--num-blocks must be >= 2 (one is the null block), got {self.num_blocks}")
+        if not 0 <= self.mamba_cache_budget < 1:
+            raise ValueError(f"--mamba-cache-budget is a share of the KV memory in [0, 1), got "
+                             f"{self.mamba_cache_budget}")
         if self.mamba_cache_interval is not None and (
             self.mamba_cache_interval < 1 or self.mamba_cache_interval % self.block_size
         ):

@@ -6,6 +6,7 @@ Single-threaded: only the engine thread (see async_engine.py) calls into it.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
+from hybridpd.engine.kv_cache.capacity import capacity_report
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
@@ -31,6 +33,8 @@ from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+
+log = logging.getLogger(__name__)
 
 # Called with a finished prefill-role sequence (its blocks still held); returns the top-level kv_transfer_params.
 HoldHandler = Callable[[Sequence], dict]
@@ -96,6 +100,8 @@ class LLMEngine:
         )
         self.num_blocks = self._block_counts()
         self.storage = KVCacheStorage(self.groups, self.num_blocks)
+        for line in capacity_report(self.groups, self.num_blocks, self.max_model_len, config.scheduler.max_num_seqs):
+            log.info("%s", line)
         self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache)
         align = has_mamba and config.cache.mamba_cache_mode is MambaCacheMode.ALIGN
         self.scheduler = Scheduler(
@@ -119,9 +125,11 @@ class LLMEngine:
         cache, seqs = self.config.cache, self.config.scheduler.max_num_seqs
         mode = cache.mamba_cache_mode if cache.enable_prefix_caching else MambaCacheMode.NONE
         if cache.num_blocks is not None:
-            return blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs, mamba_cache_mode=mode)
+            return blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs, mamba_cache_mode=mode,
+                                    mamba_budget=cache.mamba_cache_budget)
         memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        return blocks_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode)
+        return blocks_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode,
+                                 mamba_budget=cache.mamba_cache_budget)
 
     def set_remote(self, loader: RemoteKVLoader, hold_handler: HoldHandler, decode_skip_mamba_align: bool) -> None:
         self.scheduler.loader = loader

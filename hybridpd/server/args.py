@@ -16,11 +16,13 @@ from pathlib import Path
 
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.config import (
+    DEFAULT_MAMBA_CACHE_BUDGET,
     CacheConfig,
     EngineConfig,
     KVLoadFailurePolicy,
     KVTransferConfig,
     MambaCacheMode,
+    MambaRetentionPolicy,
     SchedulerConfig,
 )
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
@@ -81,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--num-blocks", type=int, default=None, help="blocks per attention group")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     cache.add_argument("--mamba-cache-mode", choices=[m.value for m in MambaCacheMode], default="align")
+    cache.add_argument("--mamba-cache-budget", type=float, default=DEFAULT_MAMBA_CACHE_BUDGET, metavar="SHARE",
+                       help="share of the KV memory (after running states) for cached Mamba states; attention "
+                            "gets the rest (default 0.1)")
+    cache.add_argument("--mamba-cache-retention", choices=[p.value for p in MambaRetentionPolicy],
+                       default=MambaRetentionPolicy.SPARSE.value,
+                       help="which Mamba states a request saves: a few chosen boundaries, or every interval")
     cache.add_argument("--mamba-cache-interval", type=int, default=None,
                        help="tokens between saved Mamba states (a multiple of --block-size)")
 
@@ -141,6 +149,8 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 mamba_cache_mode=MambaCacheMode(args.mamba_cache_mode),
                 mamba_cache_interval=args.mamba_cache_interval,
                 enable_kv_cache_events=kv_events.publishes,
+                mamba_cache_budget=args.mamba_cache_budget,
+                mamba_retention=MambaRetentionPolicy(args.mamba_cache_retention),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

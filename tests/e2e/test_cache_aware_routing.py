@@ -118,18 +118,26 @@ def test_a_consumer_that_knows_only_vllms_format_decodes_a_nodes_events(cluster)
     groups = json.loads(_get(node.url + "/kv_events"))["groups"]
     sub = VLLMSubscriber(endpoint, "kv-events")
     try:
-        prompt = [random.Random(7).randrange(1, 200) for _ in range(3 * BLOCK + 5)]
+        rng = random.Random(7)
+        prompt = [rng.randrange(1, 200) for _ in range(3 * BLOCK + 5)]
         _complete(node.url, prompt, max_tokens=1)  # colocated on that node
         history = replay(f"tcp://127.0.0.1:{local.spec.base_port + REPLAY_PORT_OFFSET + offset}", 0)
-        stored = [e for _, batch in history for e in batch.events if isinstance(e, BlockStored)
-                  and e.token_ids[:BLOCK] == prompt[:BLOCK]]
-        assert {e.group_idx for e in stored} == {g["group_idx"] for g in groups}
-        for event in stored:
+
+        def offset_in_prompt(event: BlockStored) -> int | None:
+            for start in range(0, len(prompt), event.block_size):
+                if event.token_ids and prompt[start:start + len(event.token_ids)] == event.token_ids:
+                    return start
+            return None
+
+        stored = [(e, offset_in_prompt(e)) for _, batch in history for e in batch.events
+                  if isinstance(e, BlockStored) and offset_in_prompt(e) is not None]
+        assert {e.group_idx for e, _ in stored} == {g["group_idx"] for g in groups}
+        for event, start in stored:
             group = groups[event.group_idx]
             assert event.kv_cache_spec_kind == group["kind"] and event.block_size == group["block_size"]
             assert event.kv_cache_spec_sliding_window == group["sliding_window"]
-            assert event.medium == "GPU" and event.parent_block_hash is None
-            assert event.token_ids == prompt[: len(event.block_hashes) * event.block_size]
+            assert event.medium == "GPU" and (event.parent_block_hash is None) == (start == 0)
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
             assert all(isinstance(h, bytes) and len(h) == 32 for h in event.block_hashes)
         seqs = [seq for seq, _ in history]
         assert seqs == list(range(len(seqs)))

@@ -23,6 +23,7 @@ class CacheHit:
 
     num_tokens: int
     blocks: tuple[tuple[int, ...], ...]   # per group, the hit's block ids (for allocate_slots)
+    shared_tokens: int = 0                # the prefix the full-attention groups alone hold (>= num_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,8 @@ class KVCacheManager:
         self._events: list[KVCacheEvent] | None = [] if config.enable_kv_cache_events else None
         self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
         self._managers = tuple(
-            make_manager(g.spec, pool, caching=self.caching and self._group_caches(g))
+            make_manager(g.spec, pool, caching=self.caching and self._group_caches(g),
+                         mamba_retention=config.mamba_retention)
             for g, pool in zip(groups, self._pools)
         )
         self._block_sizes = tuple(sorted({m.block_size for m in self._managers}))  # one hash chain per size
@@ -108,7 +109,11 @@ class KVCacheManager:
         if hit:
             for g in deciding:
                 blocks[g] = self._managers[g].hit_blocks(chains[g], hit)
-        return CacheHit(num_tokens=hit, blocks=tuple(blocks))
+        shared = hit
+        if deciding != self._remote_groups and self._remote_groups:  # where Mamba states are saved (retention.py)
+            shared = find_common_hit([self._managers[g] for g in self._remote_groups],
+                                     [chains[g] for g in self._remote_groups], n_prompt - 1)
+        return CacheHit(num_tokens=hit, blocks=tuple(blocks), shared_tokens=shared)
 
     def _count_lookup(self, req: CacheRequest, hit: CacheHit) -> None:
         """Prefix-cache statistics, once per request: at its first allocation, with the hit it takes. (A request
@@ -140,7 +145,8 @@ class KVCacheManager:
                 raise ValueError(f"a CacheHit for {len(hit.blocks)} groups, the cache has {len(self.groups)}")
             start = hit.num_tokens + num_external_tokens
             tokens = TokenRange(first=True, hit=hit.num_tokens, start=start, end=start + num_new_tokens,
-                                external=remote or num_external_tokens > 0 or req.skip_mamba_align)
+                                external=remote or num_external_tokens > 0 or req.skip_mamba_align,
+                                num_prompt=req.num_prompt_tokens, shared=max(hit.shared_tokens, hit.num_tokens))
         else:
             if hit is not None or num_external_tokens:
                 raise ValueError(f"request {rid} already holds blocks: only its first allocate_slots takes a hit "

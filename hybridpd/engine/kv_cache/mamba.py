@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from hybridpd.config import MambaRetentionPolicy
 from hybridpd.engine.kv_cache.block_pool import BlockPool
 from hybridpd.engine.kv_cache.cache_types import MambaStepOps
 from hybridpd.engine.kv_cache.hashing import BlockHash
+from hybridpd.engine.kv_cache.retention import MambaRetention
 from hybridpd.engine.kv_cache.single_type import FRESH, GroupPlan, GroupStep, SingleTypeManager, TokenRange
 from hybridpd.engine.kv_cache.spec import MambaSpec
 
@@ -22,10 +24,13 @@ from hybridpd.engine.kv_cache.spec import MambaSpec
 class MambaManager(SingleTypeManager):
     search_order = 2
 
-    def __init__(self, spec: MambaSpec, pool: BlockPool, *, caching: bool) -> None:
+    def __init__(self, spec: MambaSpec, pool: BlockPool, *, caching: bool,
+                 retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE) -> None:
         super().__init__(spec, pool, caching=caching)
+        self._every = retention is MambaRetentionPolicy.EVERY
         self._copy_from: dict[str, int] = {}                              # hit slot held until commit
         self._saves: dict[str, list[tuple[int, int, BlockHash]]] = {}     # (num_tokens, slot, hash) pending
+        self._retention: dict[str, MambaRetention] = {}                   # which boundaries each request saves
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
         if not self.caching:
@@ -39,7 +44,10 @@ class MambaManager(SingleTypeManager):
 
     def plan(self, request_id: str, hit_blocks: tuple[int, ...], tokens: TokenRange,
              hashes: Sequence[BlockHash]) -> GroupPlan:
-        saves = self._wanted_saves(tokens, hashes)
+        if tokens.first and self.caching:
+            self._retention[request_id] = MambaRetention(tokens.num_prompt, tokens.shared, self.block_size,
+                                                         every=self._every)
+        saves = self._wanted_saves(request_id, tokens, hashes)
         if not tokens.first:
             return GroupPlan(append=(), saves=saves)
         if tokens.external:
@@ -53,14 +61,16 @@ class MambaManager(SingleTypeManager):
             raise ValueError(f"a hit of {tokens.hit} tokens without a Mamba state to copy")
         return GroupPlan(append=(FRESH,), saves=saves)
 
-    def _wanted_saves(self, tokens: TokenRange, hashes: Sequence[BlockHash]) -> tuple[tuple[int, BlockHash], ...]:
-        """Boundaries k*B with start < k*B <= end whose state is not cached yet."""
-        if not self.caching:
+    def _wanted_saves(self, request_id: str, tokens: TokenRange,
+                      hashes: Sequence[BlockHash]) -> tuple[tuple[int, BlockHash], ...]:
+        """Boundaries k*B with start < k*B <= end that the request's retention keeps and are not cached yet."""
+        retention = self._retention.get(request_id)
+        if not self.caching or retention is None:
             return ()
         b = self.block_size
         out = []
         for k in range(tokens.start // b + 1, min(tokens.end // b, len(hashes)) + 1):
-            if self.pool.lookup(hashes[k - 1]) is None:
+            if retention.keeps(k) and self.pool.lookup(hashes[k - 1]) is None:
                 out.append((k * b, hashes[k - 1]))
         return tuple(out)
 
@@ -109,6 +119,7 @@ class MambaManager(SingleTypeManager):
         return stored
 
     def free(self, request_id: str) -> None:
+        self._retention.pop(request_id, None)
         copied = self._copy_from.pop(request_id, None)
         pending = self._saves.pop(request_id, [])
         self.pool.free(s for _, s, _ in pending)

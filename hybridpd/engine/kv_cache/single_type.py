@@ -37,6 +37,8 @@ class TokenRange:
     start: int
     end: int
     external: bool
+    num_prompt: int = 0   # first call: the prompt's length, and the prefix full attention found cached
+    shared: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridpd.config import MambaRetentionPolicy
 from hybridpd.engine.kv_cache.block_pool import NULL_BLOCK_ID
 from hybridpd.engine.kv_cache.hashing import hash_block
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -126,7 +127,7 @@ def snapshot(m, running):
 @given(layout=layouts(), data=st.data())
 def test_random_histories_match_the_reference(layout, data):
     specs, blocks = layout
-    m = manager(*specs, blocks=blocks)
+    m = manager(*specs, blocks=blocks, retention=data.draw(st.sampled_from(list(MambaRetentionPolicy))))
     shadow = Shadow(specs)
     bases = [data.draw(st.lists(st.integers(0, 9), min_size=8, max_size=70)) for _ in range(2)]
     running: dict[str, Req] = {}

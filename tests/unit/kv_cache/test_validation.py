@@ -2,7 +2,8 @@ import pytest
 
 from hybridpd.config import CacheConfig, MambaCacheMode
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
-from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
+from hybridpd.engine.kv_cache.memory import attention_token_limit, blocks_for_count, blocks_for_memory
+from hybridpd.engine.kv_cache.spec import MambaSpec
 
 from .builders import fa, groups_of, mamba, sw
 
@@ -65,7 +66,9 @@ def test_too_little_memory_says_how_much_one_block_per_group_needs(specs):
 
 @pytest.mark.parametrize("specs, num_blocks, expected", [
     ((fa(4),), 10, (10,)),
-    ((fa(4), mamba(8)), 11, (11, 1 + 4 + 40 // 8)),
+    # 10 attention blocks of 256 B, a Mamba slot of 224 B: cached states are 10% of the cache, 2560 / 9 // 224 = 1
+    ((fa(4), mamba(8)), 11, (11, 1 + 4 + 1)),
+    ((fa(4), mamba(8)), 101, (101, 1 + 4 + 12)),      # 25600 / 9 // 224 = 12
     ((mamba(8),), 6, (1 + 4 + 5,)),
 ])
 def test_explicit_block_count(specs, num_blocks, expected):
@@ -75,3 +78,25 @@ def test_explicit_block_count(specs, num_blocks, expected):
 def test_explicit_block_count_must_leave_a_usable_block():
     with pytest.raises(ValueError, match="null block"):
         blocks_for_count(groups_of(fa(4)), 1, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("specs", SPECS)
+@pytest.mark.parametrize("memory", [1 << 20, 1 << 24])
+@pytest.mark.parametrize("budget", [0.0, 0.1, 0.5])
+def test_attention_gets_what_the_mamba_budget_leaves(specs, memory, budget):
+    groups = groups_of(*specs)
+    counts = blocks_for_memory(groups, memory, max_num_seqs=4, mamba_budget=budget)
+    assert sum(n * g.page_size_bytes for n, g in zip(counts, groups)) <= memory
+    attention = [(n - 1) * g.spec.block_size for n, g in zip(counts, groups) if not isinstance(g.spec, MambaSpec)]
+    mamba_counts = {n for n, g in zip(counts, groups) if isinstance(g.spec, MambaSpec)}
+    assert len(mamba_counts) <= 1 and all(n >= 1 + 4 for n in mamba_counts)   # running slots first
+    if attention:
+        limit = attention_token_limit(groups, memory, max_num_seqs=4)
+        assert min(attention) >= (1 - budget) * limit - max(g.spec.block_size for g in groups)
+        assert max(attention) <= limit
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.0, 2.0])
+def test_a_budget_outside_0_1_is_refused(budget):
+    with pytest.raises(ValueError, match="--mamba-cache-budget"):
+        CacheConfig(mamba_cache_budget=budget)

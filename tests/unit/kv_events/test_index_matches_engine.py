@@ -11,6 +11,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridpd.config import MambaRetentionPolicy
 from hybridpd.kv_events.wire import GroupInfo, decode_batch, encode_batch
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 
@@ -39,7 +40,8 @@ def _predictions_hold(m, index, prompt, salt) -> None:
 @given(layout=layouts(), data=st.data())
 def test_the_index_follows_the_cache_and_predicts_its_hits(layout, data):
     specs, blocks = layout
-    m = manager(*specs, blocks=blocks, events=True)
+    m = manager(*specs, blocks=blocks, events=True,
+                retention=data.draw(st.sampled_from(list(MambaRetentionPolicy))))
     groups = [GroupInfo.of(i, g) for i, g in enumerate(m.groups)]
     index = NodeIndex(groups)
     bases = [data.draw(st.lists(st.integers(0, 9), min_size=8, max_size=70)) for _ in range(2)]

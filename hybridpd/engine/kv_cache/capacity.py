@@ -1,0 +1,35 @@
+"""The start-up capacity report, as vLLM logs it: what each group holds and how many full-length requests fit."""
+
+from __future__ import annotations
+
+from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+
+
+def capacity_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], max_model_len: int,
+                    max_num_seqs: int) -> list[str]:
+    """One line per group, then the summary: KV cache size in tokens, and the maximum concurrency for requests of
+    `max_model_len` tokens (full attention limits it; a window needs only its window's blocks per request)."""
+    lines, limits = [], []
+    total_bytes = sum(n * g.page_size_bytes for n, g in zip(num_blocks, groups))
+    for gid, (group, n) in enumerate(zip(groups, num_blocks)):
+        spec, usable = group.spec, n - 1
+        name = f"KV cache group {gid} ({spec.kind}, {len(group.layer_ids)} layers)"
+        if isinstance(spec, MambaSpec):
+            cached = max(0, usable - max_num_seqs)
+            lines.append(f"{name}: {usable} state slots ({min(usable, max_num_seqs)} for running requests, {cached} "
+                         f"for cached prefixes, each at a multiple of {spec.block_size} tokens)")
+            limits.append(usable)
+            continue
+        tokens = usable * spec.block_size
+        lines.append(f"{name}: {usable} blocks of {spec.block_size} tokens = {tokens:,} tokens")
+        if isinstance(spec, SlidingWindowSpec):
+            per_request = -(-min(spec.sliding_window + spec.block_size, max_model_len) // spec.block_size)
+            limits.append(usable // per_request)
+        elif isinstance(spec, FullAttentionSpec):
+            limits.append(usable // -(-max_model_len // spec.block_size))
+    attention = [(n - 1) * g.spec.block_size for n, g in zip(num_blocks, groups) if isinstance(g.spec, FullAttentionSpec)]
+    size = f"{min(attention):,} tokens" if attention else "no full-attention tokens"
+    concurrency = min(limits) if limits else 0
+    lines.append(f"KV cache size: {size} in {total_bytes / 2**20:.1f} MiB; maximum concurrency for "
+                 f"{max_model_len:,} tokens per request: {concurrency}x")
+    return lines
