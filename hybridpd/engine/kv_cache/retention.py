@@ -6,6 +6,8 @@ a request keeps (with K = the last interval boundary inside its prompt, in inter
   conversation hits;
 - the boundary at the prefix it shares with what the cache already held (the full-attention hit at admission):
   demand has shown that prefix is shared, and the next prompt that shares it hits there;
+- fewer than 8 evenly spaced checkpoints along the prompt (every 2^(bits(K) - 3) intervals), so that a prefix shared
+  for the first time hits close to where it ends (within an eighth to a quarter of the prompt);
 - while generating, boundaries at 1, 2, 4, 8, ... intervals past K (a continuation hits near the end of the
   answer without a save per interval).
 Everything else is skipped; saved states then compete for the Mamba pool's slots in the same LRU as all blocks.
@@ -31,4 +33,7 @@ class MambaRetention:
         if boundary > last:
             past = boundary - last
             return past & (past - 1) == 0
-        return boundary in (last, last - 1) or boundary == self.shared_tokens // self.interval > 0
+        if boundary in (last, last - 1) or boundary == self.shared_tokens // self.interval > 0:
+            return True
+        step = 1 << max(0, last.bit_length() - 3)
+        return boundary % step == 0
