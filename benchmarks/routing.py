@@ -1,8 +1,8 @@
 """Cache-aware routing against round robin: 2 prefill + 2 decode nodes on the default model, a prefix-repetition
 workload with more distinct prefixes than one node's KV memory holds.
 
-Per policy a fresh `LocalCluster` (nodes publishing KV events; `--num-blocks` sized so that one node holds about
-60% of the prefixes and two hold them all), the proxy on that `--routing`, and the same request stream: each of
+Per policy a fresh `LocalCluster` (nodes publishing KV events; `--kv-cache-memory` sized so that one node's
+attention holds about 60% of the prefixes' blocks and two hold them all, with the default Mamba cache budget), the proxy on that `--routing`, and the same request stream: each of
 `--prefixes` random prefixes of `--prefix-len` tokens is asked `--repeats` times, in a shuffled order, each time
 with a fresh suffix, streamed with usage, `--concurrency` at a time. The decode hit rate is what the decode nodes
 report (usage.prompt_tokens_details.cached_tokens over prompt tokens); TTFT is measured at the client; the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -26,7 +27,11 @@ import urllib.request
 from typing import Any
 
 import aiohttp
+import torch
 
+from hybridpd.engine.kv_cache.memory import attention_bytes_per_token
+from hybridpd.engine.kv_cache.spec import MambaSpec, group_layers
+from hybridpd.engine.model.loader import read_model_config
 from hybridpd.engine.model.presets import default_model_dir
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
@@ -89,7 +94,8 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     spec = ClusterSpec(
         num_prefill=2, num_decode=2, model_dir=default_model_dir(), port=proxy_port, base_port=base_port,
-        kv_events=True, serve_args=("--num-blocks", str(args.num_blocks)),
+        kv_events=True, serve_args=("--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs",
+                                    str(MAX_NUM_SEQS), "--mamba-cache-budget", str(args.mamba_cache_budget)),
         proxy_args=("--routing", policy, "--prefill-timeout", "600", "--decode-timeout", "600",
                     *(("--load-tokens-per-request", str(args.load_tokens_per_request))
                       if args.load_tokens_per_request is not None else ())),
@@ -109,6 +115,22 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
     }
 
 
+MAX_NUM_SEQS = 32
+
+
+def memory_for_attention_tokens(tokens: int, budget: float) -> int:
+    """KV memory whose attention groups hold `tokens` (running Mamba states first, `budget` of the rest for saved
+    states): the inverse of engine/kv_cache/memory.py's split."""
+    config, build = read_model_config(default_model_dir())
+    with torch.device("meta"):
+        model = build(torch.float32)
+    groups = group_layers(model.kv_cache_specs(16, math.lcm(16, config.mamba_chunk_size)))
+    mamba = sum(g.page_size_bytes for g in groups if isinstance(g.spec, MambaSpec))
+    attention = sum(g.page_size_bytes for g in groups if not isinstance(g.spec, MambaSpec))
+    fixed = (1 + MAX_NUM_SEQS) * mamba + attention
+    return int(fixed + tokens * attention_bytes_per_token(groups) / (1 - budget)) + 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefixes", type=int, default=24)
@@ -117,14 +139,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-blocks", type=int, default=None,
-                        help="KV blocks per attention group per node (default: ~60%% of the prefixes' blocks)")
+    parser.add_argument("--mamba-cache-budget", type=float, default=0.5,
+                        help="every node's (a prefill node's hybrid hits need saved Mamba states; default 0.5)")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="bytes of KV memory per node (default: attention for ~60%% of the prefixes' tokens)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
     args = parser.parse_args()
-    if args.num_blocks is None:
-        per_prefix = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16)
-        args.num_blocks = int(0.6 * args.prefixes * per_prefix) + 1
+    if args.kv_cache_memory is None:
+        per_prefix = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16) * 16
+        args.kv_cache_memory = memory_for_attention_tokens(int(0.6 * args.prefixes * per_prefix),
+                                                           args.mamba_cache_budget)
     runs: dict[str, list[dict[str, Any]]] = {"round_robin": [], "cache_aware": []}
     for r in range(args.rounds):
         prompts = workload(args, seed=r)
@@ -142,7 +167,8 @@ def main() -> int:
         "mean_ttft_ratio": round(mean("cache_aware", "mean_ttft_ms") / mean("round_robin", "mean_ttft_ms"), 3),
         "prediction_accuracy": round(mean("cache_aware", "prediction_accuracy"), 4),
         "workload": {k: getattr(args, k) for k in ("prefixes", "prefix_len", "suffix_len", "repeats", "max_tokens",
-                                                   "concurrency", "num_blocks", "rounds")},
+                                                   "concurrency", "kv_cache_memory", "mamba_cache_budget",
+                                                   "rounds")},
         "round_robin": {k: round(mean("round_robin", k), 4) for k in ("decode_hit_rate", "mean_ttft_ms",
                                                                        "p90_ttft_ms")},
         "cache_aware": {k: round(mean("cache_aware", k), 4) for k in ("decode_hit_rate", "mean_ttft_ms",
