@@ -37,11 +37,12 @@ from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.responses import (
     invalid_request, no_upstream, sse_error_event, upstream_failed, upstream_rejected,
 )
-from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, discovery_context
-from hybridpd.proxy.health_watch import health_watch_context
-from hybridpd.proxy.kv_feed import KVFeeds, feeds_context
+from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, refresh_all
+from hybridpd.proxy.health_watch import revive_once
+from hybridpd.proxy.kv_feed import KVFeeds
 from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.nodes_file import NodesFile
+from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import DecodeStream, UpstreamClient
 
@@ -76,6 +77,11 @@ class Proxy:
 
     def all_upstreams(self) -> tuple[Upstream, ...]:
         return self.routers[Role.PREFILL].upstreams + self.routers[Role.DECODE].upstreams
+
+    async def follow_nodes(self) -> None:
+        """The KV event feeds follow the routers' node lists (cache_aware only)."""
+        if self.feeds is not None:
+            self.feeds.reconcile(self.all_upstreams())
 
     @property
     def client(self) -> UpstreamClient:
@@ -272,10 +278,12 @@ def build_app(config: ProxyConfig) -> web.Application:
     app = web.Application()
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.client_session)
-    app.cleanup_ctx.append(discovery_context(proxy.discoveries, config.dns_interval))
-    app.cleanup_ctx.append(health_watch_context(tuple(proxy.routers.values()), lambda: proxy.client,
-                                                _HEALTH_WATCH_INTERVAL_S))
-    app.cleanup_ctx.append(feeds_context(lambda: proxy.feeds, proxy.all_upstreams, _FEEDS_INTERVAL_S))
+    app.cleanup_ctx.append(periodic_context("node discovery", lambda: refresh_all(proxy.discoveries),
+                                            config.dns_interval, FirstRun.BEFORE_SERVING))
+    app.cleanup_ctx.append(periodic_context("health watch", lambda: revive_once(tuple(proxy.routers.values()),
+                                                                                proxy.client),
+                                            _HEALTH_WATCH_INTERVAL_S, FirstRun.AFTER_INTERVAL))
+    app.cleanup_ctx.append(periodic_context("KV event feeds", proxy.follow_nodes, _FEEDS_INTERVAL_S, FirstRun.AT_START))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.models)

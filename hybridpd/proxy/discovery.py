@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 import dns.asyncresolver
@@ -76,34 +75,6 @@ class Refreshable(Protocol):
     async def refresh(self) -> None: ...
 
 
-async def run_discoveries(discoveries: tuple[Refreshable, ...], interval: float) -> None:
-    """Refresh every discovery now, then every `interval` seconds, until cancelled."""
-    while True:
-        await asyncio.gather(*(d.refresh() for d in discoveries))
-        await asyncio.sleep(interval)
-
-
-def discovery_context(discoveries: tuple[Refreshable, ...], interval: float):
-    """An aiohttp cleanup_ctx: the first resolution before the proxy answers, then a background refresh task."""
-
-    async def context(_app) -> AsyncIterator[None]:
-        if not discoveries:
-            yield
-            return
-        await asyncio.gather(*(d.refresh() for d in discoveries))
-        task = asyncio.create_task(_refresh_after(discoveries, interval))
-        try:
-            yield
-        finally:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-
-    return context
-
-
-async def _refresh_after(discoveries: tuple[Refreshable, ...], interval: float) -> None:
-    await asyncio.sleep(interval)
-    await run_discoveries(discoveries, interval)
+async def refresh_all(discoveries: tuple[Refreshable, ...]) -> None:
+    """Refresh every discovery once (DNS names, the nodes file)."""
+    await asyncio.gather(*(d.refresh() for d in discoveries))

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
 
 from hybridpd.proxy.routing import Router
 from hybridpd.proxy.upstream import UpstreamClient
@@ -22,23 +20,3 @@ async def revive_once(routers: tuple[Router, ...], client: UpstreamClient) -> No
             if status == 200:
                 router.mark_up(upstream)
                 logger.info("%s answers /health again: it takes calls again", upstream.name)
-
-
-def health_watch_context(routers: tuple[Router, ...], client: Callable[[], UpstreamClient], interval: float):
-    """An aiohttp cleanup_ctx running `revive_once` every `interval` seconds (after the client session opens)."""
-
-    async def context(_app) -> AsyncIterator[None]:
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                await revive_once(routers, client())
-
-        task = asyncio.create_task(loop())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    return context

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -201,26 +201,3 @@ class KVFeeds:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._ctx.term()
-
-
-def feeds_context(feeds: Callable[[], KVFeeds | None], upstreams: Callable[[], Iterable[Upstream]],
-                  interval: float):
-    """An aiohttp cleanup_ctx: reconcile the feeds with the routers' nodes every `interval` seconds."""
-
-    async def context(_app) -> AsyncIterator[None]:
-        async def loop() -> None:
-            while True:
-                current = feeds()
-                if current is not None:
-                    current.reconcile(upstreams())
-                await asyncio.sleep(interval)
-
-        task = asyncio.create_task(loop())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    return context
