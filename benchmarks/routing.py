@@ -82,6 +82,19 @@ def predictions(proxy_url: str) -> dict[str, float]:
     return out
 
 
+def mamba_hit_counts(metrics_url: str) -> tuple[float, float]:
+    """(prompt tokens looked up, tokens hit) of a node's Mamba group: a hybrid hit counts in every group it spans,
+    so on a prefill node this is the hit its prefill could skip."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    counts = {"queries": 0.0, "hits": 0.0}
+    for line in text.splitlines():
+        for name in counts:
+            if line.startswith(f"hybridpd:prefix_cache_{name}_total{{") and 'kind="mamba"' in line:
+                counts[name] += float(line.rsplit(" ", 1)[1])
+    return counts["queries"], counts["hits"]
+
+
 def workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 250) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
@@ -103,11 +116,13 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
     with LocalCluster(spec) as info:
         results = asyncio.run(run_workload(info.proxy_url, prompts, args.max_tokens, args.concurrency))
         predicted = predictions(info.proxy_url)
+        prefill_counts = [mamba_hit_counts(node.metrics_url) for node in info.prefill]
     cached = sum(r["cached_tokens"] for r in results)
     total = sum(r["prompt_tokens"] for r in results)
     judged = sum(predicted.values())
     return {
         "decode_hit_rate": cached / total,
+        "prefill_hit_rate": sum(h for _, h in prefill_counts) / max(1.0, sum(q for q, _ in prefill_counts)),
         "mean_ttft_ms": statistics.mean(r["ttft"] for r in results) * 1e3,
         "p90_ttft_ms": statistics.quantiles([r["ttft"] for r in results], n=10)[-1] * 1e3,
         "prediction_accuracy": predicted.get("exact", 0.0) / judged if judged else None,
@@ -116,6 +131,7 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
 
 
 MAX_NUM_SEQS = 32
+FIGURES = ("decode_hit_rate", "prefill_hit_rate", "mean_ttft_ms", "p90_ttft_ms")
 
 
 def memory_for_attention_tokens(tokens: int, budget: float) -> int:
@@ -169,10 +185,8 @@ def main() -> int:
         "workload": {k: getattr(args, k) for k in ("prefixes", "prefix_len", "suffix_len", "repeats", "max_tokens",
                                                    "concurrency", "kv_cache_memory", "mamba_cache_budget",
                                                    "rounds")},
-        "round_robin": {k: round(mean("round_robin", k), 4) for k in ("decode_hit_rate", "mean_ttft_ms",
-                                                                       "p90_ttft_ms")},
-        "cache_aware": {k: round(mean("cache_aware", k), 4) for k in ("decode_hit_rate", "mean_ttft_ms",
-                                                                       "p90_ttft_ms", "prediction_accuracy")},
+        "round_robin": {k: round(mean("round_robin", k), 4) for k in FIGURES},
+        "cache_aware": {k: round(mean("cache_aware", k), 4) for k in FIGURES + ("prediction_accuracy",)},
     }
     print(json.dumps(out))
     return 0
