@@ -138,6 +138,10 @@ class FakeTransport:
         self._states.pop(handle, None)
         return True
 
+    def num_running(self) -> int:
+        """READs started and not yet ended, failed or cancelled: they may still write into local blocks."""
+        return sum(state in (TransferState.PENDING, TransferState.TRANSFERRING) for state in self._states.values())
+
     def get_notifs(self) -> list[tuple[str, bytes]]:
         notifs, self._inbox = self._inbox, []
         return notifs

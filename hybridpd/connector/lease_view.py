@@ -20,3 +20,4 @@ class LeaseView:
     block_ids: tuple[tuple[int, ...], ...]     # per group: exactly the blocks the reader may read
     num_tokens: int                            # the prompt tokens those blocks carry
     prompt_digest: bytes = b""                 # `prompt_digest` of those tokens
+    seconds_left: float = 0.0                  # of the lease when the owner answered (0: unknown, e.g. an older peer)

@@ -71,7 +71,8 @@ class SideChannelClient:
         if not reply.ok:
             raise KVTransferError(self.peer, f"lease lost: {reply.reason}")
         return LeaseView(expiry=reply.lease_expiry, num_tokens=reply.num_tokens, prompt_digest=reply.prompt_digest,
-                         block_ids=tuple(tuple(group.ids) for group in reply.block_ids))
+                         block_ids=tuple(tuple(group.ids) for group in reply.block_ids),
+                         seconds_left=reply.lease_seconds_left)
 
     async def release(self, request_id: str, aborted: bool, secret: str) -> bool:
         """True only if the lease was still live when released: a READ done before saw valid data."""

@@ -81,7 +81,7 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         if lease is None:
             return pb.HeartbeatResponse(ok=False, reason=f"no live lease for request {request.request_id}")
         return pb.HeartbeatResponse(ok=True, lease_expiry=lease.expiry, num_tokens=lease.num_tokens,
-                                    prompt_digest=lease.prompt_digest,
+                                    prompt_digest=lease.prompt_digest, lease_seconds_left=lease.seconds_left,
                                     block_ids=[pb.BlockIds(ids=ids) for ids in lease.block_ids])
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

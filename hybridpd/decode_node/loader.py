@@ -5,9 +5,13 @@ the full-attention groups decide) -> WAITING_FOR_REMOTE_KV (its blocks are alloc
 missing full-attention blocks, the window blocks it lacks and the Mamba state are READ from the prefill node while
 other requests keep running) -> RUNNING (it computes its last prompt token, then decodes) -> FINISHED | FAILED.
 
-The pull, step by step: the peer's metadata (compatibility hash and engine id checked), a heartbeat that renews
-the lease and says which blocks it covers (the only blocks this node will read), one batch of READs, heartbeats
-while it runs, then `Release`. Only if the lease was still live at release are the bytes trusted. How the pull
+The pull, step by step: the peer's metadata (compatibility hash and engine id checked, once per peer); one batch
+of READs of the blocks `kv_transfer_params` names, with a heartbeat in flight at the same time that renews the lease
+and says what it covers (tokens, prompt digest, blocks: any difference fails the pull, and the bytes are never
+used); heartbeats while the READ runs; then `Release`. The bytes are trusted only if the lease was live for the
+whole READ: the heartbeat proves it was live until its answer and for `seconds_left` after, measured from before
+the READ started, so a READ that ended within that time is done and its Release goes out in the background; a
+slower one (or a peer that does not say) waits for the Release's answer that the lease was still live. How the pull
 ends (its verdict, and a READ that could not be cancelled) is one state machine per pull, `PullEnd`, the only thing
 that tells the engine.
 """
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 from hybridpd.config import KVLoadFailurePolicy, KVTransferConfig
 from hybridpd.connector.compat import describe_mismatch
-from hybridpd.connector.lease_view import prompt_digest
+from hybridpd.connector.lease_view import LeaseView, prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.connector.side_channel_client import SideChannelClient
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 
 _POLL_FIRST_S = 50e-6
 _POLL_MAX_S = 2e-3
+_LEASE_MARGIN_S = 0.25     # of a lease's proven lifetime, not relied on
+_RELEASE_TIMEOUT_S = 2.0
+_MIN_RENEW_S = 0.1         # renew at most every 50 ms, whatever a peer says is left
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,11 +169,8 @@ class DecodeRole:
         self._peers[key] = meta.transport_name
         return meta.transport_name
 
-    def _reads(self, job: PullJob, leased: tuple[tuple[int, ...], ...]) -> list[BlockRead]:
-        params, groups = job.params, self.engine.engine.groups
-        if leased != params.remote_block_ids:
-            raise KVTransferError(params.peer, "remote_block_ids do not match the blocks leased for request "
-                                               f"{params.remote_request_id}")
+    def _reads(self, job: PullJob) -> list[BlockRead]:
+        params, groups, leased = job.params, self.engine.engine.groups, job.params.remote_block_ids
         reads = []
         for g, (group, pairs) in enumerate(zip(groups, job.load)):
             start, end = needed_span(group.spec, params.remote_num_tokens)
@@ -180,26 +184,56 @@ class DecodeRole:
         params = job.params
         peer_name = await self._peer(params)
         client = self._client(params)
-        lease = await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")
+        secret = params.remote_lease_secret or ""
+        reads = self._reads(job)
+        page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
+        started = time.perf_counter()
+        try:
+            handle = self.transport.start_read(peer_name, reads, params.remote_request_id.encode())
+        except KVTransferError as exc:   # e.g. a block id outside the peer's pool: nothing was read
+            raise KVTransferError(params.peer, exc.reason) from exc
+        try:
+            lease = await client.heartbeat(params.remote_request_id, secret)
+            self._check_lease(job, lease)
+            live_until = await self._wait_read(handle, client, params, started + lease.seconds_left)
+        finally:
+            if not self.transport.release(handle):
+                self._keep_blocks_until_stopped(end, handle)
+        seconds = time.perf_counter() - started
+        if started + seconds < live_until - _LEASE_MARGIN_S:
+            self._release_in_background(client, params)
+        elif not await client.release(params.remote_request_id, aborted=False, secret=secret):
+            raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
+        self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
+
+    @staticmethod
+    def _check_lease(job: PullJob, lease: LeaseView) -> None:
+        """The lease the heartbeat renewed is the one `kv_transfer_params` claims: its tokens, its prompt, its
+        blocks (the READ already under way reads those blocks; on any difference its bytes are dropped)."""
+        params = job.params
         if lease.num_tokens != params.remote_num_tokens:
             raise KVTransferError(params.peer, f"the lease covers {lease.num_tokens} tokens, the request claims "
                                                f"{params.remote_num_tokens}")
         if lease.prompt_digest != job.prompt_digest:
             raise KVTransferError(params.peer, f"request {params.remote_request_id} was prefilled for another prompt")
-        reads = self._reads(job, lease.block_ids)
-        page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
-        started = time.perf_counter()
-        handle = self.transport.start_read(peer_name, reads, params.remote_request_id.encode())
-        try:
-            await self._wait_read(handle, client, params, lease.expiry)
-        finally:
-            if not self.transport.release(handle):
-                self._keep_blocks_until_stopped(end, handle)
-        seconds = time.perf_counter() - started
-        secret = params.remote_lease_secret or ""
-        if not await client.release(params.remote_request_id, aborted=False, secret=secret):
-            raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
-        self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
+        if lease.block_ids != params.remote_block_ids:
+            raise KVTransferError(params.peer, "remote_block_ids do not match the blocks leased for request "
+                                               f"{params.remote_request_id}")
+
+    def _release_in_background(self, client: SideChannelClient, params: RemotePrefillParams) -> None:
+        """The READ ended while the lease was surely live: the Release only frees the peer's blocks early (if it is
+        lost, the lease expires by itself)."""
+        async def release() -> None:
+            try:
+                await asyncio.wait_for(client.release(params.remote_request_id, aborted=False,
+                                                      secret=params.remote_lease_secret or ""), _RELEASE_TIMEOUT_S)
+            except Exception as exc:
+                log.debug("release of %s on %s: %s (the lease expires by itself)", params.remote_request_id,
+                          params.peer, exc)
+
+        task = self._loop.create_task(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _keep_blocks_until_stopped(self, end: PullEnd, handle: int) -> None:
         """A READ we gave up on (timeout, cancel) could not be cancelled: it may still write into the request's
@@ -217,20 +251,24 @@ class DecodeRole:
         task.add_done_callback(self._tasks.discard)
 
     async def _wait_read(self, handle: int, client: SideChannelClient, params: RemotePrefillParams,
-                         expiry: float) -> None:
-        """Poll the READ to its end, renewing the lease whenever half of its remaining time has passed. If the
-        pull's deadline cancels this wait, `_pull` cancels the READ or, failing that, keeps the blocks until it
-        stops (see `_keep_blocks_until_stopped`)."""
+                         live_until: float) -> float:
+        """Poll the READ to its end, renewing the lease whenever half of its proven remaining time has passed;
+        returns until when (perf_counter) the lease is proven live. If the pull's deadline cancels this wait,
+        `_pull` cancels the READ or, failing that, keeps the blocks until it stops (`_keep_blocks_until_stopped`)."""
         delay = _POLL_FIRST_S
-        renew_at = time.time() + (expiry - time.time()) / 2
+        now = time.perf_counter()
+        renew_at = now + max(live_until - now, _MIN_RENEW_S) / 2
         while True:
             state = self.transport.poll(handle)
             if state is TransferState.DONE:
-                return
+                return live_until
             if state is TransferState.FAILED:
                 raise KVTransferError(params.peer, "the READ failed (peer gone or link down)")
-            if time.time() >= renew_at:
-                expiry = (await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")).expiry
-                renew_at = time.time() + (expiry - time.time()) / 2
+            if time.perf_counter() >= renew_at:
+                sent = time.perf_counter()
+                lease = await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")
+                live_until = sent + lease.seconds_left
+                now = time.perf_counter()
+                renew_at = now + max(live_until - now, _MIN_RENEW_S) / 2
             await asyncio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)

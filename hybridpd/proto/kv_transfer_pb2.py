@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hybridpd/proto/kv_transfer.proto\x12\x14hybridpd.kv_transfer\"1\n\x12GetMetadataRequest\x12\x1b\n\x13requester_engine_id\x18\x01 \x01(\t\"o\n\x0bGroupRegion\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x17\n\x0fpage_size_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xce\x02\n\x0cNodeMetadata\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12K\n\rcompat_fields\x18\x04 \x03(\x0b\x32\x34.hybridpd.kv_transfer.NodeMetadata.CompatFieldsEntry\x12\x16\n\x0etransport_name\x18\x05 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x06 \x01(\x0c\x12\x19\n\x11transport_address\x18\x07 \x01(\t\x12\x31\n\x06groups\x18\x08 \x03(\x0b\x32!.hybridpd.kv_transfer.GroupRegion\x1a\x33\n\x11\x43ompatFieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0clease_secret\x18\x02 \x01(\t\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x01\n\x11HeartbeatResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0clease_expiry\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x31\n\tblock_ids\x18\x04 \x03(\x0b\x32\x1e.hybridpd.kv_transfer.BlockIds\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x15\n\rprompt_digest\x18\x06 \x01(\x0c\"\xb0\x01\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12;\n\x06status\x18\x02 \x01(\x0e\x32+.hybridpd.kv_transfer.ReleaseRequest.Status\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"7\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\x0b\n\x07\x41\x42ORTED\x10\x02\")\n\x0fReleaseResponse\x12\x16\n\x0elease_was_live\x18\x01 \x01(\x08\x32\x9f\x02\n\nKVTransfer\x12[\n\x0bGetMetadata\x12(.hybridpd.kv_transfer.GetMetadataRequest\x1a\".hybridpd.kv_transfer.NodeMetadata\x12\\\n\tHeartbeat\x12&.hybridpd.kv_transfer.HeartbeatRequest\x1a\'.hybridpd.kv_transfer.HeartbeatResponse\x12V\n\x07Release\x12$.hybridpd.kv_transfer.ReleaseRequest\x1a%.hybridpd.kv_transfer.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hybridpd/proto/kv_transfer.proto\x12\x14hybridpd.kv_transfer\"1\n\x12GetMetadataRequest\x12\x1b\n\x13requester_engine_id\x18\x01 \x01(\t\"o\n\x0bGroupRegion\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x17\n\x0fpage_size_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xce\x02\n\x0cNodeMetadata\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12K\n\rcompat_fields\x18\x04 \x03(\x0b\x32\x34.hybridpd.kv_transfer.NodeMetadata.CompatFieldsEntry\x12\x16\n\x0etransport_name\x18\x05 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x06 \x01(\x0c\x12\x19\n\x11transport_address\x18\x07 \x01(\t\x12\x31\n\x06groups\x18\x08 \x03(\x0b\x32!.hybridpd.kv_transfer.GroupRegion\x1a\x33\n\x11\x43ompatFieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0clease_secret\x18\x02 \x01(\t\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbf\x01\n\x11HeartbeatResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0clease_expiry\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x31\n\tblock_ids\x18\x04 \x03(\x0b\x32\x1e.hybridpd.kv_transfer.BlockIds\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x15\n\rprompt_digest\x18\x06 \x01(\x0c\x12\x1a\n\x12lease_seconds_left\x18\x07 \x01(\x01\"\xb0\x01\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12;\n\x06status\x18\x02 \x01(\x0e\x32+.hybridpd.kv_transfer.ReleaseRequest.Status\x12\x14\n\x0clease_secret\x18\x03 \x01(\t\"7\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\x0b\n\x07\x41\x42ORTED\x10\x02\")\n\x0fReleaseResponse\x12\x16\n\x0elease_was_live\x18\x01 \x01(\x08\x32\x9f\x02\n\nKVTransfer\x12[\n\x0bGetMetadata\x12(.hybridpd.kv_transfer.GetMetadataRequest\x1a\".hybridpd.kv_transfer.NodeMetadata\x12\\\n\tHeartbeat\x12&.hybridpd.kv_transfer.HeartbeatRequest\x1a\'.hybridpd.kv_transfer.HeartbeatResponse\x12V\n\x07Release\x12$.hybridpd.kv_transfer.ReleaseRequest\x1a%.hybridpd.kv_transfer.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,13 +46,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKIDS']._serialized_start=621
   _globals['_BLOCKIDS']._serialized_end=644
   _globals['_HEARTBEATRESPONSE']._serialized_start=647
-  _globals['_HEARTBEATRESPONSE']._serialized_end=810
-  _globals['_RELEASEREQUEST']._serialized_start=813
-  _globals['_RELEASEREQUEST']._serialized_end=989
-  _globals['_RELEASEREQUEST_STATUS']._serialized_start=934
-  _globals['_RELEASEREQUEST_STATUS']._serialized_end=989
-  _globals['_RELEASERESPONSE']._serialized_start=991
-  _globals['_RELEASERESPONSE']._serialized_end=1032
-  _globals['_KVTRANSFER']._serialized_start=1035
-  _globals['_KVTRANSFER']._serialized_end=1322
+  _globals['_HEARTBEATRESPONSE']._serialized_end=838
+  _globals['_RELEASEREQUEST']._serialized_start=841
+  _globals['_RELEASEREQUEST']._serialized_end=1017
+  _globals['_RELEASEREQUEST_STATUS']._serialized_start=962
+  _globals['_RELEASEREQUEST_STATUS']._serialized_end=1017
+  _globals['_RELEASERESPONSE']._serialized_start=1019
+  _globals['_RELEASERESPONSE']._serialized_end=1060
+  _globals['_KVTRANSFER']._serialized_start=1063
+  _globals['_KVTRANSFER']._serialized_end=1350
 # @@protoc_insertion_point(module_scope)

@@ -69,20 +69,22 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("ok", "lease_expiry", "reason", "block_ids", "num_tokens", "prompt_digest")
+    __slots__ = ("ok", "lease_expiry", "reason", "block_ids", "num_tokens", "prompt_digest", "lease_seconds_left")
     OK_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     lease_expiry: float
     reason: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     prompt_digest: bytes
-    def __init__(self, ok: _Optional[bool] = ..., lease_expiry: _Optional[float] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+    lease_seconds_left: float
+    def __init__(self, ok: _Optional[bool] = ..., lease_expiry: _Optional[float] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., lease_seconds_left: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "status", "lease_secret")

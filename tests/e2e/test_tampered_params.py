@@ -103,7 +103,7 @@ REFUSED_BEFORE_ANY_READ = [
 REFUSED_BY_THE_LEASE = [
     ("wrong engine id", _with(remote_engine_id="hybridpd-000000000000"), "does not match the engine"),
     ("block outside the lease", _blocks(_shift_one), "do not match the blocks leased"),
-    ("in-range id beyond the pool", _blocks(_set_last(2**31 - 1)), "do not match the blocks leased"),
+    ("in-range id beyond the pool", _blocks(_set_last(2**31 - 1)), "out of range"),   # refused before any READ
     ("unknown request id", _with(remote_request_id="cmpl-not-a-request"), "no lease is held"),
 ]
 

@@ -1,11 +1,14 @@
 """DecodeRole over the fake transport: a pull that succeeds, whose READ fails, and one that times out on a stalled
 READ NIXL refuses to cancel, with the READ finishing before, during or after the lease release. In each the engine
 hears exactly one final verdict, never while the READ may still write into the request's blocks, and the request
-is never left without one (defect 2 of issue 15: a drain that finished during the release left it hanging)."""
+is never left without one (defect 2 of issue 15: a drain that finished during the release left it hanging).
+Then the heartbeat that runs beside the READ: a lease it contradicts drops the READ, a READ inside the lease's proven
+lifetime does not wait for the Release, and without that proof the Release's answer decides."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -19,6 +22,7 @@ from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.decode_node.loader import DecodeRole, PullJob
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup
 from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.errors import KVTransferError
 
 BLOCK, NUM_TOKENS = 4, 11
 GROUPS = (KVCacheGroup(spec=FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32),
@@ -28,15 +32,15 @@ FINAL = {"complete_load", "fail_load", "release_load"}
 
 
 class FakeCore:
-    def __init__(self, fabric: FakeFabric) -> None:
+    def __init__(self, transport: FakeTransport) -> None:
         self.groups = GROUPS
-        self.fabric = fabric
+        self.transport = transport
         self.calls: list[str] = []
         self.scheduler = self
 
     def _record(self, call: str) -> None:
         if call in FINAL:  # the blocks may be freed or reused: no READ into them may still run
-            assert not self.fabric.is_stalled("P"), f"{call} while the READ still runs"
+            assert not self.transport.num_running(), f"{call} while the READ still runs"
         self.calls.append(call)
 
     def complete_load(self, rid):
@@ -61,21 +65,27 @@ class FakeEngine:
 
 
 class FakeClient:
-    """The prefill node's side channel: a live lease over blocks 1..3; `release` may wait for the test."""
+    """The prefill node's side channel: a live lease over blocks 1..3; `release` may wait for the test. The lease
+    says no `seconds_left` unless a test sets it (then the Release's answer, `live`, decides)."""
 
     def __init__(self) -> None:
         self.release_gate: asyncio.Event | None = None
         self.releases: list[bool] = []
+        self.lease = LeaseView(expiry=time.time() + 60, block_ids=((1, 2, 3),), num_tokens=NUM_TOKENS,
+                               prompt_digest=prompt_digest(PROMPT[:NUM_TOKENS]))
+        self.lost: str | None = None
+        self.live = True
 
     async def heartbeat(self, request_id, secret):
-        return LeaseView(expiry=time.time() + 60, block_ids=((1, 2, 3),), num_tokens=NUM_TOKENS,
-                         prompt_digest=prompt_digest(PROMPT[:NUM_TOKENS]))
+        if self.lost is not None:
+            raise KVTransferError("127.0.0.1:1", f"lease lost: {self.lost}")
+        return self.lease
 
     async def release(self, request_id, aborted, secret):
         self.releases.append(aborted)
         if self.release_gate is not None:
             await self.release_gate.wait()
-        return True
+        return self.live
 
     async def close(self):
         pass
@@ -91,7 +101,7 @@ async def _role(policy=KVLoadFailurePolicy.FAIL, timeout=0.2):
     fabric = FakeFabric()
     prefill, decode = _transport("P", fabric), _transport("D", fabric)
     decode.add_peer("P", prefill.local_metadata(), prefill.local_layouts())
-    core = FakeCore(fabric)
+    core = FakeCore(decode)
     role = DecodeRole(FakeEngine(core), decode, engine_id="D", compat_hash="h", compat_fields={},
                       config=KVTransferConfig(load_timeout_seconds=timeout, load_failure_policy=policy),
                       metrics=ConnectorMetrics(CollectorRegistry()))
@@ -163,3 +173,56 @@ async def test_a_timed_out_read_that_cannot_be_cancelled(policy, read_ends, read
         assert core.calls == ["fail", "release_load"]      # the client heard before the READ stopped
     else:
         assert core.calls == ["fail_load"]
+
+
+async def test_a_read_within_the_proven_lease_does_not_wait_for_the_release():
+    role, fabric, core, client, job = await _role()
+    client.lease = dataclasses.replace(client.lease, seconds_left=60.0)
+    client.release_gate = asyncio.Event()     # the Release would never answer
+    await role._run(job)
+    assert core.calls == ["complete_load"] and client.releases == [False]
+    client.release_gate.set()
+    await _settle(role)
+    assert core.calls == ["complete_load"]
+
+
+@pytest.mark.parametrize("seconds_left", [0.0, 0.1])   # the peer did not say; less than the margin
+@pytest.mark.parametrize("live", [True, False])
+async def test_without_a_proven_lease_the_release_decides(seconds_left, live):
+    role, fabric, core, client, job = await _role()
+    client.lease = dataclasses.replace(client.lease, seconds_left=seconds_left)
+    client.live = live
+    await role._run(job)
+    await _settle(role)
+    assert core.calls == (["complete_load"] if live else ["fail_load"])
+    assert client.releases[0] is False
+
+
+@pytest.mark.parametrize("contradiction", [
+    {"num_tokens": NUM_TOKENS - 1},
+    {"prompt_digest": prompt_digest(PROMPT[1:NUM_TOKENS + 1])},
+    {"block_ids": ((1, 2, 4),)},
+])
+async def test_a_lease_that_contradicts_the_params_drops_the_read(contradiction):
+    role, fabric, core, client, job = await _role()
+    client.lease = dataclasses.replace(client.lease, seconds_left=60.0, **contradiction)
+    await role._run(job)
+    await _settle(role)
+    assert core.calls == ["fail_load"] and client.releases == [True]
+
+
+@pytest.mark.parametrize("cancellable", [True, False])
+async def test_a_lease_lost_while_the_read_runs_fails_once_after_the_read_stops(cancellable):
+    role, fabric, core, client, job = await _role()
+    client.lost = "expired"
+    fabric.set_stalled("P")
+    if not cancellable:
+        fabric.set_uncancellable("P")
+    run = asyncio.create_task(role._run(job))
+    await run
+    if not cancellable:
+        assert not [c for c in core.calls if c in FINAL]   # the READ still runs: nothing final yet
+        fabric.set_stalled("P", False)
+    await _settle(role)
+    # FAIL policy: the client hears at once; the blocks wait for the READ to stop
+    assert core.calls == (["fail_load"] if cancellable else ["fail", "release_load"]) and client.releases == [True]
