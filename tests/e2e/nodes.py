@@ -20,6 +20,13 @@ from pathlib import Path
 STARTUP_TIMEOUT_S = 120.0
 
 
+def make_tiny_checkpoint(out: Path) -> Path:
+    """The tiny preset written by the CLI a user would run (`hybridpd make-checkpoint`), into `out`."""
+    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(out)],
+                   check=True, timeout=300)
+    return out
+
+
 def terminate(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL if the process has not exited after a grace."""
     if proc.poll() is None:

@@ -17,15 +17,14 @@ import pytest
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterInfo, ClusterSpec
+from tests.e2e.nodes import make_tiny_checkpoint
 
 BENCH_TIMEOUT = 300.0
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[ClusterInfo]:
-    model = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(model)],
-                   check=True, timeout=300)
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
     proxy_port, base_port = free_cluster_ports(2)
     spec = ClusterSpec(
         num_prefill=1, num_decode=1, model_dir=model, port=proxy_port, base_port=base_port,

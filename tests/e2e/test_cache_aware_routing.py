@@ -12,8 +12,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ import pytest
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, ClusterInfo, ClusterSpec, NodeInfo
-from tests.e2e.nodes import NodeProcess, assert_blocks_free
+from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint
 from tests.e2e.vllm_kv_events import BlockStored, VLLMSubscriber, replay
 
 SYNC_TIMEOUT = 60.0
@@ -32,9 +30,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[tuple[LocalCluster, ClusterInfo]]:
-    model = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(model)],
-                   check=True, timeout=300)
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     spec = ClusterSpec(
         num_prefill=2, num_decode=2, model_dir=model, port=proxy_port, base_port=base_port,

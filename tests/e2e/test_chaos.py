@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from hybridpd.launcher.ports import free_cluster_ports
-from tests.e2e.nodes import NodeProcess, assert_blocks_free
+from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint
 from tests.e2e.test_up import _children, _kill_leftovers, _pids_with_args, _stop
 
 LEASE_S = 3.0
@@ -85,9 +85,7 @@ def _wait_until(predicate, what: str, timeout: float = STARTUP_S) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    model = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(model)],
-                   check=True, timeout=300)
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
     return model
 
 

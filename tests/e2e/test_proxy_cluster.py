@@ -9,8 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from hybridpd.launcher.ports import free_cluster_ports, free_port
 from hybridpd.launcher.spec import ClusterInfo, ClusterSpec
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import ProxyConfig, Role, Upstream
+from tests.e2e.nodes import make_tiny_checkpoint
 
 REQUEST_TIMEOUT = 120.0
 CLUSTER_TOKEN = "e2e-cluster-token"
@@ -34,9 +33,7 @@ CLUSTER_TOKEN = "e2e-cluster-token"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[tuple[LocalCluster, ClusterInfo]]:
-    model = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(model)],
-                   check=True, timeout=300)
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
     token_file = tmp_path_factory.mktemp("secret") / "token"
     token_file.write_text(CLUSTER_TOKEN + "\n")
     proxy_port, base_port = free_cluster_ports(3)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.nodes import free_port, terminate
+from tests.e2e.nodes import free_port, make_tiny_checkpoint, terminate
 from tests.tls_certs import CertificateAuthority
 
 STARTUP_S = 180.0
@@ -56,9 +56,7 @@ def _wait(url: str, context: ssl.SSLContext, proc: subprocess.Popen, log: Path) 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[dict]:
-    model = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(model)],
-                   check=True, timeout=300)
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
     pki = tmp_path_factory.mktemp("pki")
     ca, other = CertificateAuthority(pki, "cluster-ca"), CertificateAuthority(pki, "other-ca")
     certs = {name: ca.issue(name) for name in ("prefill", "decode", "proxy", "client")}

@@ -29,6 +29,7 @@ from hybridpd.launcher.errors import ChildExitedError, StartupTimeoutError
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec
 from hybridpd.launcher.supervisor import RestartPolicy, Supervisor
+from tests.e2e.nodes import make_tiny_checkpoint
 
 STARTUP_DEADLINE = 240.0  # seconds for a real cluster on 2 busy cores
 EXIT_DEADLINE = 60.0
@@ -113,9 +114,7 @@ def test_up_rejects_bad_flags_with_exit_2(argv, message):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "hybridpd", "make-checkpoint", "--preset", "tiny", "--out", str(out)],
-                   check=True, timeout=300)
+    out = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
     return out
 
 
