@@ -24,7 +24,11 @@ __all__ = ["CacheHit", "CacheRequest", "GroupStats", "KVCacheManager", "MambaSte
 
 
 class KVCacheManager:
-    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig) -> None:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig, *,
+                 max_running: int = 0) -> None:
+        """`max_running`: how many requests may run at once (the scheduler's max_num_seqs); a Mamba group keeps
+        that many slots (at most all of its slots) for running states, so saving states never delays admission.
+        0: no such reserve (saves take any free slot)."""
         validate_layout(groups, num_blocks, config)
         self.groups = groups
         self.config = config
@@ -33,7 +37,7 @@ class KVCacheManager:
         self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
         self._managers = tuple(
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g),
-                         mamba_retention=config.mamba_retention)
+                         mamba_retention=config.mamba_retention, running_slots=min(max_running, pool.num_blocks))
             for g, pool in zip(groups, self._pools)
         )
         self._block_sizes = tuple(sorted({m.block_size for m in self._managers}))  # one hash chain per size

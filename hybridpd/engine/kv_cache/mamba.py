@@ -2,8 +2,9 @@
 
 The group's block size is the interval B; a cached state for the prefix of k*B tokens is hashed with hash
 number k-1 of the request's chain of block size B. A step that crosses boundaries k*B gets a save slot per
-boundary (best effort: a save that finds no free slot is skipped, it never fails the step); on commit the saved
-states are hashed and released into the LRU free queue. A hit slot is referenced until the step that copies it
+boundary (best effort: a save that finds no free slot is skipped, it never fails the step, and it never takes one
+of the `running_slots` kept for requests that may still be admitted); on commit the saved states are hashed and
+released into the LRU free queue. A hit slot is referenced until the step that copies it
 into the running slot is committed.
 """
 
@@ -25,8 +26,9 @@ class MambaManager(SingleTypeManager):
     search_order = 2
 
     def __init__(self, spec: MambaSpec, pool: BlockPool, *, caching: bool,
-                 retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE) -> None:
+                 retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE, running_slots: int = 0) -> None:
         super().__init__(spec, pool, caching=caching)
+        self._running_slots = running_slots
         self._every = retention is MambaRetentionPolicy.EVERY
         self._copy_from: dict[str, int] = {}                              # hit slot held until commit
         self._saves: dict[str, list[tuple[int, int, BlockHash]]] = {}     # (num_tokens, slot, hash) pending
@@ -83,7 +85,8 @@ class MambaManager(SingleTypeManager):
         if plan.copy_from is not None:
             self._copy_from[request_id] = plan.copy_from
         pending = self._saves.setdefault(request_id, [])
-        wanted = plan.saves[: self.pool.num_free]
+        kept = max(0, self._running_slots - len(self._tables))   # running slots of requests not admitted yet
+        wanted = plan.saves[: max(0, self.pool.num_free - kept)]
         slots = self.pool.allocate(len(wanted))
         saves = tuple((n, s) for (n, _), s in zip(wanted, slots))
         pending.extend((n, s, h) for (n, h), s in zip(wanted, slots))

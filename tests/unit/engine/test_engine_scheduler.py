@@ -56,6 +56,24 @@ def test_token_budget_is_respected_and_everyone_finishes(budget, boundary):
     assert all_free(kv)
 
 
+@pytest.mark.parametrize("cached_slots", [0, 2, 8])
+def test_saving_mamba_states_never_delays_admission(cached_slots):
+    """A Mamba pool sized as the engine sizes it (running slots for max_num_seqs, then a few cached states): every
+    prompt crosses many boundaries and wants their states saved, yet all of them start in the first step (saves
+    took the slots of requests admitted after them, which then waited a step each)."""
+    seqs_n = 6
+    kv = make_kv((fa(4), mamba(8)), blocks=(256, 1 + seqs_n + cached_slots), max_running=seqs_n)
+    sched = make_scheduler(kv, budget=6 * 48, max_num_seqs=seqs_n, chunk_boundary=8)
+    seqs = [make_seq(f"r{i}", 48, max_tokens=2, base=i, skip_mamba_align=False) for i in range(seqs_n)]
+    for seq in seqs:
+        sched.add(seq)
+    plan, _ = step(sched)
+    assert sorted(s.seq.request_id for s in plan.scheduled) == sorted(seq.request_id for seq in seqs)
+    run_to_end(sched)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+    assert all_free(kv)
+
+
 @pytest.mark.parametrize("boundary, expected_b", [(None, 15), (8, 8)])
 def test_decodes_come_before_prefills(boundary, expected_b):
     sched = make_scheduler(make_kv(), budget=16, chunk_boundary=boundary)
