@@ -102,7 +102,7 @@ class LLMEngine:
         self.storage = KVCacheStorage(self.groups, self.num_blocks)
         for line in capacity_report(self.groups, self.num_blocks, self.max_model_len, config.scheduler.max_num_seqs):
             log.info("%s", line)
-        self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache, max_running=config.scheduler.max_num_seqs)
+        self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache)
         align = has_mamba and config.cache.mamba_cache_mode is MambaCacheMode.ALIGN
         self.scheduler = Scheduler(
             config.scheduler,

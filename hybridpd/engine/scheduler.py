@@ -133,6 +133,7 @@ class Scheduler:
             self.running.append(self.loaded.popleft())
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        self.kv.expect_admissions(min(len(self.waiting), self.config.max_num_seqs - len(self.running)))
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
         if not preempted:  # blocks are short: admitting more now would only preempt again
             self._admit_waiting(budget, scheduled)

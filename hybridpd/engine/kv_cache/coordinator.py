@@ -15,6 +15,7 @@ from hybridpd.engine.kv_cache.cache_types import CacheHit, CacheRequest, GroupSt
 from hybridpd.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
 from hybridpd.engine.kv_cache.hit_search import find_common_hit
+from hybridpd.engine.kv_cache.mamba import MambaManager
 from hybridpd.engine.kv_cache.managers import make_manager
 from hybridpd.engine.kv_cache.single_type import TokenRange
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
@@ -24,11 +25,7 @@ __all__ = ["CacheHit", "CacheRequest", "GroupStats", "KVCacheManager", "MambaSte
 
 
 class KVCacheManager:
-    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig, *,
-                 max_running: int = 0) -> None:
-        """`max_running`: how many requests may run at once (the scheduler's max_num_seqs); a Mamba group keeps
-        that many slots (at most all of its slots) for running states, so saving states never delays admission.
-        0: no such reserve (saves take any free slot)."""
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig) -> None:
         validate_layout(groups, num_blocks, config)
         self.groups = groups
         self.config = config
@@ -37,7 +34,7 @@ class KVCacheManager:
         self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
         self._managers = tuple(
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g),
-                         mamba_retention=config.mamba_retention, running_slots=min(max_running, pool.num_blocks))
+                         mamba_retention=config.mamba_retention)
             for g, pool in zip(groups, self._pools)
         )
         self._block_sizes = tuple(sorted({m.block_size for m in self._managers}))  # one hash chain per size
@@ -205,6 +202,13 @@ class KVCacheManager:
     def _forget_quiet(self, rid: str) -> None:
         self._quiet_blocks.pop(rid, None)
         self._quiet_end.pop(rid, None)
+
+    def expect_admissions(self, n: int) -> None:
+        """Up to `n` waiting requests may be admitted in the coming step: until they are, Mamba saves leave their
+        running slots free (the scheduler says so at the start of every step)."""
+        for m in self._managers:
+            if isinstance(m, MambaManager):
+                m.expect_admissions(n)
 
     def free(self, request_id: str) -> None:
         """Everything the request holds back to the pools (cached blocks keep their hashes). Idempotent."""

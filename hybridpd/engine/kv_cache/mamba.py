@@ -2,9 +2,9 @@
 
 The group's block size is the interval B; a cached state for the prefix of k*B tokens is hashed with hash
 number k-1 of the request's chain of block size B. A step that crosses boundaries k*B gets a save slot per
-boundary (best effort: a save that finds no free slot is skipped, it never fails the step, and it never takes one
-of the `running_slots` kept for requests that may still be admitted); on commit the saved states are hashed and
-released into the LRU free queue. A hit slot is referenced until the step that copies it
+boundary (best effort: a save that finds no free slot is skipped, it never fails the step, and it never takes the
+running slot of a request the scheduler may still admit in this step, see `expect_admissions`); on commit the saved
+states are hashed and released into the LRU free queue. A hit slot is referenced until the step that copies it
 into the running slot is committed.
 """
 
@@ -26,9 +26,10 @@ class MambaManager(SingleTypeManager):
     search_order = 2
 
     def __init__(self, spec: MambaSpec, pool: BlockPool, *, caching: bool,
-                 retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE, running_slots: int = 0) -> None:
+                 retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE) -> None:
         super().__init__(spec, pool, caching=caching)
-        self._running_slots = running_slots
+        self._owed = 0            # running slots owed to admissions expected in this step ...
+        self._tables_before = 0   # ... counted down as requests get their running slot
         self._every = retention is MambaRetentionPolicy.EVERY
         self._copy_from: dict[str, int] = {}                              # hit slot held until commit
         self._saves: dict[str, list[tuple[int, int, BlockHash]]] = {}     # (num_tokens, slot, hash) pending
@@ -85,13 +86,18 @@ class MambaManager(SingleTypeManager):
         if plan.copy_from is not None:
             self._copy_from[request_id] = plan.copy_from
         pending = self._saves.setdefault(request_id, [])
-        kept = max(0, self._running_slots - len(self._tables))   # running slots of requests not admitted yet
-        wanted = plan.saves[: max(0, self.pool.num_free - kept)]
+        owed = max(0, self._owed - (len(self._tables) - self._tables_before))
+        wanted = plan.saves[: max(0, self.pool.num_free - owed)]
         slots = self.pool.allocate(len(wanted))
         saves = tuple((n, s) for (n, _), s in zip(wanted, slots))
         pending.extend((n, s, h) for (n, h), s in zip(wanted, slots))
         ops = MambaStepOps(state_slot=slot, copy_from=plan.copy_from, saves=saves)
         return GroupStep(table=step.table, mamba=ops, load=tuple((0, slot) for _ in plan.load))
+
+    def expect_admissions(self, n: int) -> None:
+        """Up to `n` more requests may get a running slot in this step: until they have, saves leave that many
+        slots free (a save is best effort, an admission is not; between steps saved states are evictable)."""
+        self._owed, self._tables_before = n, len(self._tables)
 
     def quiet(self, request_id: str, start: int, end: int) -> bool:
         """No interval boundary in (start, end] (so no save), no hit slot held and no save pending."""

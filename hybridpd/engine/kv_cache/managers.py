@@ -18,12 +18,10 @@ MANAGERS: dict[type[KVCacheSpec], type[SingleTypeManager]] = {
 
 
 def make_manager(spec: KVCacheSpec, pool: BlockPool, *, caching: bool,
-                 mamba_retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE,
-                 running_slots: int = 0) -> SingleTypeManager:
+                 mamba_retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE) -> SingleTypeManager:
     manager_class = MANAGERS.get(type(spec))
     if manager_class is None:
         raise ValueError(f"no KV cache manager for spec kind {type(spec).__name__}")
     if manager_class is MambaManager:
-        return MambaManager(spec, pool, caching=caching, retention=mamba_retention,  # type: ignore[arg-type]
-                            running_slots=running_slots)
+        return MambaManager(spec, pool, caching=caching, retention=mamba_retention)  # type: ignore[arg-type]
     return manager_class(spec, pool, caching=caching)  # type: ignore[arg-type]

@@ -37,12 +37,10 @@ def mamba(interval: int = 8) -> MambaSpec:
 HYBRID = (fa(4), sw(5, 4), mamba(8))
 
 
-def make_kv(specs: tuple[KVCacheSpec, ...] = HYBRID, blocks: int | tuple[int, ...] = 64,
-            max_running: int = 0) -> KVCacheManager:
+def make_kv(specs: tuple[KVCacheSpec, ...] = HYBRID, blocks: int | tuple[int, ...] = 64) -> KVCacheManager:
     counts = blocks if isinstance(blocks, tuple) else (blocks,) * len(specs)
     groups = tuple(KVCacheGroup(spec=s, layer_ids=(i,)) for i, s in enumerate(specs))
-    return KVCacheManager(groups, counts, CacheConfig(block_size=min(s.block_size for s in specs)),
-                          max_running=max_running)
+    return KVCacheManager(groups, counts, CacheConfig(block_size=min(s.block_size for s in specs)))
 
 
 @dataclass

@@ -62,7 +62,7 @@ def test_saving_mamba_states_never_delays_admission(cached_slots):
     prompt crosses many boundaries and wants their states saved, yet all of them start in the first step (saves
     took the slots of requests admitted after them, which then waited a step each)."""
     seqs_n = 6
-    kv = make_kv((fa(4), mamba(8)), blocks=(256, 1 + seqs_n + cached_slots), max_running=seqs_n)
+    kv = make_kv((fa(4), mamba(8)), blocks=(256, 1 + seqs_n + cached_slots))
     sched = make_scheduler(kv, budget=6 * 48, max_num_seqs=seqs_n, chunk_boundary=8)
     seqs = [make_seq(f"r{i}", 48, max_tokens=2, base=i, skip_mamba_align=False) for i in range(seqs_n)]
     for seq in seqs:

@@ -37,12 +37,12 @@ def groups_of(*specs: KVCacheSpec) -> tuple[KVCacheGroup, ...]:
 
 def manager(*specs: KVCacheSpec, blocks: int | tuple[int, ...] = 64, caching: bool = True,
             mode: MambaCacheMode = MambaCacheMode.ALIGN, events: bool = False,
-            retention: MambaRetentionPolicy = MambaRetentionPolicy.EVERY, max_running: int = 0) -> KVCacheManager:
+            retention: MambaRetentionPolicy = MambaRetentionPolicy.EVERY) -> KVCacheManager:
     """A manager over `specs` (Mamba states saved at every boundary unless `retention` says otherwise)."""
     counts = blocks if isinstance(blocks, tuple) else (blocks,) * len(specs)
     config = CacheConfig(block_size=min(s.block_size for s in specs), enable_prefix_caching=caching,
                          mamba_cache_mode=mode, enable_kv_cache_events=events, mamba_retention=retention)
-    return KVCacheManager(groups_of(*specs), counts, config, max_running=max_running)
+    return KVCacheManager(groups_of(*specs), counts, config)
 
 
 @dataclass

@@ -76,14 +76,15 @@ def test_saves_are_best_effort_when_slots_run_out():
     assert all_free(m)
 
 
-@pytest.mark.parametrize("max_running, saves_of_a, b_admitted", [
-    (0, [8, 16], False),   # no reserve: a's saves take the slot b's running state needs
-    (2, [8], True),        # one slot kept for the one request that may still come
-    (3, [], True),         # every slot kept for running states: nothing to save into
+@pytest.mark.parametrize("expected, saves_of_a, b_admitted", [
+    (0, [8, 16], False),   # nobody else expected: a's saves take the slot b's running state needs
+    (2, [8], True),        # a and b expected: a's saves leave b's running slot
+    (3, [], True),         # a third expected too: nothing left to save into
 ])
-def test_saves_never_take_the_running_slots_of_requests_not_admitted_yet(max_running, saves_of_a, b_admitted):
-    m = manager(fa(4), mamba(8), blocks=(64, 4), max_running=max_running)   # 3 usable slots
+def test_saves_leave_the_running_slots_of_expected_admissions(expected, saves_of_a, b_admitted):
+    m = manager(fa(4), mamba(8), blocks=(64, 4))   # 3 usable slots
     a, b = Req("a", list(PROMPT)), Req("b", list(range(400, 430)))
+    m.expect_admissions(expected)
     step = m.allocate_slots(a, 30)
     assert [n for n, _ in step.mamba[1].saves] == saves_of_a
     assert (m.allocate_slots(b, 30) is not None) == b_admitted
