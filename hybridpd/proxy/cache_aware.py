@@ -3,7 +3,8 @@
 The rule, one for both roles, in tokens of work:
 
     cost(node) = (prompt tokens - predicted hit on node)          # what this request makes it compute (or pull)
-               + queued_tokens(node)                              # the same, summed over its calls in flight
+               + queued_tokens(node)                              # the same, over its calls in flight that have
+                                                                  # not produced their first token yet
                + load_tokens_per_request * outstanding(node)      # every call in flight also costs its decode
 
 and the cheapest node wins (ties: round-robin order). The predicted hit is `NodeIndex.prefill_hit` (the hybrid hit

@@ -88,15 +88,22 @@ class Router:
         return self._upstreams[chosen]
 
     @contextlib.contextmanager
-    def in_flight(self, upstream: Upstream, work_tokens: int = 0) -> Iterator[None]:
-        """Counts one call to `upstream` (and its `work_tokens`) as outstanding for the duration of the block."""
+    def in_flight(self, upstream: Upstream, work_tokens: int = 0) -> Iterator[Callable[[], None]]:
+        """Counts one call to `upstream` as outstanding for the duration of the block, and its `work_tokens` as
+        queued until the block exits or calls what it is given (the node has done that work: its first token came)."""
         _add(self._outstanding, upstream, 1)
         _add(self._queued_tokens, upstream, work_tokens)
+        queued = [work_tokens]
+
+        def work_done() -> None:
+            _add(self._queued_tokens, upstream, -queued[0])
+            queued[0] = 0
+
         try:
-            yield
+            yield work_done
         finally:
             _add(self._outstanding, upstream, -1)
-            _add(self._queued_tokens, upstream, -work_tokens)
+            work_done()
 
 
 def _add(counts: dict[Upstream, int], upstream: Upstream, delta: int) -> None:

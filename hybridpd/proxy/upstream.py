@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,16 +50,22 @@ class PrefillAnswer:
 class DecodeStream:
     """An open 2xx answer of a decode node: its status and content type, and its bytes as they come."""
 
-    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse,
+                 work_done: Callable[[], None] = lambda: None) -> None:
         self.upstream = upstream
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/json")
         self.cached_tokens = _cached_tokens(response)
         self._response = response
+        self._work_done = work_done   # the prompt's work is over once the first bytes (the first token) arrive
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        first = True
         try:
             async for chunk in self._response.content.iter_any():
+                if first:
+                    self._work_done()
+                    first = False
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _failure(self.upstream, exc) from exc
@@ -94,14 +100,16 @@ class UpstreamClient:
         return headers
 
     @contextlib.asynccontextmanager
-    async def _call(self, router: Router, upstream: Upstream, work_tokens: int = 0) -> AsyncIterator[None]:
-        """Counts, times and tracks one call; records its failure kind if it raises."""
+    async def _call(self, router: Router, upstream: Upstream,
+                    work_tokens: int = 0) -> AsyncIterator[Callable[[], None]]:
+        """Counts, times and tracks one call; records its failure kind if it raises. Yields what to call once the
+        node has done the call's work (`Router.in_flight`)."""
         self._metrics.count_call(upstream)
         start = time.perf_counter()
         try:
-            with router.in_flight(upstream, work_tokens):
+            with router.in_flight(upstream, work_tokens) as work_done:
                 self._metrics.set_outstanding(upstream, router.outstanding(upstream))
-                yield
+                yield work_done
         except UpstreamError as exc:
             self._metrics.count_error(upstream, exc.kind.value)
             if exc.kind is FailureKind.UNREACHABLE:
@@ -160,7 +168,7 @@ class UpstreamClient:
         Only opening the call is guarded here: an error raised by the block itself (the client went
         away while we wrote to it) is not the node's failure and passes through untouched.
         """
-        async with self._call(router, upstream, work_tokens), contextlib.AsyncExitStack() as stack:
+        async with self._call(router, upstream, work_tokens) as work_done, contextlib.AsyncExitStack() as stack:
             try:
                 response = await stack.enter_async_context(self._session.post(
                     self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
@@ -169,7 +177,7 @@ class UpstreamClient:
                 await self._raise_for_status(upstream, response)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _failure(upstream, exc) from exc
-            yield DecodeStream(upstream, response)
+            yield DecodeStream(upstream, response, work_done)
 
     async def get(self, router: Router, upstream: Upstream, path: str) -> tuple[int, bytes, str]:
         """A GET (models); a 4xx comes back as it is, a 5xx or no answer raises UpstreamError."""

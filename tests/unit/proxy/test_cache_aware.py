@@ -11,6 +11,7 @@ from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, to
 from hybridpd.proxy.config import Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
+from hybridpd.proxy.upstream import DecodeStream
 
 B = 4
 GROUPS = (GroupInfo(group_idx=0, kind="full_attention", block_size=B, sliding_window=None),
@@ -107,3 +108,33 @@ def test_how_a_prompt_is_found(path, body, ids, tokenize):
 
 def test_cache_salt_is_utf8():
     assert cache_salt({"cache_salt": "é"}) == "é".encode() and cache_salt({}) is None
+
+
+def test_a_calls_work_leaves_the_queue_when_the_node_has_done_it():
+    """A call's prompt tokens are queued work until the node's first token; its decode is the per-call load."""
+    node = _node(1)
+    router = Router((node,), RoutingPolicy.CACHE_AWARE)
+    with router.in_flight(node, work_tokens=100) as work_done:
+        with router.in_flight(node, work_tokens=7):
+            assert router.queued_tokens(node) == 107
+            work_done()
+            work_done()                       # once only
+            assert router.queued_tokens(node) == 7 and router.outstanding(node) == 2
+        assert router.queued_tokens(node) == 0 and router.outstanding(node) == 1
+    assert router.queued_tokens(node) == 0 and router.outstanding(node) == 0
+
+
+async def test_a_decode_streams_first_bytes_end_its_queued_work():
+    class Content:
+        async def iter_any(self):
+            for chunk in (b"data: 1\n\n", b"data: 2\n\n"):
+                assert calls == ([] if chunk == b"data: 1\n\n" else ["done"])
+                yield chunk
+
+    class Response:
+        status, headers, content = 200, {"Content-Type": "text/event-stream"}, Content()
+
+    calls: list[str] = []
+    stream = DecodeStream(_node(1), Response(), lambda: calls.append("done"))
+    assert [c async for c in stream.chunks()] == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert calls == ["done"]
