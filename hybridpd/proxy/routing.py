@@ -93,11 +93,12 @@ class Router:
         queued until the block exits or calls what it is given (the node has done that work: its first token came)."""
         _add(self._outstanding, upstream, 1)
         _add(self._queued_tokens, upstream, work_tokens)
-        queued = [work_tokens]
+        queued = work_tokens
 
         def work_done() -> None:
-            _add(self._queued_tokens, upstream, -queued[0])
-            queued[0] = 0
+            nonlocal queued
+            _add(self._queued_tokens, upstream, -queued)
+            queued = 0
 
         try:
             yield work_done
