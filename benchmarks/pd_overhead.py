@@ -9,7 +9,9 @@ prefill-role request, the decode-role request (pull + last token) and what the p
 
 Last line: JSON with `added_ms_128`, `added_ms_1024`, `added_ms_4096` (P/D minus colocated, ms), `added_ratio_4096`
 (the same over colocated) and per length the parts: `prefill_role_ms`, `decode_role_ms`, `proxy_ms`, `colocated_ms`,
-`pd_ms`. Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
+`pd_ms`, and the decode role split into `pull_ms` (the mean READ, from the decode node's `hybridpd:kv_read_seconds`)
+and `decode_step_and_http_ms` (the rest: its HTTP, the step that starts the pull and the step computing the last
+prompt token). `proxy_ms` is P/D minus the two hops called directly, so it also carries their run-to-run noise. Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return time.perf_counter() - start, data
 
 
+def read_seconds(metrics_url: str) -> tuple[float, float]:
+    """(sum, count) of the decode node's `hybridpd:kv_read_seconds` histogram: its pulls' READ times."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+        text = answer.read().decode()
+    totals = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for key in totals:
+            if line.startswith(f"hybridpd:kv_read_seconds_{key}{{"):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals["sum"], totals["count"]
+
+
 def body_for(length: int, rng: random.Random) -> dict[str, Any]:
     return {"prompt": [rng.randrange(3, 250) for _ in range(length)], "max_tokens": 1, "temperature": 0,
             "ignore_eos": True}
@@ -67,6 +81,7 @@ def main() -> int:
             post(info.proxy_url, body_for(length, rng))
         for length in args.lengths:
             parts: dict[str, list[float]] = {k: [] for k in ("colocated", "pd", "prefill_role", "decode_role")}
+            reads_before = read_seconds(info.decode[0].metrics_url)
             for r in range(args.rounds):
                 order = ("colocated", "pd") if r % 2 == 0 else ("pd", "colocated")
                 for kind in order:
@@ -80,6 +95,11 @@ def main() -> int:
             ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
             figures = {f"{k}_ms": round(v, 2) for k, v in ms.items()}
             figures["proxy_ms"] = round(ms["pd"] - ms["prefill_role"] - ms["decode_role"], 2)
+            reads_after = read_seconds(info.decode[0].metrics_url)
+            pulls = reads_after[1] - reads_before[1]
+            pull_ms = (reads_after[0] - reads_before[0]) / pulls * 1e3 if pulls else float("nan")
+            figures["pull_ms"] = round(pull_ms, 2)                                     # mean READ of a pull
+            figures["decode_step_and_http_ms"] = round(ms["decode_role"] - pull_ms, 2)  # the rest of the decode role
             results[str(length)] = figures
             print(f"{length} tokens: {figures}", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"rounds": args.rounds, "lengths": results}
