@@ -159,7 +159,7 @@ def main() -> int:
                         help="every node's (a prefill node's hybrid hits need saved Mamba states; default 0.5)")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="bytes of KV memory per node (default: attention for ~60%% of the prefixes' tokens)")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="fresh cluster pairs, the policies alternating (~20 s each)")
     parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
     args = parser.parse_args()
     if args.kv_cache_memory is None:
