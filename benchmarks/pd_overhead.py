@@ -11,7 +11,8 @@ Last line: JSON with `added_ms_128`, `added_ms_1024`, `added_ms_4096` (P/D minus
 (the same over colocated) and per length the parts: `prefill_role_ms`, `decode_role_ms`, `proxy_ms`, `colocated_ms`,
 `pd_ms`, and the decode role split into `pull_ms` (the mean READ, from the decode node's `hybridpd:kv_read_seconds`)
 and `decode_step_and_http_ms` (the rest: its HTTP, the step that starts the pull and the step computing the last
-prompt token). `proxy_ms` is P/D minus the two hops called directly, so it also carries their run-to-run noise. Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
+prompt token). `proxy_ms` is P/D minus the two hops called directly, so it also carries their run-to-run noise.
+Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 import urllib.request
 from typing import Any
 
+from hybridpd.bench.prometheus import counter_sum
 from hybridpd.engine.model.presets import default_model_dir
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
@@ -49,12 +51,8 @@ def read_seconds(metrics_url: str) -> tuple[float, float]:
     """(sum, count) of the decode node's `hybridpd:kv_read_seconds` histogram: its pulls' READ times."""
     with urllib.request.urlopen(metrics_url, timeout=10) as answer:
         text = answer.read().decode()
-    totals = {"sum": 0.0, "count": 0.0}
-    for line in text.splitlines():
-        for key in totals:
-            if line.startswith(f"hybridpd:kv_read_seconds_{key}{{"):
-                totals[key] += float(line.rsplit(" ", 1)[1])
-    return totals["sum"], totals["count"]
+    return (counter_sum(text, "hybridpd:kv_read_seconds_sum") or 0.0,
+            counter_sum(text, "hybridpd:kv_read_seconds_count") or 0.0)
 
 
 def body_for(length: int, rng: random.Random) -> dict[str, Any]:

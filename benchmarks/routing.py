@@ -2,7 +2,8 @@
 workload with more distinct prefixes than one node's KV memory holds.
 
 Per policy a fresh `LocalCluster` (nodes publishing KV events; `--kv-cache-memory` sized so that one node's
-attention holds about 60% of the prefixes' blocks and two hold them all, with the default Mamba cache budget), the proxy on that `--routing`, and the same request stream: each of
+attention holds about 60% of the prefixes' blocks and two hold them all, with `--mamba-cache-budget`), the proxy on
+that `--routing`, and the same request stream: each of
 `--prefixes` random prefixes of `--prefix-len` tokens is asked `--repeats` times, in a shuffled order, each time
 with a fresh suffix, streamed with usage, `--concurrency` at a time. The decode hit rate is what the decode nodes
 report (usage.prompt_tokens_details.cached_tokens over prompt tokens); TTFT is measured at the client; the
