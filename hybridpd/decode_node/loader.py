@@ -3,7 +3,9 @@
 A request with `kv_transfer_params.do_remote_prefill` goes WAITING (local prefix hit with `skip_mamba_align`:
 the full-attention groups decide) -> WAITING_FOR_REMOTE_KV (its blocks are allocated, windows only in-window; the
 missing full-attention blocks, the window blocks it lacks and the Mamba state are READ from the prefill node while
-other requests keep running) -> RUNNING (it computes its last prompt token, then decodes) -> FINISHED | FAILED.
+other requests keep running) -> RUNNING (it decodes on from the first token the prefill node sampled, which it
+streamed at admission) -> FINISHED | FAILED. A request that its first token already ends (EOS, a stop string,
+`max_tokens: 1`) pulls nothing: its lease is released at once (`discard`).
 
 The pull, step by step: the peer's metadata (compatibility hash and engine id checked, once per peer); one batch
 of READs of the blocks `kv_transfer_params` names, with a heartbeat in flight at the same time that renews the lease
@@ -52,7 +54,7 @@ class PullJob:
     params: RemotePrefillParams
     hit_tokens: int
     load: tuple[tuple[tuple[int, int], ...], ...]   # per group: (logical block, local block)
-    prompt_digest: bytes                            # of this request's first N-1 prompt tokens
+    prompt_digest: bytes                            # of this request's prompt
 
 
 class _EngineCalls:
@@ -97,6 +99,12 @@ class DecodeRole:
         job = PullJob(request_id=seq.request_id, params=seq.remote_prefill, hit_tokens=hit_tokens, load=blocks.load,
                       prompt_digest=prompt_digest(seq.prompt_token_ids[: seq.remote_prefill.remote_num_tokens]))
         self._loop.call_soon_threadsafe(self._spawn, job)
+
+    def discard(self, seq: Sequence) -> None:
+        assert seq.remote_prefill is not None
+        params = seq.remote_prefill
+        self._loop.call_soon_threadsafe(lambda: self._release_in_background(self._client(params), params,
+                                                                            aborted=True))
 
     # -- event loop ---------------------------------------------------------------------------------------------
     def _spawn(self, job: PullJob) -> None:
@@ -201,7 +209,7 @@ class DecodeRole:
                 self._keep_blocks_until_stopped(end, handle)
         seconds = time.perf_counter() - started
         if started + seconds < live_until - _LEASE_MARGIN_S:
-            self._release_in_background(client, params)
+            self._release_in_background(client, params, aborted=False)
         elif not await client.release(params.remote_request_id, aborted=False, secret=secret):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
         self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
@@ -220,12 +228,13 @@ class DecodeRole:
             raise KVTransferError(params.peer, "remote_block_ids do not match the blocks leased for request "
                                                f"{params.remote_request_id}")
 
-    def _release_in_background(self, client: SideChannelClient, params: RemotePrefillParams) -> None:
-        """The READ ended while the lease was surely live: the Release only frees the peer's blocks early (if it is
-        lost, the lease expires by itself)."""
+    def _release_in_background(self, client: SideChannelClient, params: RemotePrefillParams, *,
+                               aborted: bool) -> None:
+        """Nothing depends on the answer (the READ ended while the lease was surely live, or nothing is read): the
+        Release only frees the peer's blocks early (if it is lost, the lease expires by itself)."""
         async def release() -> None:
             try:
-                await asyncio.wait_for(client.release(params.remote_request_id, aborted=False,
+                await asyncio.wait_for(client.release(params.remote_request_id, aborted=aborted,
                                                       secret=params.remote_lease_secret or ""), _RELEASE_TIMEOUT_S)
             except Exception as exc:
                 log.debug("release of %s on %s: %s (the lease expires by itself)", params.remote_request_id,

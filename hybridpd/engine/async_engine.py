@@ -100,15 +100,18 @@ class AsyncEngine:
         self._inbox.put(fn)
 
     # -- engine thread ------------------------------------------------------------------------------------------
-    def _add(self, request: EngineRequest) -> None:
+    def _add(self, request: EngineRequest) -> RequestOutput | None:
+        """Queue `request`; returns its first output when it has one at once (a remotely prefilled request's first
+        token), which `_run` delivers before the next step."""
         try:
-            self.engine.add_request(request)
+            return self.engine.add_request(request)
         except Exception as exc:  # validated already; a failure here is the request's own
             self._deliver([
                 RequestOutput(request_id=request.request_id, new_token_ids=(), new_text="", num_prompt_tokens=0,
                               num_cached_tokens=0, num_output_tokens=0, finished=True,
                               finish_reason=FinishReason.ERROR, error=exc)
             ])
+            return None
 
     def _abort_abandoned(self, request_id: str) -> None:
         """Abort a request whose consumer left; its last output is for nobody. Outputs reach the loop in the order

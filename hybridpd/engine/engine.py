@@ -36,8 +36,9 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 log = logging.getLogger(__name__)
 
-# Called with a finished prefill-role sequence (its blocks still held); returns the top-level kv_transfer_params.
-HoldHandler = Callable[[Sequence], dict]
+# Called with a finished prefill-role sequence (its blocks still held) and its first token's logprobs (when asked);
+# returns the top-level kv_transfer_params.
+HoldHandler = Callable[[Sequence, TokenLogprob | None], dict]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,12 +170,18 @@ class LLMEngine:
                     f"this node's KV cache has {self.kv.num_blocks(g)} per group", "max_tokens")
 
     def _validate_remote(self, params: RemotePrefillParams, num_prompt_tokens: int) -> None:
-        """The remote prefill must cover exactly this prompt but its last token, in this node's group layout."""
+        """The remote prefill must cover exactly this prompt, in this node's group layout, and its first token must
+        be one of this vocabulary."""
         field = "kv_transfer_params"
-        if params.remote_num_tokens != num_prompt_tokens - 1:
+        if params.remote_num_tokens != num_prompt_tokens:
             raise InvalidRequestError(
-                f"kv_transfer_params.remote_num_tokens is {params.remote_num_tokens}, but this prompt needs "
-                f"{num_prompt_tokens - 1} (its length minus one)", field)
+                f"kv_transfer_params.remote_num_tokens is {params.remote_num_tokens}, but this prompt has "
+                f"{num_prompt_tokens} tokens", field)
+        vocab = self.model_config.vocab_size
+        if params.first_token_id >= vocab:
+            raise InvalidRequestError(
+                f"kv_transfer_params.first_token_id {params.first_token_id} is outside the vocabulary "
+                f"(0..{vocab - 1})", field)
         if len(params.remote_block_ids) != len(self.groups):
             raise InvalidRequestError(
                 f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} groups, this model has "
@@ -186,14 +193,27 @@ class LLMEngine:
                     f"kv_transfer_params.remote_block_ids[{g}] has {len(ids)} blocks, a {group.spec.kind} group "
                     f"needs {end - start} for {params.remote_num_tokens} tokens", field)
 
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest) -> RequestOutput | None:
+        """Queue `request`. A remotely prefilled one starts with the first token its prefill node sampled: that
+        token's output is returned at once (and when it ends the request, the request is done here)."""
         self.validate(request)
         seq = Sequence.from_request(
-            request, arrival_order=next(self._order), decode_skip_mamba_align=self.decode_skip_mamba_align
+            request, arrival_order=next(self._order), decode_skip_mamba_align=self.decode_skip_mamba_align,
+            vocab_size=self.model_config.vocab_size,
         )
         self._tracked[seq.request_id] = _Tracked(seq, Detokenizer(self.tokenizer, request.sampling.stop))
         self.num_prompt_tokens_total += len(seq.prompt_token_ids)
         self.scheduler.add(seq)
+        remote = seq.remote_prefill
+        if remote is None:
+            return None
+        # The hit its admission will take (the same lookup, unless an eviction comes between), so that the first
+        # output reports it as every request's first output does.
+        seq.num_cached_tokens = self.kv.get_computed_blocks(seq).num_tokens
+        reason = self.scheduler.finish_reason(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._emit(seq, remote.first_token_logprob)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.pop(request_id, None)
@@ -210,7 +230,7 @@ class LLMEngine:
         return self._output(tracked, "", (), finished=True, error=error)
 
     def complete_load(self, request_id: str) -> None:
-        """The remote KV of `request_id` arrived: it joins the running requests to compute its last prompt token."""
+        """The remote KV of `request_id` arrived: it joins the running requests and decodes from its first token."""
         self.scheduler.finish_load(request_id, ok=True)
 
     def fail_load(self, request_id: str, error: Exception, *, recompute: bool) -> RequestOutput | None:
@@ -239,12 +259,14 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         out = self.runner.run(plan)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
-        return [self._emit(seq, out.sampled.get(seq.request_id)) for seq in touched]
+        return [self._emit(seq, self._logprob(out.sampled.get(seq.request_id))) for seq in touched]
 
-    def _emit(self, seq: Sequence, sampled) -> RequestOutput:
+    @staticmethod
+    def _logprob(sampled) -> TokenLogprob | None:
+        return sampled.logprob if sampled is not None else None
+
+    def _emit(self, seq: Sequence, logprob: TokenLogprob | None) -> RequestOutput:
         tracked = self._tracked[seq.request_id]
-        if seq.remote_decode:
-            return self._emit_held(tracked)
         self.num_generation_tokens_total += 1
         text_ids = seq.output_token_ids
         if seq.finish_reason is FinishReason.STOP:  # ended by EOS, which is not part of the text
@@ -258,21 +280,22 @@ class LLMEngine:
             seq.stop_reason = stop
         new_ids = tuple(seq.output_token_ids[tracked.sent_tokens :])
         tracked.sent_tokens = len(seq.output_token_ids)
-        logprobs = (sampled.logprob,) if sampled is not None and sampled.logprob is not None else ()
+        logprobs = (logprob,) if logprob is not None else ()
+        params = None
         if seq.is_finished:
             self._tracked.pop(seq.request_id, None)
-        return self._output(tracked, new_text, new_ids, finished=seq.is_finished, logprobs=logprobs)
+            if self.scheduler.holds(seq):
+                params = self._hold(seq, logprob)
+        return self._output(tracked, new_text, new_ids, finished=seq.is_finished, logprobs=logprobs,
+                            kv_transfer_params=params)
 
-    def _emit_held(self, tracked: _Tracked) -> RequestOutput:
-        """A prefill-role request computed its N-1 tokens: its blocks stay held under a lease, not freed."""
-        seq = tracked.seq
-        self.scheduler.detach(seq)
-        seq.finish_reason = FinishReason.LENGTH
-        self._tracked.pop(seq.request_id, None)
-        params = self.hold_handler(seq) if self.hold_handler is not None else None
-        if params is None:
+    def _hold(self, seq: Sequence, logprob: TokenLogprob | None) -> dict | None:
+        """A prefill-role request computed its prompt and sampled its first token: its blocks stay held under a
+        lease for the decode node (freed here when no connector is set up to lease them)."""
+        if self.hold_handler is None:
             self.kv.free(seq.request_id)
-        return self._output(tracked, "", (), finished=True, kv_transfer_params=params)
+            return None
+        return self.hold_handler(seq, logprob)
 
     def _output(self, tracked: _Tracked, text: str, ids: tuple[int, ...], *, finished: bool,
                 logprobs: tuple[TokenLogprob, ...] = (), error: Exception | None = None,

@@ -50,6 +50,13 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return SampledToken(token, logprob)
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance `generator` past one `sample_one` draw, as if it had sampled a token (another node did: the prefill
+    node of a P/D request samples the first token from the same seed). A multinomial draw consumes the generator by
+    the shape of its input only, so a uniform row of the vocabulary's size stands for any logits."""
+    torch.multinomial(torch.full((vocab_size,), 1.0 / vocab_size), 1, generator=generator)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
     """Rows of `logits` [S, vocab] in the order of `params`. Greedy rows without logprobs share one argmax."""
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]

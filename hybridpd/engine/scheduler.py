@@ -6,6 +6,7 @@ a running request cannot get blocks, the most recently admitted running request 
 step is preempted (its blocks freed, its tokens recomputed later); if none is left, the request itself is. A
 request whose prompt was prefilled remotely gets its blocks allocated, is handed to the loader and leaves the
 queues until its KV has arrived: it never blocks others (and does not count against `max_num_seqs` meanwhile).
+A prefill-role request is an ordinary one that ends at its first token with its blocks kept (held under a lease).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class RemoteKVLoader(Protocol):
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
         """Begin pulling `seq`'s missing KV into `blocks.load`; completion comes back via `Scheduler.finish_load`."""
 
+    def discard(self, seq: Sequence) -> None:
+        """`seq` ended before its pull started: let the prefill node free the blocks it holds for it."""
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -35,7 +39,7 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """This step brings the sequence level with its tokens, so its last row's logits pick the next token."""
         seq = self.seq
-        return not seq.remote_decode and seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.loading) + len(self.loaded)
 
     def finish(self, seq: Sequence, reason: FinishReason, status: RequestStatus = RequestStatus.FINISHED) -> None:
-        """Take `seq` out of every queue and give its blocks back (a prefill-role hold is released elsewhere)."""
+        """Take `seq` out of every queue and give its blocks back, except a prefill-role request that produced its
+        token: its blocks stay for the lease (`hold`); the engine's hold handler frees them if it leases nothing."""
         for queue in (self.running, self.waiting, self.loaded):
             if seq in queue:
                 queue.remove(seq)
@@ -89,10 +94,20 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.request_id in self.loading:
             return  # a READ may still be writing into its blocks: `finish_load` frees them once it has stopped
-        self.kv.free(seq.request_id)
+        if seq.remote_prefill is not None and self.loader is not None:
+            self.loader.discard(seq)  # ended before its pull: nothing of the prefill node's blocks is needed
+            seq.remote_prefill = None
+        if not self.holds(seq):
+            self.kv.free(seq.request_id)
+
+    @staticmethod
+    def holds(seq: Sequence) -> bool:
+        """A prefill-role request that ended with its token (not aborted, not failed) keeps its blocks."""
+        return seq.remote_decode and seq.status is RequestStatus.FINISHED and seq.finish_reason in (
+            FinishReason.STOP, FinishReason.LENGTH)
 
     def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
-        """The loader is done with `request_id`: on success its prompt (but the last token) is in the cache."""
+        """The loader is done with `request_id`: on success its whole prompt is in the cache."""
         seq = self.loading.pop(request_id, None)
         if seq is None:
             return None
@@ -100,19 +115,13 @@ class Scheduler:
             self.kv.free(request_id)
             return None
         if ok:
-            seq.num_computed_tokens = seq.num_prompt_tokens - 1
+            seq.num_computed_tokens = seq.num_prompt_tokens
             self.kv.commit(seq, seq.num_computed_tokens)
             # From here on the request is an ordinary local one: a preemption recomputes it here.
             self._drop_remote_prefill(seq)
             seq.status = RequestStatus.RUNNING
             self.loaded.append(seq)
         return seq
-
-    def detach(self, seq: Sequence) -> None:
-        """Take a finished prefill-role `seq` out of the queues but keep its blocks (held under a lease)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        seq.status = RequestStatus.FINISHED
 
     def recompute_locally(self, seq: Sequence) -> None:
         """Drop the remote prefill of `seq` (its load failed) and queue it to prefill here."""
@@ -178,8 +187,8 @@ class Scheduler:
             budget -= item.num_new_tokens
 
     def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
-        """Allocate for the remotely prefilled prompt (all but its last token) and hand it to the loader."""
-        external = seq.num_prompt_tokens - 1 - hit.num_tokens
+        """Allocate for the remotely prefilled prompt and hand it to the loader."""
+        external = seq.num_prompt_tokens - hit.num_tokens
         blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external, remote=True)
         if blocks is None:
             return False
@@ -193,7 +202,7 @@ class Scheduler:
         return True
 
     def _admit_local(self, seq: Sequence, hit: CacheHit, budget: int) -> ScheduledSeq | None:
-        """Start prefilling `seq` after its hit (no tokens at all for a prefill-role one-token prompt)."""
+        """Start prefilling `seq` after its hit."""
         seq.num_computed_tokens = hit.num_tokens
         num_new = self._num_new_tokens(seq, budget)
         blocks = self.kv.allocate_slots(seq, num_new, hit)
@@ -208,7 +217,7 @@ class Scheduler:
         return ScheduledSeq(seq, num_new, blocks)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.compute_target - seq.num_computed_tokens
+        remaining = seq.num_tokens - seq.num_computed_tokens
         num_new = min(remaining, budget)
         if num_new < remaining and self.chunk_boundary:
             end = (seq.num_computed_tokens + num_new) // self.chunk_boundary * self.chunk_boundary
@@ -225,7 +234,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, plan: SchedulerPlan, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance every scheduled sequence; returns those that produced a token or finished computing."""
+        """Advance every scheduled sequence; returns those that produced a token."""
         touched = []
         for item in plan.scheduled:
             seq = item.seq
@@ -236,13 +245,19 @@ class Scheduler:
                 seq.all_token_ids.append(token)
                 self._check_length_and_eos(seq)
                 touched.append(seq)
-            elif seq.remote_decode and seq.num_computed_tokens >= seq.compute_target:
-                touched.append(seq)
         return touched
 
     def _check_length_and_eos(self, seq: Sequence) -> None:
-        out = len(seq.output_token_ids)
+        reason = self.finish_reason(seq)
+        if reason is not None:
+            self.finish(seq, reason)
+
+    def finish_reason(self, seq: Sequence) -> FinishReason | None:
+        """Why `seq` ends with the token it just got (EOS, max_tokens, the model's length; a prefill-role request
+        ends at its first token), or None."""
         if not seq.sampling.ignore_eos and seq.all_token_ids[-1] in self.eos_token_ids:
-            self.finish(seq, FinishReason.STOP)
-        elif out >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, FinishReason.LENGTH)
+            return FinishReason.STOP
+        out = len(seq.output_token_ids)
+        if out >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len or seq.remote_decode:
+            return FinishReason.LENGTH
+        return None

@@ -1,7 +1,8 @@
 """The engine's mutable view of one request as it moves through the scheduler.
 
 States: WAITING -> RUNNING -> FINISHED, with RUNNING -> PREEMPTED -> WAITING when blocks run out (recompute), and
-WAITING -> WAITING_FOR_REMOTE_KV -> RUNNING for a request whose prompt was prefilled on another node.
+WAITING -> WAITING_FOR_REMOTE_KV -> RUNNING for a request whose prompt was prefilled on another node (it starts
+with the first output token that node sampled, and decodes on from it once the prompt's KV has arrived).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus
+from hybridpd.engine.sampling import skip_draw
 from hybridpd.engine.sampling_params import SamplingParams
 
 
@@ -21,7 +23,7 @@ class Sequence:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: bytes | None
-    remote_decode: bool                       # prefill role: compute N-1 tokens, hold blocks, answer params
+    remote_decode: bool                       # prefill role: compute the prompt, sample one token, hold blocks
     remote_prefill: RemotePrefillParams | None  # decode role: pull the prompt's KV from that node
     skip_mamba_align: bool
     generator: torch.Generator | None
@@ -36,16 +38,19 @@ class Sequence:
 
     @classmethod
     def from_request(
-        cls, request: EngineRequest, *, arrival_order: int, decode_skip_mamba_align: bool
+        cls, request: EngineRequest, *, arrival_order: int, decode_skip_mamba_align: bool, vocab_size: int
     ) -> Sequence:
         seed = request.sampling.seed
+        remote_prefill = request.kv_transfer if isinstance(request.kv_transfer, RemotePrefillParams) else None
         generator = None
         if not request.sampling.greedy:
             generator = torch.Generator()
             generator.manual_seed(seed if seed is not None else torch.seed())
-        remote_prefill = request.kv_transfer if isinstance(request.kv_transfer, RemotePrefillParams) else None
-        if remote_prefill is not None and remote_prefill.remote_num_tokens == 0:
-            remote_prefill = None  # a one-token prompt: nothing was prefilled remotely
+            if remote_prefill is not None:  # the prefill node drew the first token from the same seed
+                skip_draw(generator, vocab_size)
+        all_token_ids = list(request.prompt_token_ids)
+        if remote_prefill is not None:
+            all_token_ids.append(remote_prefill.first_token_id)
         return cls(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -56,14 +61,13 @@ class Sequence:
             skip_mamba_align=remote_prefill is not None and decode_skip_mamba_align,
             generator=generator,
             arrival_order=arrival_order,
-            all_token_ids=list(request.prompt_token_ids),
+            all_token_ids=all_token_ids,
         )
 
     @property
     def num_prompt_tokens(self) -> int:
-        """The prompt length the prefix cache may hit below. A prefill-role request stops at N-1 tokens."""
-        n = len(self.prompt_token_ids)
-        return n - 1 if self.remote_decode else n
+        """The prompt length the prefix cache may hit below."""
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -72,11 +76,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def compute_target(self) -> int:
-        """Tokens that must be in the cache before this request is done computing (or samples next)."""
-        return self.num_prompt_tokens if self.remote_decode else self.num_tokens
 
     @property
     def is_finished(self) -> bool:

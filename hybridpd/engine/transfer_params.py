@@ -1,9 +1,12 @@
 """`kv_transfer_params`, vLLM's wire shape, parsed into typed values: the engine's own request types (the connector,
 the server and the node roles import them from here; the engine imports no network package).
 
-Request side (proxy -> prefill node): `do_remote_decode: true` asks this node to prefill for a remote decoder.
-Request side (proxy -> decode node): `do_remote_prefill: true` plus the `remote_*` fields that the prefill node
-answered with, asks this node to pull the prompt's KV from that node and decode.
+Request side (proxy -> prefill node): `do_remote_decode: true` asks this node to prefill for a remote decoder: it
+computes the whole prompt, samples the first output token (its answer carries it, as vLLM's prefill answers do) and
+holds the prompt's blocks.
+Request side (proxy -> decode node): `do_remote_prefill: true` plus the fields that the prefill node answered with
+(`remote_*` where the blocks are, `first_token_*` the token it sampled), asks this node to pull the prompt's KV from
+that node and decode on from the first token, which it streams before the pull even starts.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridpd.engine.request import TokenLogprob
 from hybridpd.errors import InvalidRequestError
 
 _MAX_BLOCK_ID = 2**31 - 1
@@ -24,7 +28,8 @@ class RemoteDecodeParams:
 
 @dataclass(frozen=True, kw_only=True)
 class RemotePrefillParams:
-    """Where the prompt's KV lives: the prefill node's engine, request, blocks (per group) and side channel."""
+    """Where the prompt's KV lives (the prefill node's engine, request, blocks per group, side channel) and the
+    first output token it sampled from the prompt's last logits (with its logprobs when the request asked)."""
 
     remote_engine_id: str
     remote_request_id: str
@@ -34,6 +39,8 @@ class RemotePrefillParams:
     remote_num_tokens: int
     remote_lease_expiry: float | None = None
     remote_lease_secret: str | None = field(default=None, repr=False)  # proves this request holds the lease
+    first_token_id: int
+    first_token_logprob: TokenLogprob | None = None
 
     @property
     def peer(self) -> str:
@@ -51,7 +58,15 @@ class RemotePrefillParams:
             "remote_num_tokens": self.remote_num_tokens,
             "remote_lease_expiry": self.remote_lease_expiry,
             "remote_lease_secret": self.remote_lease_secret,
+            "first_token_id": self.first_token_id,
+            "first_token_logprob": _logprob_json(self.first_token_logprob),
         }
+
+
+def _logprob_json(logprob: TokenLogprob | None) -> dict[str, Any] | None:
+    if logprob is None:
+        return None
+    return {"token_id": logprob.token_id, "logprob": logprob.logprob, "top": [list(pair) for pair in logprob.top]}
 
 
 KVTransferParams = RemoteDecodeParams | RemotePrefillParams
@@ -85,6 +100,34 @@ def _block_ids(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(group) for group in value)
 
 
+def _logprob(value: Any, first_token_id: int) -> TokenLogprob | None:
+    name = "kv_transfer_params.first_token_logprob"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{name} must be an object or null", name)
+    token_id, logprob = value.get("token_id"), value.get("logprob")
+    if token_id != first_token_id or not _is_int(token_id):
+        raise InvalidRequestError(f"{name}.token_id is {token_id!r}, first_token_id is {first_token_id}", name)
+    if not _is_number(logprob):
+        raise InvalidRequestError(f"{name}.logprob must be a finite number", name)
+    top = value.get("top", [])
+    if not isinstance(top, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and _is_int(pair[0]) and _is_number(pair[1]) for pair in top
+    ):
+        raise InvalidRequestError(f"{name}.top must be a list of [token_id, logprob] pairs", name)
+    return TokenLogprob(token_id=token_id, logprob=float(logprob),
+                        top=tuple((int(t), float(lp)) for t, lp in top))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
     """None when the request is colocated; raises InvalidRequestError for a malformed value."""
     if raw is None:
@@ -106,9 +149,12 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
         raise InvalidRequestError(f"kv_transfer_params.remote_port is out of range: {port}",
                                   "kv_transfer_params.remote_port")
     num_tokens = _field(raw, "remote_num_tokens", int)
-    if num_tokens < 0:
-        raise InvalidRequestError("kv_transfer_params.remote_num_tokens must be >= 0",
+    if num_tokens < 1:
+        raise InvalidRequestError("kv_transfer_params.remote_num_tokens must be >= 1",
                                   "kv_transfer_params.remote_num_tokens")
+    first_token_id = _field(raw, "first_token_id", int)
+    if first_token_id < 0:
+        raise InvalidRequestError("kv_transfer_params.first_token_id must be >= 0", "kv_transfer_params.first_token_id")
     return RemotePrefillParams(
         remote_engine_id=_field(raw, "remote_engine_id", str),
         remote_request_id=_field(raw, "remote_request_id", str),
@@ -118,4 +164,6 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
         remote_num_tokens=num_tokens,
         remote_lease_expiry=_field(raw, "remote_lease_expiry", float, optional=True),
         remote_lease_secret=_field(raw, "remote_lease_secret", str, optional=True),
+        first_token_id=first_token_id,
+        first_token_logprob=_logprob(raw.get("first_token_logprob"), first_token_id),
     )

@@ -1,6 +1,6 @@
 """Leases on the blocks a prefill node holds for remote decoders.
 
-A lease is HELD from the moment the prompt's first N-1 tokens are computed until the decoder releases it or it
+A lease is HELD from the moment the prompt is computed (and its first token sampled) until the decoder releases it or it
 expires; only then are its blocks freed (they stay in the prefix cache). Blocks under a HELD lease are never
 reused, so a READ that the decoder finishes before a successful `release` saw valid data. Finished leases are
 remembered (boundedly) so that a late heartbeat or release gets a precise reason.

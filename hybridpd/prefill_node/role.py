@@ -1,10 +1,10 @@
 """The producer role of a kv_both node.
 
-A request with `kv_transfer_params.do_remote_decode` goes WAITING -> PREFILLING (its first N-1 prompt tokens;
-the decoder recomputes the last, which also yields the first output's logits) -> HELD(lease) -> RELEASED (the
-decoder said so) or EXPIRED (nobody renewed the lease in time). On HELD the node answers with the top-level
-`kv_transfer_params` that tell the decoder where the blocks are; on RELEASED or EXPIRED the blocks go back to the
-pool and stay in the prefix cache.
+A request with `kv_transfer_params.do_remote_decode` goes WAITING -> PREFILLING (the whole prompt, then one sampled
+token, as a colocated request computes it) -> HELD(lease) -> RELEASED (the decoder said so) or EXPIRED (nobody
+renewed the lease in time). On HELD the node answers with its first token and the top-level `kv_transfer_params`
+that tell the decoder where the blocks are and which token to decode on from; on RELEASED or EXPIRED the blocks go
+back to the pool and stay in the prefix cache.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import Transport
 from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.sequence import Sequence
 from hybridpd.prefill_node.leases import Lease, LeaseTable
 
@@ -46,24 +47,19 @@ class PrefillRole:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- engine thread ------------------------------------------------------------------------------------------
-    def hold(self, seq: Sequence) -> dict:
-        """The engine computed `seq`'s first N-1 tokens: lease exactly the blocks a decoder needs and say where."""
+    def hold(self, seq: Sequence, first_token_logprob: TokenLogprob | None) -> dict:
+        """The engine computed `seq`'s prompt and sampled its first token: lease exactly the blocks a decoder needs
+        and say where, and which token it decodes on from."""
         core = self.engine.engine
         num_tokens = seq.num_prompt_tokens
         table = core.kv.block_table(seq.request_id)
         block_ids = tuple(
             tuple(table[g][slice(*needed_span(group.spec, num_tokens))]) for g, group in enumerate(core.groups)
         )
-        if num_tokens == 0:  # a one-token prompt: nothing to transfer, the decoder computes it all
-            core.kv.free(seq.request_id)
-            expiry, secret = None, None
-        else:
-            digest = prompt_digest(seq.prompt_token_ids[:num_tokens])
-            lease = self.leases.add(seq.request_id, block_ids, num_tokens, digest)
-            expiry, secret = lease.expiry, lease.secret
-            if self._loop is not None and self._lease_added is not None:
-                self._loop.call_soon_threadsafe(self._lease_added.set)
-            self.metrics.lease_acquired()
+        lease = self.leases.add(seq.request_id, block_ids, num_tokens, prompt_digest(seq.prompt_token_ids))
+        if self._loop is not None and self._lease_added is not None:
+            self._loop.call_soon_threadsafe(self._lease_added.set)
+        self.metrics.lease_acquired()
         return RemotePrefillParams(
             remote_engine_id=self.engine_id,
             remote_request_id=seq.request_id,
@@ -71,8 +67,10 @@ class PrefillRole:
             remote_host=self.advertised_host,
             remote_port=self.side_channel_port,
             remote_num_tokens=num_tokens,
-            remote_lease_expiry=expiry,
-            remote_lease_secret=secret,
+            remote_lease_expiry=lease.expiry,
+            remote_lease_secret=lease.secret,
+            first_token_id=seq.output_token_ids[0],
+            first_token_logprob=first_token_logprob,
         ).to_json()
 
     # -- side channel (event loop) ------------------------------------------------------------------------------

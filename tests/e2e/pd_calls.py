@@ -1,7 +1,7 @@
 """vLLM's toy proxy, as the test_pd_* files drive two real nodes with it (this module holds no tests itself).
 
 Step 1: POST the prefill node the request with `max_tokens: 1`, `stream: false` and the `do_remote_decode`
-params; it answers top-level `kv_transfer_params`. Step 2: POST the decode node the original request plus those
+params; it answers its first token and top-level `kv_transfer_params`. Step 2: POST the decode node the original request plus those
 params. Also: start several nodes at once (start-up dominates these files' wall time), read SSE token ids, and
 wait for a metric without timing anything.
 """
@@ -79,7 +79,9 @@ def prefill_call(prefill: NodeProcess, body: Mapping[str, Any]) -> dict[str, Any
         timeout=REQUEST_TIMEOUT_S)
     assert status == 200, answer
     params = answer["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == len(body["prompt"]) - 1, params
+    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == len(body["prompt"]), params
+    if body.get("return_token_ids"):  # the first token is the prefill node's answer, and what the decoder goes on from
+        assert answer["choices"][0]["token_ids"] == [params["first_token_id"]], (answer, params)
     return params
 
 
@@ -138,6 +140,19 @@ def wait_for_metric(node: NodeProcess, name: str, at_least: float, timeout: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"{name} on {node.url} stayed at {value} (< {at_least}):\n{node.log_tail()}")
         time.sleep(0.1)
+
+
+def wait_for_metric_at_most(node: NodeProcess, name: str, at_most: float,
+                            timeout: float = METRIC_TIMEOUT_S) -> float:
+    """Poll /metrics until `name` (summed over labels) falls to `at_most`; returns its value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric_total(node, name)
+        if value <= at_most:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} on {node.url} stayed at {value} (> {at_most}):\n{node.log_tail()}")
+        time.sleep(0.05)
 
 
 def assert_drained(*nodes: NodeProcess) -> None:

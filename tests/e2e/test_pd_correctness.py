@@ -1,6 +1,7 @@
 """P/D correctness with two real nodes: greedy tokens through prefill-then-decode (driven as vLLM's toy proxy
 does) equal colocated tokens, for prompt lengths around the block size, prompts longer than every window,
-8 requests in flight at once, and a streamed decode call. After each scenario both nodes hold no lease and have
+8 requests in flight at once, and a streamed decode call; seeded sampling and logprobs equal colocated too; a
+request its first token ends pulls nothing. After each scenario both nodes hold no lease and have
 every block back in the pool.
 
 The tiny preset has windows 5 and 11 and Mamba chunk 8; it runs at block size 16 (windows inside one or two
@@ -31,6 +32,7 @@ from tests.e2e.pd_calls import (
     prefill_call,
     start_nodes,
     stop_all,
+    wait_for_metric_at_most,
 )
 
 LARGEST_WINDOW = 11
@@ -73,15 +75,52 @@ def test_prefill_then_decode_equals_colocated(pair, case):
     bytes_before = metric_total(decode, "hybridpd:kv_bytes_read_total")
 
     params = prefill_call(prefill, body)
-    if length == 1:  # nothing to transfer: the decoder computes the one prompt token itself
-        assert all(ids == [] for ids in params["remote_block_ids"]), params
+    assert params["first_token_id"] == expected[0]
     status, answer = decode_call(decode, body, params)
 
     assert status == 200, answer
     assert answer["choices"][0]["token_ids"] == expected
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the decoder never saw this prompt
-    bytes_read = metric_total(decode, "hybridpd:kv_bytes_read_total") - bytes_before
-    assert (bytes_read > 0) == (length > 1), bytes_read
+    assert metric_total(decode, "hybridpd:kv_bytes_read_total") > bytes_before   # even a one-token prompt's state
+    assert_drained(prefill, decode)
+
+
+@pytest.mark.parametrize("length", [1, 21, 150])
+def test_seeded_sampling_and_logprobs_through_pd_equal_colocated(pair, length):
+    """The prefill node samples the first token from the seed and sends its logprobs; the decode node's generator
+    skips that draw, so every later token is the colocated one too."""
+    prefill, decode, _ = pair
+    body = {"prompt": _prompt(length, seed=5000 + length), "max_tokens": 8, "temperature": 0.9, "top_k": 50,
+            "seed": 11, "logprobs": 3, "ignore_eos": True, "return_token_ids": True}
+    status, colocated = prefill.post_json("/v1/completions", body)
+    assert status == 200, colocated
+
+    status, answer = decode_call(decode, body, prefill_call(prefill, body))
+
+    assert status == 200, answer
+    want, got = colocated["choices"][0], answer["choices"][0]
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    assert [sorted(top) for top in got["logprobs"]["top_logprobs"]] == [
+        sorted(top) for top in want["logprobs"]["top_logprobs"]]
+    assert_drained(prefill, decode)
+
+
+def test_a_request_its_first_token_ends_pulls_nothing_and_frees_the_lease(pair):
+    prefill, decode, _ = pair
+    body = greedy_body(_prompt(40, seed=6000), max_tokens=1)
+    expected = colocated_token_ids(prefill, body)
+    bytes_before = metric_total(decode, "hybridpd:kv_bytes_read_total")
+    expired_before = metric_total(prefill, "hybridpd:kv_leases_expired_total")
+
+    status, answer = decode_call(decode, body, prefill_call(prefill, body))
+
+    assert status == 200, answer
+    assert answer["choices"][0]["token_ids"] == expected and answer["choices"][0]["finish_reason"] == "length"
+    assert metric_total(decode, "hybridpd:kv_bytes_read_total") == bytes_before
+    wait_for_metric_at_most(prefill, "hybridpd:kv_leases_held", 0)
+    assert metric_total(prefill, "hybridpd:kv_leases_expired_total") == expired_before   # released, not expired
     assert_drained(prefill, decode)
 
 

@@ -1,7 +1,8 @@
-"""`--no-decode-skip-mamba-align`: a remotely prefilled prompt whose local hit on the decode node is exactly N-1
-tokens (every group, Mamba included, holds it) has nothing to pull; its Mamba state must still come from somewhere
-before token N-1 is computed. Prompts whose N-1 falls on the Mamba interval (hit N-1) and off it (a smaller hit,
-the rest pulled) must both give the colocated tokens.
+"""`--no-decode-skip-mamba-align`: a remotely prefilled prompt whose local hit on the decode node covers every
+group, Mamba included, up to N-1 tokens (a hit stops short of the prompt's end) still pulls the rest: the last
+prompt token's blocks and the Mamba state after the whole prompt, since the decode node computes no prompt token
+and goes on from the prefill node's first token. Prompts whose N-1 falls on the Mamba interval (hit N-1) and off it
+(a smaller hit) must both give the colocated tokens.
 
 The decode node first serves the prompt itself (so it caches every Mamba state on the interval), then the same
 prompt arrives through P/D.
@@ -36,7 +37,7 @@ def pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("length, hit", [
-    (4 * INTERVAL + 1, 4 * INTERVAL),       # N-1 on the interval: the local hit is all of it, nothing to pull
+    (4 * INTERVAL + 1, 4 * INTERVAL),       # N-1 on the interval: the local hit is all but the last token
     (4 * INTERVAL + 5, 4 * INTERVAL),       # N-1 off the interval: the hit stops at the last boundary
     (2 * INTERVAL + 1, 2 * INTERVAL),
 ])

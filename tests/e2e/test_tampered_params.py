@@ -94,7 +94,11 @@ REFUSED_BEFORE_ANY_READ = [
     ("request id missing", _with(remote_request_id=None), 400, "remote_request_id is required"),
     ("num tokens as float", _with(remote_num_tokens=1.5), 400, "remote_num_tokens must be an integer"),
     ("num tokens one short", lambda p: {**p, "remote_num_tokens": p["remote_num_tokens"] - 1}, 400,
-     "its length minus one"),
+     "but this prompt has"),
+    ("first token missing", _with(first_token_id=None), 400, "first_token_id is required"),
+    ("first token outside the vocabulary", _with(first_token_id=10**6), 400, "outside the vocabulary"),
+    ("first token logprob of another token", lambda p: {**p, "first_token_logprob": {
+        "token_id": p["first_token_id"] + 1, "logprob": -1.0, "top": []}}, 400, "first_token_logprob"),
     ("flag as string", _with(do_remote_prefill="true"), 400, "do_remote_prefill must be a boolean"),
     ("both directions", _with(do_remote_decode=True), 400, "cannot both be true"),
     ("lease expiry as string", _with(remote_lease_expiry="never"), 400, "remote_lease_expiry"),

@@ -109,7 +109,8 @@ async def _role(policy=KVLoadFailurePolicy.FAIL, timeout=0.2):
     role._clients[("127.0.0.1", 1)] = client
     role._peers[("127.0.0.1", 1)] = "P"
     params = RemotePrefillParams(remote_engine_id="P", remote_request_id="p-1", remote_block_ids=((1, 2, 3),),
-                                 remote_host="127.0.0.1", remote_port=1, remote_num_tokens=NUM_TOKENS)
+                                 remote_host="127.0.0.1", remote_port=1, remote_num_tokens=NUM_TOKENS,
+                                 first_token_id=3)
     job = PullJob(request_id="r", params=params, hit_tokens=0, load=(((0, 4), (1, 5), (2, 6)),),
                   prompt_digest=prompt_digest(PROMPT[:NUM_TOKENS]))
     return role, fabric, core, client, job

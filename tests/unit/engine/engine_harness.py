@@ -35,13 +35,15 @@ def text_prompt(text: str) -> tuple[int, ...]:
 
 
 def remote_params_for(engine: LLMEngine, n_prompt: int, **changes) -> RemotePrefillParams:
-    n = n_prompt - 1
+    """What a prefill node would answer for an `n_prompt`-token prompt (made-up remote block ids; first token 5
+    unless `first_token_id` says otherwise)."""
+    n = n_prompt
     ids = []
     for group in engine.groups:
         start, end = needed_span(group.spec, n)
         ids.append(tuple(range(1, 1 + end - start)))
     fields = dict(remote_engine_id="prefill-0", remote_request_id="remote-r", remote_block_ids=tuple(ids),
-                  remote_host="127.0.0.1", remote_port=7000, remote_num_tokens=n) | changes
+                  remote_host="127.0.0.1", remote_port=7000, remote_num_tokens=n, first_token_id=5) | changes
     return RemotePrefillParams(**fields)
 
 

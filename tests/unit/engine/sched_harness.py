@@ -17,7 +17,9 @@ from hybridpd.engine.scheduler import Scheduler, SchedulerPlan
 from hybridpd.engine.sequence import Sequence
 
 EOS = 256
+VOCAB = 257
 FILLER = 7   # the token every made-up step samples, unless told otherwise
+FIRST_TOKEN = 9   # the first token a made-up prefill node sampled
 
 
 def fa(block_size: int = 4) -> FullAttentionSpec:
@@ -45,12 +47,17 @@ def make_kv(specs: tuple[KVCacheSpec, ...] = HYBRID, blocks: int | tuple[int, ..
 
 @dataclass
 class FakeLoader:
-    """Records each `start_load`; the test decides when (and whether) the load completes."""
+    """Records each `start_load` and `discard`; the test decides when (and whether) a load completes."""
 
     started: list[tuple[str, int, StepBlocks]] = field(default_factory=list)
 
+    discarded: list[str] = field(default_factory=list)
+
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
         self.started.append((seq.request_id, hit_tokens, blocks))
+
+    def discard(self, seq: Sequence) -> None:
+        self.discarded.append(seq.request_id)
 
 
 def make_scheduler(kv: KVCacheManager, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 4096,
@@ -72,18 +79,20 @@ def make_seq(rid: str, n: int, *, max_tokens: int = 4, ignore_eos: bool = True, 
     request = EngineRequest(request_id=rid, prompt_token_ids=prompt(n, base),
                             sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
                             kv_transfer=kv_transfer)
-    return Sequence.from_request(request, arrival_order=next(_order), decode_skip_mamba_align=skip_mamba_align)
+    return Sequence.from_request(request, arrival_order=next(_order), decode_skip_mamba_align=skip_mamba_align,
+                                 vocab_size=VOCAB)
 
 
 def remote_params(n_prompt: int, specs: tuple[KVCacheSpec, ...] = HYBRID) -> RemotePrefillParams:
     """What a prefill node would answer for an `n_prompt`-token prompt (made-up remote block ids)."""
-    n = n_prompt - 1
+    n = n_prompt
     ids = []
     for spec in specs:
         start, end = needed_span(spec, n)
         ids.append(tuple(range(100, 100 + end - start)))
     return RemotePrefillParams(remote_engine_id="p", remote_request_id="r", remote_block_ids=tuple(ids),
-                               remote_host="127.0.0.1", remote_port=7000, remote_num_tokens=n)
+                               remote_host="127.0.0.1", remote_port=7000, remote_num_tokens=n,
+                               first_token_id=FIRST_TOKEN)
 
 
 REMOTE_DECODE = RemoteDecodeParams()

@@ -37,8 +37,10 @@ def with_remote(engine, n_prompt: int, **changes) -> EngineRequest:
     (lambda e: greedy("a", (-1, 2)), "prompt", "outside the vocabulary"),
     (lambda e: greedy("a", (1,) * 120, max_tokens=9), "max_tokens", "maximum context length is 128"),
     (lambda e: greedy("a", (1,) * 129, max_tokens=1), "max_tokens", "maximum context length"),
-    (lambda e: with_remote(e, 20, remote_num_tokens=20), "kv_transfer_params", "remote_num_tokens is 20"),
-    (lambda e: with_remote(e, 20, remote_num_tokens=5), "kv_transfer_params", "needs 19"),
+    (lambda e: with_remote(e, 20, remote_num_tokens=19), "kv_transfer_params", "remote_num_tokens is 19"),
+    (lambda e: with_remote(e, 20, remote_num_tokens=5), "kv_transfer_params", "this prompt has 20 tokens"),
+    (lambda e: with_remote(e, 20, first_token_id=e.model_config.vocab_size), "kv_transfer_params",
+     "first_token_id 320 is outside the vocabulary"),
     (lambda e: with_remote(e, 20, remote_block_ids=((1,),) * 4), "kv_transfer_params", "has 4 groups"),
     (lambda e: with_remote(e, 20, remote_block_ids=((1, 2, 3, 4, 5, 6),) * 5), "kv_transfer_params",
      "remote_block_ids[0] has 6 blocks"),
@@ -130,7 +132,8 @@ def test_abort_of_a_waiting_request(engine):
 def remote_engine(tiny_dir):
     engine = make_engine(tiny_dir)
     loader = FakeLoader()
-    engine.set_remote(loader, hold_handler=lambda seq: {"held": seq.request_id}, decode_skip_mamba_align=True)
+    engine.set_remote(loader, hold_handler=lambda seq, logprob: {"held": seq.request_id},
+                      decode_skip_mamba_align=True)
     return engine, loader
 
 
@@ -140,15 +143,17 @@ def colocated_tokens(tiny_dir, n_prompt: int, max_tokens: int) -> list[int]:
     return token_ids(run(engine)["c"])
 
 
-@pytest.mark.parametrize("n_prompt", [2, 21, 30])
+@pytest.mark.parametrize("n_prompt", [1, 2, 21, 30])
 def test_fail_load_with_recompute_produces_the_colocated_tokens(tiny_dir, remote_engine, n_prompt):
     engine, loader = remote_engine
-    engine.add_request(with_remote(engine, n_prompt))
+    expected = colocated_tokens(tiny_dir, n_prompt, 4)
+    first = engine.add_request(with_remote(engine, n_prompt, first_token_id=expected[0]))
+    assert first.new_token_ids == (expected[0],) and not first.finished     # streamed before any step
     assert run(engine) == {}
     assert [rid for rid, _, _ in loader.started] == ["r"]
     assert engine.fail_load("r", KVTransferError("p:1", "boom"), recompute=True) is None
-    outputs = run(engine)["r"]
-    assert token_ids(outputs) == colocated_tokens(tiny_dir, n_prompt, 4)
+    outputs = [first, *run(engine)["r"]]
+    assert token_ids(outputs) == expected
     assert outputs[-1].finished and outputs[-1].error is None
     assert all_free(engine)
 
@@ -183,17 +188,20 @@ def test_prefill_role_holds_its_blocks_for_the_handler(tiny_dir, n_prompt, handl
     engine = make_engine(tiny_dir)
     held = []
     if handler:
-        engine.set_remote(FakeLoader(), hold_handler=lambda seq: held.append(seq) or {"n": seq.num_prompt_tokens},
-                          decode_skip_mamba_align=True)
+        engine.set_remote(FakeLoader(), hold_handler=lambda seq, logprob: held.append((seq, logprob)) or {
+            "n": seq.num_prompt_tokens}, decode_skip_mamba_align=True)
     engine.add_request(EngineRequest(request_id="p", prompt_token_ids=PROMPT[:n_prompt],
-                                     sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                                     sampling=SamplingParams(max_tokens=5, temperature=0.0, logprobs=2),
                                      kv_transfer=RemoteDecodeParams()))
     out, = run(engine)["p"]
-    assert out.finished and out.new_token_ids == () and out.num_output_tokens == 0
-    assert out.finish_reason is FinishReason.LENGTH
+    expected = colocated_tokens(tiny_dir, n_prompt, 1)
+    assert out.finished and out.new_token_ids == tuple(expected) and out.num_output_tokens == 1
+    assert out.finish_reason is FinishReason.LENGTH and out.logprobs[0].token_id == expected[0]
     if handler:
-        assert out.kv_transfer_params == {"n": n_prompt - 1}
-        assert held[0].num_computed_tokens == n_prompt - 1 and held[0].status is RequestStatus.FINISHED
+        assert out.kv_transfer_params == {"n": n_prompt}
+        seq, logprob = held[0]
+        assert logprob == out.logprobs[0]
+        assert seq.num_computed_tokens == n_prompt and seq.status is RequestStatus.FINISHED
         assert not all_free(engine)                   # held: the lease decides when they go
         engine.kv.free("p")
     else:

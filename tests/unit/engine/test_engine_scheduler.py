@@ -12,6 +12,8 @@ from hybridpd.engine.request import FinishReason, RequestStatus
 
 from .sched_harness import (
     EOS,
+    FILLER,
+    FIRST_TOKEN,
     HYBRID,
     REMOTE_DECODE,
     FakeLoader,
@@ -216,15 +218,15 @@ def test_remote_prefill_waits_for_the_loader_with_the_right_targets(prompt_len):
     (rid, hit, blocks), = loader.started
     assert (rid, hit) == ("r", 0)
     for spec, load, table in zip(HYBRID, blocks.load, blocks.block_tables):
-        start, end = needed_span(spec, prompt_len - 1)
+        start, end = needed_span(spec, prompt_len)
         assert [i for i, _ in load] == list(range(start, end)), spec.kind
         assert all(table[i] == local for i, local in load)
     sched.finish_load("r", ok=True)
-    assert seq.num_computed_tokens == prompt_len - 1 and seq.status is RequestStatus.RUNNING
+    assert seq.num_computed_tokens == prompt_len and seq.status is RequestStatus.RUNNING
     assert seq.remote_prefill is None
-    plan, touched = step(sched)
+    plan, touched = step(sched)                        # computes the first token, samples the second
     assert [(item.seq, item.num_new_tokens, item.samples) for item in plan.scheduled] == [(seq, 1, True)]
-    assert touched == [seq] and seq.output_token_ids == [7]
+    assert touched == [seq] and seq.output_token_ids == [FIRST_TOKEN, 7]
     run_to_end(sched)
     assert seq.finish_reason is FinishReason.LENGTH and all_free(kv)
 
@@ -238,7 +240,9 @@ def test_remote_prefill_pulls_only_what_the_local_hit_lacks():
     step(sched)
     (_, hit, blocks), = loader.started
     assert hit == 16                                   # full attention alone decides (Mamba skipped)
-    assert [[i for i, _ in load] for load in blocks.load] == [[4], [4], [0]]
+    # Full attention pulls the block after its hit (a hit stops short of the prompt's end); the window's one
+    # visible block is full and held here under its hash, so it is taken from the local cache, not pulled.
+    assert [[i for i, _ in load] for load in blocks.load] == [[4], [], [0]]
     sched.finish_load("r", ok=True)
     run_to_end(sched)
     assert all_free(kv)
@@ -274,7 +278,7 @@ def test_failed_load_can_recompute_locally():
     assert list(sched.waiting) == [seq, other]
     assert seq.status is RequestStatus.WAITING and seq.num_computed_tokens == 0 and not seq.skip_mamba_align
     plan, _ = step(sched)
-    assert plan.scheduled[0].seq is seq and plan.scheduled[0].num_new_tokens == 20
+    assert plan.scheduled[0].seq is seq and plan.scheduled[0].num_new_tokens == 21   # the prompt and its first token
     run_to_end(sched)
     assert seq.finish_reason is FinishReason.LENGTH and len(seq.output_token_ids) == 4 and all_free(kv)
 
@@ -288,31 +292,64 @@ def test_a_remote_prefill_without_a_loader_is_computed_here_with_the_common_hit(
     sched.add(seq)
     plan, _ = step(sched)
     item, = plan.scheduled
-    assert seq.num_cached_tokens == 16 and item.num_new_tokens == 8      # every group decides: LCM(4, 8)
+    assert seq.num_cached_tokens == 16 and item.num_new_tokens == 9      # every group decides: LCM(4, 8); + token 1
     assert all(load == () for load in item.blocks.load)
     run_to_end(sched)
     assert all_free(kv)
 
 
-@pytest.mark.parametrize("prompt_len, budget", [(20, 64), (20, 8), (2, 64), (1, 64)])
-def test_a_prefill_role_request_stops_at_n_minus_1_without_sampling(prompt_len, budget):
+@pytest.mark.parametrize("prompt_len, budget, max_tokens, first, reason", [
+    (20, 64, 4, FILLER, FinishReason.LENGTH),          # ends at its first token whatever max_tokens says
+    (20, 8, 1, FILLER, FinishReason.LENGTH),           # chunked
+    (2, 64, 4, EOS, FinishReason.STOP),                # an EOS first token ends it the same way (the decoder sees it)
+    (1, 64, 4, FILLER, FinishReason.LENGTH),           # a one-token prompt is leased like any other
+])
+def test_a_prefill_role_request_computes_the_prompt_samples_once_and_keeps_its_blocks(prompt_len, budget, max_tokens,
+                                                                                     first, reason):
     kv = make_kv()
     sched = make_scheduler(kv, budget=budget)
-    seq = make_seq("p", prompt_len, kv_transfer=REMOTE_DECODE)
+    seq = make_seq("p", prompt_len, kv_transfer=REMOTE_DECODE, max_tokens=max_tokens, ignore_eos=False)
     sched.add(seq)
-    computed = []
     touched = []
-    while not touched:
-        plan, touched = step(sched)
+    for _ in range(20):
+        plan, touched = step(sched, {"p": first})
+        if touched:
+            break
         assert not any(item.samples for item in plan.scheduled)
-        computed.append(seq.num_computed_tokens)
-        assert len(computed) < 20
-    assert touched == [seq] and seq.num_computed_tokens == prompt_len - 1 and seq.output_token_ids == []
-    sched.detach(seq)                                  # the engine's hold: blocks stay, queues forget it
-    assert not sched.has_work() and seq.status is RequestStatus.FINISHED
-    assert any(kv.block_table("p")[0]) == (prompt_len > 1)   # full attention holds the N-1 tokens
+    assert touched == [seq] and seq.num_computed_tokens == prompt_len and seq.output_token_ids == [first]
+    assert not sched.has_work() and seq.status is RequestStatus.FINISHED and seq.finish_reason is reason
+    assert sched.holds(seq) and any(kv.block_table("p")[0])   # full attention holds the prompt for the lease
     kv.free("p")
     assert all_free(kv)
+
+
+def test_an_aborted_prefill_role_request_holds_nothing():
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=8)
+    seq = make_seq("p", 20, kv_transfer=REMOTE_DECODE)
+    sched.add(seq)
+    step(sched)
+    sched.finish(seq, FinishReason.ABORT)
+    assert not sched.holds(seq) and all_free(kv)
+
+
+@pytest.mark.parametrize("end", ["abort", "fail"])
+def test_a_remote_prefill_that_ends_before_its_pull_lets_the_prefill_node_go(end):
+    kv, loader = make_kv(), FakeLoader()
+    sched = make_scheduler(kv, loader=loader, max_num_seqs=1)
+    sched.add(make_seq("busy", 6))
+    step(sched)
+    seq = make_seq("r", 20, kv_transfer=remote_params(20))
+    sched.add(seq)
+    step(sched)                                        # max_num_seqs: it waits
+    assert seq.status is RequestStatus.WAITING and loader.started == []
+    if end == "abort":
+        sched.finish(seq, FinishReason.ABORT)
+    else:
+        sched.finish(seq, FinishReason.ERROR, RequestStatus.FAILED)
+    assert loader.discarded == ["r"] and seq.remote_prefill is None
+    run_to_end(sched)
+    assert loader.started == [] and all_free(kv)
 
 
 @pytest.mark.parametrize("prompt_len, max_tokens, ignore_eos, max_model_len, tokens, reason, num_out", [

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams, parse_kv_transfer_params
 from hybridpd.errors import InvalidRequestError
 
@@ -20,12 +21,14 @@ PREFILL_SHAPE: dict[str, Any] = {
 DECODE_SHAPE: dict[str, Any] = {
     "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "engine-a",
     "remote_request_id": "req-1", "remote_block_ids": [[1, 2, 3], [], [7]], "remote_host": "10.0.0.5",
-    "remote_port": 7001, "remote_num_tokens": 40, "remote_lease_expiry": 1_700_000_000.5,
+    "remote_port": 7001, "remote_num_tokens": 40, "remote_lease_expiry": 1_700_000_000.5, "first_token_id": 42,
 }
+LOGPROB = {"token_id": 42, "logprob": -0.25, "top": [[42, -0.25], [7, -1.5]]}
 
 EXPECTED_PREFILL = RemotePrefillParams(
     remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((1, 2, 3), (), (7,)),
     remote_host="10.0.0.5", remote_port=7001, remote_num_tokens=40, remote_lease_expiry=1_700_000_000.5,
+    first_token_id=42,
 )
 
 
@@ -47,15 +50,20 @@ def without(base: dict[str, Any], name: str) -> dict[str, Any]:
     (with_(DECODE_SHAPE, remote_lease_expiry=None),
      RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1",
                          remote_block_ids=((1, 2, 3), (), (7,)), remote_host="10.0.0.5", remote_port=7001,
-                         remote_num_tokens=40)),
-    (with_(DECODE_SHAPE, remote_num_tokens=0, remote_block_ids=[[], [], []]),
-     RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((), (), ()),
-                         remote_host="10.0.0.5", remote_port=7001, remote_num_tokens=0,
-                         remote_lease_expiry=1_700_000_000.5)),
+                         remote_num_tokens=40, first_token_id=42)),
+    (with_(DECODE_SHAPE, first_token_id=0, first_token_logprob=None),
+     RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((1, 2, 3), (), (7,)),
+                         remote_host="10.0.0.5", remote_port=7001, remote_num_tokens=40,
+                         remote_lease_expiry=1_700_000_000.5, first_token_id=0)),
+    (with_(DECODE_SHAPE, first_token_logprob=LOGPROB),
+     RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((1, 2, 3), (), (7,)),
+                         remote_host="10.0.0.5", remote_port=7001, remote_num_tokens=40,
+                         remote_lease_expiry=1_700_000_000.5, first_token_id=42,
+                         first_token_logprob=TokenLogprob(token_id=42, logprob=-0.25, top=((42, -0.25), (7, -1.5))))),
     (with_(DECODE_SHAPE, remote_block_ids=[[0, 2**31 - 1]], remote_port=65535),
      RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((0, 2**31 - 1),),
                          remote_host="10.0.0.5", remote_port=65535, remote_num_tokens=40,
-                         remote_lease_expiry=1_700_000_000.5)),
+                         remote_lease_expiry=1_700_000_000.5, first_token_id=42)),
     ({}, None),                                                   # both flags absent: colocated
     ({"do_remote_decode": False, "do_remote_prefill": False}, None),
 ])
@@ -88,6 +96,19 @@ def test_well_formed(raw, expected):
     (with_(DECODE_SHAPE, remote_port=65536), "kv_transfer_params.remote_port"),
     (without(DECODE_SHAPE, "remote_num_tokens"), "kv_transfer_params.remote_num_tokens"),
     (with_(DECODE_SHAPE, remote_num_tokens=-1), "kv_transfer_params.remote_num_tokens"),
+    (with_(DECODE_SHAPE, remote_num_tokens=0), "kv_transfer_params.remote_num_tokens"),
+    (without(DECODE_SHAPE, "first_token_id"), "kv_transfer_params.first_token_id"),
+    (with_(DECODE_SHAPE, first_token_id=-1), "kv_transfer_params.first_token_id"),
+    (with_(DECODE_SHAPE, first_token_id="42"), "kv_transfer_params.first_token_id"),
+    (with_(DECODE_SHAPE, first_token_id=True), "kv_transfer_params.first_token_id"),
+    (with_(DECODE_SHAPE, first_token_logprob=[42, -0.25]), "kv_transfer_params.first_token_logprob"),
+    (with_(DECODE_SHAPE, first_token_logprob=with_(LOGPROB, token_id=7)), "kv_transfer_params.first_token_logprob"),
+    (with_(DECODE_SHAPE, first_token_logprob=with_(LOGPROB, logprob="low")), "kv_transfer_params.first_token_logprob"),
+    (with_(DECODE_SHAPE, first_token_logprob=with_(LOGPROB, logprob=math.nan)),
+     "kv_transfer_params.first_token_logprob"),
+    (with_(DECODE_SHAPE, first_token_logprob=with_(LOGPROB, top=[[42]])), "kv_transfer_params.first_token_logprob"),
+    (with_(DECODE_SHAPE, first_token_logprob=with_(LOGPROB, top=[["42", -1.0]])),
+     "kv_transfer_params.first_token_logprob"),
     (with_(DECODE_SHAPE, remote_num_tokens=False), "kv_transfer_params.remote_num_tokens"),
     (with_(DECODE_SHAPE, remote_num_tokens=3.5), "kv_transfer_params.remote_num_tokens"),
     (without(DECODE_SHAPE, "remote_block_ids"), "kv_transfer_params.remote_block_ids"),
@@ -117,9 +138,10 @@ def test_malformed_names_the_field(raw, field):
 @pytest.mark.parametrize("params", [
     EXPECTED_PREFILL,
     RemotePrefillParams(remote_engine_id="e", remote_request_id="r", remote_block_ids=(), remote_host="::1",
-                        remote_port=1, remote_num_tokens=0),
+                        remote_port=1, remote_num_tokens=1, first_token_id=0),
     RemotePrefillParams(remote_engine_id="e", remote_request_id="r", remote_block_ids=((5,), (6, 7)),
-                        remote_host="h", remote_port=65535, remote_num_tokens=17, remote_lease_expiry=12.0),
+                        remote_host="h", remote_port=65535, remote_num_tokens=17, remote_lease_expiry=12.0,
+                        first_token_id=3, first_token_logprob=TokenLogprob(token_id=3, logprob=-2.0, top=((9, -0.5),))),
 ])
 def test_to_json_round_trip(params):
     wire = params.to_json()

@@ -43,7 +43,7 @@ def test_bad_entries(entries, message):
 
 def _remote(host: str) -> dict:
     return {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_block_ids": [[1]],
-            "remote_host": host, "remote_port": 9100, "remote_num_tokens": 4}
+            "remote_host": host, "remote_port": 9100, "remote_num_tokens": 5, "first_token_id": 7}
 
 
 @pytest.mark.parametrize("trusted, host, status", [
