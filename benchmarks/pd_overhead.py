@@ -1,18 +1,21 @@
 """The fixed cost of P/D: one request at a time, through the proxy (prefill node, then decode node), against the
-same prompt length served colocated on one node; 128, 1,024 and 4,096 prompt tokens, one output token.
+same prompt length served colocated on one node; 128, 1,024 and 4,096 prompt tokens, streamed, two output tokens.
 
 One `LocalCluster` on the default preset (1 prefill + 1 decode node, one torch thread each, and the proxy). Per
 length and round, with a fresh random prompt each time (no prefix hit anywhere): (a) colocated: the prompt straight
 to the decode node; (b) P/D through the proxy; (c) the same two hops called directly, to split (b) into the
-prefill-role request, the decode-role request (pull + last token) and what the proxy adds on top. Rounds alternate
-(a) and (b), and each figure is the median of `--rounds`.
+prefill-role request, the decode-role request and what the proxy adds on top. Rounds alternate (a) and (b), and
+each figure is the median of `--rounds`. Every request streams two tokens: the first token's time (TTFT) is what
+P/D adds to the answer's start, the second's also carries the pull (the decode node streams the prefill node's
+first token at admission, then pulls, then computes the second).
 
-Last line: JSON with `added_ms_128`, `added_ms_1024`, `added_ms_4096` (P/D minus colocated, ms), `added_ratio_4096`
-(the same over colocated) and per length the parts: `prefill_role_ms`, `decode_role_ms`, `proxy_ms`, `colocated_ms`,
-`pd_ms`, and the decode role split into `pull_ms` (the mean READ, from the decode node's `hybridpd:kv_read_seconds`)
-and `decode_step_and_http_ms` (the rest: its HTTP, the step that starts the pull and the step computing the last
-prompt token). `proxy_ms` is P/D minus the two hops called directly, so it also carries their run-to-run noise.
-Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
+Last line: JSON with `added_ms_128`, `added_ms_1024`, `added_ms_4096` (P/D minus colocated TTFT, ms),
+`added_ratio_4096` (the same over colocated), the same for the second token (`added_second_token_ms_*`), and per
+length the parts: `colocated_ttft_ms`, `pd_ttft_ms`, `colocated_second_ms`, `pd_second_ms`, `prefill_role_ms` (the
+prefill-role request, non-streamed), `decode_role_ttft_ms` and `decode_role_second_ms` (the decode-role request
+streamed directly), `proxy_ms` (P/D TTFT minus the prefill role minus the decode role's TTFT: what the proxy adds,
+with the run-to-run noise of the three), and `pull_ms` (the mean READ, from the decode node's
+`hybridpd:kv_read_seconds`). Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
 """
 
 from __future__ import annotations
@@ -37,6 +40,27 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
+def stream(url: str, body: dict[str, Any]) -> tuple[float, float]:
+    """(seconds until the first token's chunk, until the second token's chunk) of a streamed completion."""
+    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({**body, "stream": True, "return_token_ids": True}).encode())
+    start = time.perf_counter()
+    times: list[float] = []
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        for raw in answer:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            for choice in event.get("choices", []):
+                times.extend([time.perf_counter() - start] * len(choice.get("token_ids") or ()))
+    if len(times) < 2:
+        raise RuntimeError(f"{url}: {len(times)} tokens streamed, 2 asked")
+    return times[0], times[1]
+
+
 def post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """(seconds until the whole answer arrived, the answer)."""
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
@@ -56,7 +80,7 @@ def read_seconds(metrics_url: str) -> tuple[float, float]:
 
 
 def body_for(length: int, rng: random.Random) -> dict[str, Any]:
-    return {"prompt": [rng.randrange(3, 250) for _ in range(length)], "max_tokens": 1, "temperature": 0,
+    return {"prompt": [rng.randrange(3, 250) for _ in range(length)], "max_tokens": 2, "temperature": 0,
             "ignore_eos": True}
 
 
@@ -75,36 +99,40 @@ def main() -> int:
     with LocalCluster(spec) as info:
         prefill_url, decode_url = info.prefill[0].url, info.decode[0].url
         for length in args.lengths:  # warm-up: every path once per length
-            post(decode_url, body_for(length, rng))
-            post(info.proxy_url, body_for(length, rng))
+            stream(decode_url, body_for(length, rng))
+            stream(info.proxy_url, body_for(length, rng))
         for length in args.lengths:
-            parts: dict[str, list[float]] = {k: [] for k in ("colocated", "pd", "prefill_role", "decode_role")}
+            parts: dict[str, list[float]] = {k: [] for k in (
+                "colocated_ttft", "colocated_second", "pd_ttft", "pd_second", "prefill_role", "decode_role_ttft",
+                "decode_role_second")}
             reads_before = read_seconds(info.decode[0].metrics_url)
             for r in range(args.rounds):
                 order = ("colocated", "pd") if r % 2 == 0 else ("pd", "colocated")
                 for kind in order:
                     url = decode_url if kind == "colocated" else info.proxy_url
-                    parts[kind].append(post(url, body_for(length, rng))[0])
+                    first, second = stream(url, body_for(length, rng))
+                    parts[f"{kind}_ttft"].append(first)
+                    parts[f"{kind}_second"].append(second)
                 body = body_for(length, rng)
-                seconds, answer = post(prefill_url, {**body, "kv_transfer_params": REMOTE_DECODE})
+                seconds, answer = post(prefill_url, {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})
                 parts["prefill_role"].append(seconds)
-                seconds, _ = post(decode_url, {**body, "kv_transfer_params": answer["kv_transfer_params"]})
-                parts["decode_role"].append(seconds)
+                first, second = stream(decode_url, {**body, "kv_transfer_params": answer["kv_transfer_params"]})
+                parts["decode_role_ttft"].append(first)
+                parts["decode_role_second"].append(second)
             ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
             figures = {f"{k}_ms": round(v, 2) for k, v in ms.items()}
-            figures["proxy_ms"] = round(ms["pd"] - ms["prefill_role"] - ms["decode_role"], 2)
+            figures["proxy_ms"] = round(ms["pd_ttft"] - ms["prefill_role"] - ms["decode_role_ttft"], 2)
             reads_after = read_seconds(info.decode[0].metrics_url)
             pulls = reads_after[1] - reads_before[1]
-            pull_ms = (reads_after[0] - reads_before[0]) / pulls * 1e3 if pulls else float("nan")
-            figures["pull_ms"] = round(pull_ms, 2)                                     # mean READ of a pull
-            figures["decode_step_and_http_ms"] = round(ms["decode_role"] - pull_ms, 2)  # the rest of the decode role
+            figures["pull_ms"] = round((reads_after[0] - reads_before[0]) / pulls * 1e3 if pulls else float("nan"), 2)
             results[str(length)] = figures
             print(f"{length} tokens: {figures}", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"rounds": args.rounds, "lengths": results}
     for length, figures in results.items():
-        out[f"added_ms_{length}"] = round(figures["pd_ms"] - figures["colocated_ms"], 2)
+        out[f"added_ms_{length}"] = round(figures["pd_ttft_ms"] - figures["colocated_ttft_ms"], 2)
+        out[f"added_second_token_ms_{length}"] = round(figures["pd_second_ms"] - figures["colocated_second_ms"], 2)
     if "4096" in results:
-        out["added_ratio_4096"] = round(out["added_ms_4096"] / results["4096"]["colocated_ms"], 4)
+        out["added_ratio_4096"] = round(out["added_ms_4096"] / results["4096"]["colocated_ttft_ms"], 4)
     print(json.dumps(out))
     return 0
 
