@@ -127,6 +127,7 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV memory of each side (GiB)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each workload per side, alternating")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--ours-args", default="", help="more `hybridpd serve` flags for our side, one string")
     parser.add_argument("--agreement-prompts", type=int, default=4)
     args = parser.parse_args()
 
@@ -142,7 +143,7 @@ def main() -> int:
                 "--host", "127.0.0.1", "--port", str(vllm_port)]
     ours_cmd = [sys.executable, "-m", "hybridpd", "serve", str(args.model), "--host", "127.0.0.1", "--port",
                 str(our_port), "--threads", "1", "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
-                "--no-enable-prefix-caching"]
+                "--no-enable-prefix-caching", *args.ours_args.split()]
     sides = {"ours": f"http://127.0.0.1:{our_port}", "vllm": f"http://127.0.0.1:{vllm_port}"}
     processes = {"vllm": subprocess.Popen(vllm_cmd, env=vllm_env), "ours": subprocess.Popen(ours_cmd)}
     try:

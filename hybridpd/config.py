@@ -65,6 +65,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    # Prefill tokens a step may carry while some request decodes (None: up to max_num_batched_tokens): bounds how
+    # long a decoding request waits for its next token when prompts arrive (benchmarks/README.md has the A/B).
+    max_prefill_tokens_while_decoding: int | None = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
@@ -72,6 +75,9 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 1, got "
+                             f"{self.max_prefill_tokens_while_decoding}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 

@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill, preemption by recompute, and requests that wait for remote KV.
 
 Each step: running requests first (decodes and unfinished prefills, in admission order), then requests whose
-remote KV has arrived, then waiting requests, while the token budget, `max_num_seqs` and free blocks allow. When
+remote KV has arrived, then waiting requests, while the token budget, `max_num_seqs` and free blocks allow. While
+some request decodes, prefill tokens (unfinished prompts and new ones) also share the smaller
+`max_prefill_tokens_while_decoding` budget, so that arriving prompts do not stall every decode for a long step. When
 a running request cannot get blocks, the most recently admitted running request that is not yet scheduled this
 step is preempted (its blocks freed, its tokens recomputed later); if none is left, the request itself is. A
 request whose prompt was prefilled remotely gets its blocks allocated, is handed to the loader and leaves the
@@ -19,6 +21,28 @@ from hybridpd.config import SchedulerConfig
 from hybridpd.engine.kv_cache.coordinator import CacheHit, KVCacheManager, StepBlocks
 from hybridpd.engine.request import FinishReason, RequestStatus
 from hybridpd.engine.sequence import Sequence
+
+
+def _decoding(seq: Sequence) -> bool:
+    """It needs one token computed to sample its next (a prompt or a recompute after preemption needs more)."""
+    return seq.num_tokens - seq.num_computed_tokens <= 1
+
+
+class _Budget:
+    """One step's token budgets: every token, and prefill tokens (a decode's one token is not prefill)."""
+
+    def __init__(self, tokens: int, prefill: int) -> None:
+        self.tokens = tokens
+        self.prefill = min(prefill, tokens)
+
+    def for_seq(self, seq: Sequence) -> int:
+        return self.tokens if _decoding(seq) else self.prefill
+
+    def spend(self, seq: Sequence, num_tokens: int) -> None:
+        if not _decoding(seq):
+            self.prefill -= num_tokens
+        self.tokens -= num_tokens
+        self.prefill = min(self.prefill, self.tokens)
 
 
 class RemoteKVLoader(Protocol):
@@ -143,17 +167,28 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         self.kv.expect_admissions(min(len(self.waiting), self.config.max_num_seqs - len(self.running)))
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
+        self._schedule_running(budget, scheduled, preempted)
         if not preempted:  # blocks are short: admitting more now would only preempt again
             self._admit_waiting(budget, scheduled)
         return SchedulerPlan(tuple(scheduled), tuple(preempted))
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[Sequence]) -> int:
-        """Give every running request its next tokens, preempting from the tail when blocks run out."""
+    def _prefill_cap(self) -> int:
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None or not any(_decoding(seq) for seq in self.running):
+            return self.config.max_num_batched_tokens
+        return cap
+
+    def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledSeq], preempted: list[Sequence]) -> None:
+        """Give every running request its next tokens, preempting from the tail when blocks run out. A prefill
+        that the prefill budget leaves no token this step waits for the next one."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = self._num_new_tokens(seq, budget.for_seq(seq))
+            if num_new == 0:
+                i += 1
+                continue
             blocks = self.kv.allocate_slots(seq, num_new)
             while blocks is None:
                 victim = self.running[-1]
@@ -165,13 +200,12 @@ class Scheduler:
             if blocks is None:
                 break
             scheduled.append(ScheduledSeq(seq, num_new, blocks))
-            budget -= num_new
+            budget.spend(seq, num_new)
             i += 1
-        return budget
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
-        """Admit waiting requests in order while the budget, `max_num_seqs` and free blocks allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
+        """Admit waiting requests in order while the budgets, `max_num_seqs` and free blocks allow."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.remote_prefill is not None and self.loader is None:
                 self._drop_remote_prefill(seq)  # nothing can pull it: prefill here, with a hit every group serves
@@ -180,11 +214,13 @@ class Scheduler:
                 if not self._start_remote_load(seq, hit):
                     return
                 continue
-            item = self._admit_local(seq, hit, budget)
+            if budget.prefill <= 0:
+                return
+            item = self._admit_local(seq, hit, budget.prefill)
             if item is None:
                 return
             scheduled.append(item)
-            budget -= item.num_new_tokens
+            budget.spend(seq, item.num_new_tokens)
 
     def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
         """Allocate for the remotely prefilled prompt and hand it to the loader."""

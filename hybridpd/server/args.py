@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched = parser.add_argument_group("scheduler and model")
     sched.add_argument("--max-num-seqs", type=int, default=32)
     sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sched.add_argument("--max-prefill-tokens-while-decoding", type=int, default=256,
+                       help="prefill tokens a step may carry while some request decodes, so that arriving prompts "
+                            "do not stall the decodes for long (0: up to --max-num-batched-tokens)")
     sched.add_argument("--max-model-len", type=int, default=None)
     sched.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     sched.add_argument("--threads", type=int, default=1, help="torch threads for this node")
@@ -155,6 +158,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding or None,
                 max_model_len=args.max_model_len,
             ),
         )

@@ -374,3 +374,46 @@ def test_finish_reasons(prompt_len, max_tokens, ignore_eos, max_model_len, token
     assert (seq.finish_reason, len(seq.output_token_ids)) == (reason, num_out)
     assert seq.output_token_ids == tokens[:num_out]
     assert all_free(kv)
+
+
+def _plan_rows(plan) -> list[tuple[str, int]]:
+    return [(item.seq.request_id, item.num_new_tokens) for item in plan.scheduled]
+
+
+@pytest.mark.parametrize("cap, boundary, arrivals, expected_steps", [
+    # No cap: the whole prompt joins the decode's step.
+    (None, None, [("b", 20)], [[("a", 1), ("b", 20)]]),
+    # A cap: the prompt is spread over steps that each carry the decode, until it decodes too.
+    (8, None, [("b", 20)], [[("a", 1), ("b", 8)], [("a", 1), ("b", 8)], [("a", 1), ("b", 4)], [("a", 1), ("b", 1)]]),
+    # Two prompts share the cap: the older one's chunk first.
+    (8, None, [("b", 6), ("c", 6)], [[("a", 1), ("b", 6), ("c", 2)], [("a", 1), ("b", 1), ("c", 4)]]),
+    # Chunks that stop short of the prompt still end on the Mamba boundary; the last one takes what is left.
+    (12, 8, [("b", 20)], [[("a", 1), ("b", 8)], [("a", 1), ("b", 12)], [("a", 1), ("b", 1)]]),
+    # A cap larger than the prompt changes nothing.
+    (64, None, [("b", 20)], [[("a", 1), ("b", 20)]]),
+])
+def test_prefill_tokens_are_capped_while_a_request_decodes(cap, boundary, arrivals, expected_steps):
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=64, prefill_cap=cap, chunk_boundary=boundary)
+    sched.add(make_seq("a", 4, max_tokens=50))
+    plan, _ = step(sched)
+    assert _plan_rows(plan) == [("a", 4)]               # nobody decodes yet: the cap does not apply
+    for rid, n in arrivals:
+        sched.add(make_seq(rid, n, base=len(rid) * 7, max_tokens=50))
+    for expected in expected_steps:
+        plan, _ = step(sched)
+        assert _plan_rows(plan) == expected
+    for seq in [*sched.running]:
+        sched.finish(seq, FinishReason.ABORT)
+    assert all_free(kv)
+
+
+def test_without_a_decoding_request_the_cap_does_not_apply():
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=64, prefill_cap=8)
+    sched.add(make_seq("a", 20))
+    sched.add(make_seq("b", 20))
+    plan, _ = step(sched)
+    assert _plan_rows(plan) == [("a", 20), ("b", 20)]
+    run_to_end(sched)
+    assert all_free(kv)
