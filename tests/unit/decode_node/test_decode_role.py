@@ -227,3 +227,14 @@ async def test_a_lease_lost_while_the_read_runs_fails_once_after_the_read_stops(
     await _settle(role)
     # FAIL policy: the client hears at once; the blocks wait for the READ to stop
     assert core.calls == (["fail_load"] if cancellable else ["fail", "release_load"]) and client.releases == [True]
+
+
+async def test_a_request_that_ends_before_its_pull_releases_the_lease_and_reads_nothing():
+    """`discard` (the engine thread's call when a remotely prefilled request ends before its pull: its first token
+    ended it, or it was aborted while waiting) sends an aborted Release, and no READ starts."""
+    role, fabric, core, client, job = await _role()
+    seq = dataclasses.make_dataclass("Seq", ["remote_prefill"])(remote_prefill=job.params)
+    role.discard(seq)
+    await asyncio.sleep(0)          # the release is posted to the loop from the engine thread
+    await _settle(role)
+    assert client.releases == [True] and core.calls == [] and not role.transport.num_running()
