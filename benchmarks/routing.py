@@ -109,7 +109,8 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
     spec = ClusterSpec(
         num_prefill=2, num_decode=2, model_dir=default_model_dir(), port=proxy_port, base_port=base_port,
         kv_events=True, serve_args=("--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs",
-                                    str(MAX_NUM_SEQS), "--mamba-cache-budget", str(args.mamba_cache_budget)),
+                                    str(MAX_NUM_SEQS), "--mamba-cache-budget", str(args.mamba_cache_budget),
+                                    *args.serve_args.split()),
         proxy_args=("--routing", policy, "--prefill-timeout", "600", "--decode-timeout", "600",
                     *(("--load-tokens-per-request", str(args.load_tokens_per_request))
                       if args.load_tokens_per_request is not None else ())),
@@ -162,6 +163,7 @@ def main() -> int:
                         help="bytes of KV memory per node (default: attention for ~60%% of the prefixes' tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="fresh cluster pairs, the policies alternating (~20 s each)")
     parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
+    parser.add_argument("--serve-args", default="", help="more `hybridpd serve` flags for every node, one string")
     args = parser.parse_args()
     if args.kv_cache_memory is None:
         per_prefix = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16) * 16
