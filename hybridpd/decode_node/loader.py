@@ -97,7 +97,7 @@ class DecodeRole:
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
         assert seq.remote_prefill is not None
         job = PullJob(request_id=seq.request_id, params=seq.remote_prefill, hit_tokens=hit_tokens, load=blocks.load,
-                      prompt_digest=prompt_digest(seq.prompt_token_ids[: seq.remote_prefill.remote_num_tokens]))
+                      prompt_digest=prompt_digest(seq.prompt_token_ids))
         self._loop.call_soon_threadsafe(self._spawn, job)
 
     def discard(self, seq: Sequence) -> None:

@@ -120,7 +120,7 @@ class Scheduler:
             return  # a READ may still be writing into its blocks: `finish_load` frees them once it has stopped
         if seq.remote_prefill is not None and self.loader is not None:
             self.loader.discard(seq)  # ended before its pull: nothing of the prefill node's blocks is needed
-            seq.remote_prefill = None
+            self._drop_remote_prefill(seq)
         if not self.holds(seq):
             self.kv.free(seq.request_id)
 

@@ -78,9 +78,9 @@ def _field(obj: dict[str, Any], name: str, kind: type, *, optional: bool = False
         return None
     if value is None:
         raise InvalidRequestError(f"kv_transfer_params.{name} is required", f"kv_transfer_params.{name}")
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+    if kind is int and not _is_int(value):
         raise InvalidRequestError(f"kv_transfer_params.{name} must be an integer", f"kv_transfer_params.{name}")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+    if kind is float and not _is_number(value):
         raise InvalidRequestError(f"kv_transfer_params.{name} must be a finite number", f"kv_transfer_params.{name}")
     if kind is str and (not isinstance(value, str) or not value):
         raise InvalidRequestError(f"kv_transfer_params.{name} must be a non-empty string", f"kv_transfer_params.{name}")
