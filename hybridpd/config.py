@@ -105,6 +105,7 @@ class EngineConfig:
     model_dir: Path
     dtype: str = "float32"
     threads: int = 1
+    cpus: frozenset[int] | None = None   # the engine thread's CPUs (--engine-cpus); None: wherever the OS puts it
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

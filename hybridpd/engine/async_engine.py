@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from hybridpd.engine.cpu_set import pin_current_thread
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.kv_cache.events import KVCacheEvent
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput
@@ -121,6 +122,9 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._closing.discard, request_id)
 
     def _run(self) -> None:
+        cpus = self.engine.config.cpus
+        if cpus is not None:
+            pin_current_thread(cpus)
         try:
             while True:
                 item = self._inbox.get() if not self.engine.has_work() else self._poll_inbox()

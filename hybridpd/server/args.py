@@ -26,6 +26,7 @@ from hybridpd.config import (
     SchedulerConfig,
 )
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.engine.cpu_set import parse_cpu_list
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.server.config import ServerConfig
@@ -101,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-model-len", type=int, default=None)
     sched.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     sched.add_argument("--threads", type=int, default=1, help="torch threads for this node")
+    sched.add_argument("--engine-cpus", default=None,
+                       help="CPUs the engine thread runs on, a Linux CPU list (0, 0-3, 0,2); default: unpinned")
     sched.add_argument("--seed", type=int, default=0)
 
     pd = parser.add_argument_group("prefill/decode disaggregation")
@@ -143,6 +146,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             model_dir=model_dir,
             dtype=args.dtype,
             threads=args.threads,
+            cpus=parse_cpu_list(args.engine_cpus) if args.engine_cpus is not None else None,
             seed=args.seed,
             cache=CacheConfig(
                 block_size=args.block_size,

@@ -15,9 +15,10 @@ MAX_STEPS = 500
 
 
 def make_engine(model_dir: Path, *, num_blocks: int = 64, budget: int = 2048, max_num_seqs: int = 8,
-                max_model_len: int | None = None) -> LLMEngine:
+                max_model_len: int | None = None, cpus: frozenset[int] | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model_dir=model_dir,
+        cpus=cpus,
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len),

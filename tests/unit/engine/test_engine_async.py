@@ -6,6 +6,7 @@ Checks of the engine's state run on the engine thread (`on_engine`), so they nev
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -142,3 +143,18 @@ async def drain(stream):
     async for out in stream:
         last = out
     return last
+
+
+async def test_the_engine_thread_runs_on_the_cpus_it_is_given(tiny_dir):
+    """`--engine-cpus`: the engine thread (not the event loop's) is pinned before its first step."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    engine = AsyncEngine(make_engine(tiny_dir, cpus=frozenset({cpu})), "tiny")
+    engine.start()
+    try:
+        assert await on_engine(engine, lambda: os.sched_getaffinity(0)) == {cpu}
+        outputs = await asyncio.wait_for(collect(engine, greedy("a", PROMPT, max_tokens=2)), DEADLINE_S)
+        assert outputs[-1].finished
+    finally:
+        await asyncio.wait_for(engine.shutdown(0), DEADLINE_S)
+    assert os.sched_getaffinity(0) == before   # the calling thread is left as it was

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,19 @@ def test_defaults():
     assert (c.kv_transfer.kv_port, c.kv_transfer.lease_seconds, c.kv_transfer.load_timeout_seconds) == (9100, 60.0, 30.0)
     assert c.kv_transfer.load_failure_policy is KVLoadFailurePolicy.FAIL
     assert c.kv_transfer.decode_skip_mamba_align and c.kv_transfer.cluster_token is None
+    assert (c.engine.cpus, c.engine.scheduler.max_prefill_tokens_while_decoding) == (None, 256)
+
+
+@pytest.mark.parametrize("text, cpus", [("0", {0}), ("0-1", {0, 1}), ("1,0", {0, 1}), (" 0 ", {0})])
+def test_engine_cpus(text, cpus):
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        pytest.skip(f"this machine lets the process use CPUs {sorted(available)}")
+    assert configs(["--engine-cpus", text]).engine.cpus == cpus
+
+
+def test_no_prefill_cap_while_decoding():
+    assert configs(["--max-prefill-tokens-while-decoding", "0"]).engine.scheduler.max_prefill_tokens_while_decoding is None
 
 
 def test_every_flag(tmp_path):
@@ -111,6 +125,11 @@ def test_argparse_rejects(argv, capsys):
         (["--tls-cert", "/nonexistent/cert.pem"], "--tls-cert and --tls-key go together"),
         (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"], "cannot read --tls-cert"),
         (["--kv-events-config", "{"], "--kv-events-config is not JSON"),
+        (["--max-prefill-tokens-while-decoding", "-1"], "--max-prefill-tokens-while-decoding"),
+        (["--engine-cpus", "a"], "--engine-cpus must be a CPU list"),
+        (["--engine-cpus", "3-1"], "--engine-cpus must be a CPU list"),
+        (["--engine-cpus", "0,"], "--engine-cpus must be a CPU list"),
+        (["--engine-cpus", "4096"], "not available to this process"),
     ],
 )
 def test_config_rejects_with_typed_error(argv, words):
