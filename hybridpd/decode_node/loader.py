@@ -144,7 +144,8 @@ class DecodeRole:
         if client is not None:
             try:
                 secret = job.params.remote_lease_secret or ""
-                await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True, secret=secret), 2.0)
+                await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True, secret=secret),
+                                       _RELEASE_TIMEOUT_S)
             except Exception:  # the peer may be gone; its lease then expires by itself
                 pass
         end.fail(error)
@@ -265,8 +266,7 @@ class DecodeRole:
         returns until when (perf_counter) the lease is proven live. If the pull's deadline cancels this wait,
         `_pull` cancels the READ or, failing that, keeps the blocks until it stops (`_keep_blocks_until_stopped`)."""
         delay = _POLL_FIRST_S
-        now = time.perf_counter()
-        renew_at = now + max(live_until - now, _MIN_RENEW_S) / 2
+        renew_at = _renew_at(live_until)
         while True:
             state = self.transport.poll(handle)
             if state is TransferState.DONE:
@@ -277,7 +277,12 @@ class DecodeRole:
                 sent = time.perf_counter()
                 lease = await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")
                 live_until = sent + lease.seconds_left
-                now = time.perf_counter()
-                renew_at = now + max(live_until - now, _MIN_RENEW_S) / 2
+                renew_at = _renew_at(live_until)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
+
+
+def _renew_at(live_until: float) -> float:
+    """When to renew a lease proven live until `live_until` (perf_counter): half way there, at least 50 ms out."""
+    now = time.perf_counter()
+    return now + max(live_until - now, _MIN_RENEW_S) / 2
