@@ -4,7 +4,8 @@ A slot holds the conv state (the last d_conv - 1 pre-conv inputs xBC, [d_conv - 
 and the ssm state ([heads, head_dim, d_state], float32). A prefill chunk starts from the sequence's slot
 (zeros when num_computed == 0: a slot may hold a previous owner's state), writes the states the scheduler
 asked for (`mamba_saves`) and its final state back to the slot. Decode rows (one new token, num_computed > 0)
-take one batched recurrent step.
+take one batched recurrent step: for a float32 model, a decode-only step runs the compiled per-row kernel
+(fused_mamba_decode.py), which also applies the gated norm.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
+from hybridpd.engine.model.fused_mamba_decode import mamba_decode_
 from hybridpd.engine.model.layers import GatedRMSNorm
 from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
@@ -57,6 +59,8 @@ class Mamba2Mixer(nn.Module):
             self.intermediate, self.intermediate // self.groups, config.rms_norm_eps, dtype
         )
         self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mamba_proj_bias, dtype=dtype)
+        # The kernel's conv bias when the layer has none (zeros: the same sums).
+        self._zero_bias = torch.zeros(self.conv_dim, dtype=torch.float32)
         self._constants_of: tuple[torch.Tensor, ...] = ()
         self._constants_versions: tuple[int, ...] = ()
         self._constants_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
@@ -84,12 +88,14 @@ class Mamba2Mixer(nn.Module):
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, MambaGroupMeta):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
+        conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
+        if meta.prefill is None and meta.decode is not None and _all_float32(x, conv_cache, ssm_cache):
+            return self._decode_fused(x, meta.decode, conv_cache, ssm_cache)
         gate, xbc, dt_raw = self._project(x, separate_gate=meta.prefill is not None)
         A, D, dt_bias = self._constants()
         dt = F.softplus(dt_raw.float() + dt_bias)
         if self.dt_min > 0 or self.dt_max < math.inf:  # softplus is >= 0: the default limit (0, inf) is a no-op
             dt = dt.clamp_(self.dt_min, self.dt_max)
-        conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
         if meta.prefill is None and meta.decode is not None:  # only decode rows: all of them, in order
             y = self._decode(meta.decode, xbc, dt, A, D, conv_cache, ssm_cache)
             return self._out(y, gate, x.dtype)
@@ -100,6 +106,29 @@ class Mamba2Mixer(nn.Module):
         if meta.prefill is not None:
             self._prefill(meta.prefill, xbc, dt, A, D, y, conv_cache, ssm_cache)
         return self._out(y, gate, x.dtype)
+
+    def _decode_fused(
+        self, x: torch.Tensor, d: MambaDecode, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode-only step (every row of x, in order) through the compiled kernel: in_proj, the kernel (conv,
+        state update, read-out, gated norm; the states updated where they are), out_proj."""
+        A, D, dt_bias = self._constants()
+        proj = F.linear(x, self.in_proj.weight, self.in_proj.bias)
+        bias = self.conv1d.bias
+        y = mamba_decode_(
+            proj, d.slots, conv_cache, ssm_cache, self.conv_weight, self._zero_bias if bias is None else bias,
+            dt_bias, A, D, (self.dt_min, self.dt_max), self.norm.weight, self.norm.group_size, self.norm.eps,
+            self.groups,
+        )
+        self._copy_saves(d, conv_cache, ssm_cache)
+        return F.linear(y, self.out_proj.weight, self.out_proj.bias)
+
+    @staticmethod
+    def _copy_saves(d: MambaDecode, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> None:
+        """The states some rows must also keep in other slots (prefix-cache saves at this position)."""
+        for index, slot in d.saves:
+            conv_cache[slot] = conv_cache[d.slots[index]]
+            ssm_cache[slot] = ssm_cache[d.slots[index]]
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm, then out_proj (as plain functions: module calls cost a few us each in a decode step)."""
@@ -196,7 +225,9 @@ class Mamba2Mixer(nn.Module):
         else:
             conv_cache.index_copy_(0, d.slots, window[:, 1:].to(conv_cache.dtype))
             ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
-        for index, slot in d.saves:
-            conv_cache[slot] = conv_cache[d.slots[index]]
-            ssm_cache[slot] = ssm_cache[d.slots[index]]
+        self._copy_saves(d, conv_cache, ssm_cache)
         return out.view(-1, self.intermediate)
+
+
+def _all_float32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)
