@@ -18,11 +18,11 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.fused_mamba_decode import mamba_decode_
+from hybridpd.engine.model.fused_mamba import mamba_rows_
 from hybridpd.engine.model.layers import GatedRMSNorm
 from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
-from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, StepContext
+from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, MambaRows, StepContext
 
 
 class Mamba2Mixer(nn.Module):
@@ -89,8 +89,8 @@ class Mamba2Mixer(nn.Module):
         if not isinstance(meta, MambaGroupMeta):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
-        if meta.prefill is None and meta.decode is not None and _all_float32(x, conv_cache, ssm_cache):
-            return self._decode_fused(x, meta.decode, conv_cache, ssm_cache)
+        if meta.rows is not None:
+            return self._forward_fused(x, meta.rows, conv_cache, ssm_cache)
         gate, xbc, dt_raw = self._project(x, separate_gate=meta.prefill is not None)
         A, D, dt_bias = self._constants()
         dt = F.softplus(dt_raw.float() + dt_bias)
@@ -107,20 +107,19 @@ class Mamba2Mixer(nn.Module):
             self._prefill(meta.prefill, xbc, dt, A, D, y, conv_cache, ssm_cache)
         return self._out(y, gate, x.dtype)
 
-    def _decode_fused(
-        self, x: torch.Tensor, d: MambaDecode, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
+    def _forward_fused(
+        self, x: torch.Tensor, rows: MambaRows, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
     ) -> torch.Tensor:
-        """A decode-only step (every row of x, in order) through the compiled kernel: in_proj, the kernel (conv,
-        state update, read-out, gated norm; the states updated where they are), out_proj."""
+        """A float32 step through the compiled kernel: in_proj, the kernel (conv, state updates, read-out, gated
+        norm, row by row; the states updated where they sit and saved where asked), out_proj."""
         A, D, dt_bias = self._constants()
         proj = F.linear(x, self.in_proj.weight, self.in_proj.bias)
         bias = self.conv1d.bias
-        y = mamba_decode_(
-            proj, d.slots, conv_cache, ssm_cache, self.conv_weight, self._zero_bias if bias is None else bias,
+        y = mamba_rows_(
+            proj, rows, conv_cache, ssm_cache, self.conv_weight, self._zero_bias if bias is None else bias,
             dt_bias, A, D, (self.dt_min, self.dt_max), self.norm.weight, self.norm.group_size, self.norm.eps,
             self.groups,
         )
-        self._copy_saves(d, conv_cache, ssm_cache)
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
 
     @staticmethod
@@ -228,6 +227,3 @@ class Mamba2Mixer(nn.Module):
         self._copy_saves(d, conv_cache, ssm_cache)
         return out.view(-1, self.intermediate)
 
-
-def _all_float32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 for t in tensors)

@@ -96,9 +96,26 @@ def _progression(values: list[int]) -> slice | None:
 
 
 @dataclass(frozen=True)
+class MambaRows:
+    """A float32 group's step as the compiled kernel walks it (fused_mamba.py): sequence q's rows
+    [starts[q], starts[q] + lengths[q]) in order, from its slot's state (resumed 1) or from zeros (0); after row
+    `save_after[v]` of sequence `save_seqs[v]` (ordered by sequence, then row) the state is also copied to
+    `save_slots[v]`. All int64 [Q] or [V]."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    resumed: torch.Tensor
+    slots: torch.Tensor
+    save_seqs: torch.Tensor
+    save_after: torch.Tensor
+    save_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class MambaGroupMeta:
     decode: MambaDecode | None
     prefill: MambaPrefillLayout | None  # every other sequence, convolved and scanned together
+    rows: MambaRows | None = None  # float32 caches: every sequence, for the kernel (then decode/prefill are None)
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,8 @@ def build_group_meta(
         layouts = {} if shared is None else shared
         return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan)
     if isinstance(spec, MambaSpec):
+        if all(dtype == torch.float32 for dtype in spec.dtypes):
+            return MambaGroupMeta(decode=None, prefill=None, rows=_mamba_rows(batch, group_id))
         return _mamba_meta(batch, group_id, mamba_chunk_size, spec.conv_state_shape[0])
     raise TypeError(f"no model support for KV spec {type(spec).__name__}")
 
@@ -301,14 +320,34 @@ def _decode_only_meta(
     )
 
 
+def _checked_saves(s: SeqEntry, g: int) -> tuple[tuple[int, int], ...]:
+    saves = s.mamba_saves[g] if s.mamba_saves else ()
+    for num_tokens, _ in saves:
+        if not s.num_computed < num_tokens <= s.end:
+            raise ValueError(f"mamba save at {num_tokens} tokens is outside this step ({s.num_computed}, {s.end}]")
+    return saves
+
+
+def _mamba_rows(batch: ForwardBatch, g: int) -> MambaRows:
+    save_seqs, save_after, save_slots = [], [], []
+    for q, s in enumerate(batch.seqs):
+        for num_tokens, slot in sorted(_checked_saves(s, g)):
+            save_seqs.append(q)
+            save_after.append(num_tokens - s.num_computed)
+            save_slots.append(slot)
+    return MambaRows(
+        starts=int64_tensor(batch.row_starts), lengths=int64_tensor([s.num_new for s in batch.seqs]),
+        resumed=int64_tensor([int(s.num_computed > 0) for s in batch.seqs]),
+        slots=int64_tensor([int(s.block_tables[g][0]) for s in batch.seqs]),
+        save_seqs=int64_tensor(save_seqs), save_after=int64_tensor(save_after), save_slots=int64_tensor(save_slots),
+    )
+
+
 def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:
     decode_rows, decode_slots, decode_saves, prefills = [], [], [], []
     for row_start, s in zip(batch.row_starts, batch.seqs):
         slot = int(s.block_tables[g][0])
-        saves = s.mamba_saves[g] if s.mamba_saves else ()
-        for num_tokens, _ in saves:
-            if not s.num_computed < num_tokens <= s.end:
-                raise ValueError(f"mamba save at {num_tokens} tokens is outside this step ({s.num_computed}, {s.end}]")
+        saves = _checked_saves(s, g)
         if s.num_new == 1 and s.num_computed > 0:
             decode_saves.extend((len(decode_rows), save_slot) for _, save_slot in saves)
             decode_rows.append(row_start)

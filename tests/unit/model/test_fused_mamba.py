@@ -1,0 +1,124 @@
+"""The compiled Mamba2 kernel against the formulas evaluated plainly in float64, token by token.
+
+Shapes as the mixer has them: the caches are views into wider storage rows (slots strided, each slot contiguous),
+slots in any order, one or several groups, with and without a conv bias, a dt limit or not; sequences of one row
+(decode) and of many (prefill chunks), resumed from their slot or starting from zeros over a stale slot, states
+saved to other slots after given rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpd.engine.model.forward_batch import int64_tensor
+from hybridpd.engine.model.fused_mamba import mamba_rows_
+from hybridpd.engine.model.step_context import MambaRows
+
+
+def _reference(proj, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups):
+    """One row: returns (out, new conv state, new ssm state), all float64."""
+    heads, head_dim, d_state = ssm_state.shape
+    inner, width = heads * head_dim, conv_w.shape[0]
+    conv_dim = conv_w.shape[1]
+    gate, new, dt_raw = proj[:inner], proj[inner : inner + conv_dim], proj[inner + conv_dim :]
+    window = torch.cat([conv_state, new[None]])  # [width, C]
+    conv = F.silu((window * conv_w).sum(0) + conv_b)
+    x = conv[:inner].view(heads, head_dim)
+    B = conv[inner : inner + groups * d_state].view(groups, d_state)
+    C = conv[inner + groups * d_state :].view(groups, d_state)
+    dt = F.softplus(dt_raw + dt_bias).clamp(*limit)
+    state = ssm_state.clone()
+    y = torch.empty(heads, head_dim, dtype=torch.float64)
+    for h in range(heads):
+        g = h // (heads // groups)
+        state[h] = math.exp(dt[h] * A[h]) * state[h] + dt[h] * x[h][:, None] * B[g][None, :]
+        y[h] = state[h] @ C[g] + D[h] * x[h]
+    gated = (y.flatten() * F.silu(gate)).view(-1, norm_group)
+    normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.flatten() * norm_w, window[1:], state
+
+
+CASES = [
+    # heads, head_dim, groups, d_state, width, bias, limit, sequences: (rows, resumed, slot, saves after rows)
+    (4, 64, 1, 32, 4, True, (0.0, math.inf), [(1, 1, 1, ()), (1, 1, 3, ()), (1, 1, 5, (1,)), (1, 1, 7, ())]),
+    (4, 16, 2, 8, 4, False, (0.0, math.inf), [(5, 0, 6, (2, 5)), (1, 1, 0, ()), (9, 1, 2, (4,))]),
+    (8, 8, 4, 16, 2, True, (0.01, 0.5), [(3, 0, 3, ())]),
+    (2, 32, 1, 16, 3, True, (0.0, math.inf), [(1, 1, 4, ()), (2, 0, 5, (1, 2)), (40, 1, 1, (32,)), (1, 1, 0, ())]),
+]
+SAVE_SLOTS = (9, 10, 11, 12, 13)
+
+
+@pytest.mark.parametrize("heads, head_dim, groups, d_state, width, with_bias, limit, seqs", CASES)
+def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs):
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim + len(seqs))
+    inner = heads * head_dim
+    conv_dim = inner + 2 * groups * d_state
+    norm_group = inner // groups
+    num_slots = 14
+    # Storage rows wider than one slot's state, as in KVCacheStorage: slots strided, each one contiguous.
+    conv_rows = torch.randn(num_slots, (width - 1) * conv_dim + 5, generator=gen)
+    ssm_rows = torch.randn(num_slots, inner * d_state + 7, generator=gen)
+    conv_cache = conv_rows[:, : (width - 1) * conv_dim].view(num_slots, width - 1, conv_dim)
+    ssm_cache = ssm_rows[:, : inner * d_state].view(num_slots, heads, head_dim, d_state)
+    total_rows = sum(n for n, *_ in seqs)
+    proj = torch.randn(total_rows, inner + conv_dim + heads, generator=gen)
+    conv_w = torch.randn(width, conv_dim, generator=gen) * 0.5
+    conv_b = torch.randn(conv_dim, generator=gen) * 0.1 if with_bias else torch.zeros(conv_dim)
+    dt_bias, D = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    A = -torch.rand(heads, generator=gen) * 4 - 0.1
+    norm_w = torch.randn(inner, generator=gen)
+    eps = 1e-5
+    starts = [sum(n for n, *_ in seqs[:q]) for q in range(len(seqs))]
+    saves = [(q, after) for q, (_, _, _, afters) in enumerate(seqs) for after in afters]
+    rows = MambaRows(
+        starts=int64_tensor(starts), lengths=int64_tensor([n for n, *_ in seqs]),
+        resumed=int64_tensor([r for _, r, _, _ in seqs]), slots=int64_tensor([s for _, _, s, _ in seqs]),
+        save_seqs=int64_tensor([q for q, _ in saves]), save_after=int64_tensor([a for _, a in saves]),
+        save_slots=int64_tensor(list(SAVE_SLOTS[: len(saves)])),
+    )
+    before_conv, before_ssm = conv_cache.clone(), ssm_cache.clone()
+    before_rows = conv_rows.clone(), ssm_rows.clone()
+    touched = {s for _, _, s, _ in seqs} | set(SAVE_SLOTS[: len(saves)])
+
+    out = mamba_rows_(proj, rows, conv_cache, ssm_cache, conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group,
+                      eps, groups)
+
+    saved = {}
+    for q, (n, resumed, slot, afters) in enumerate(seqs):
+        conv_state = before_conv[slot].double() if resumed else torch.zeros(width - 1, conv_dim, dtype=torch.float64)
+        ssm_state = before_ssm[slot].double() if resumed else torch.zeros(heads, head_dim, d_state, dtype=torch.float64)
+        for t in range(n):
+            want_out, conv_state, ssm_state = _reference(
+                proj[starts[q] + t].double(), conv_state, ssm_state, conv_w.double(), conv_b.double(),
+                dt_bias.double(), A.double(), D.double(), limit, norm_w.double(), norm_group, eps, groups,
+            )
+            torch.testing.assert_close(out[starts[q] + t].double(), want_out, rtol=1e-4, atol=1e-4)
+            if t + 1 in afters:
+                saved[SAVE_SLOTS[saves.index((q, t + 1))]] = conv_state, ssm_state
+        saved[slot] = conv_state, ssm_state
+    for slot, (want_conv, want_ssm) in saved.items():
+        torch.testing.assert_close(conv_cache[slot].double(), want_conv)  # exact: stored inputs
+        torch.testing.assert_close(ssm_cache[slot].double(), want_ssm, rtol=1e-4, atol=1e-4)
+    untouched = [s for s in range(num_slots) if s not in touched]
+    assert torch.equal(conv_cache[untouched], before_conv[untouched])
+    assert torch.equal(ssm_cache[untouched], before_ssm[untouched])
+    # Nothing outside the slots' own states is written (the storage rows' other columns).
+    assert torch.equal(conv_rows[:, (width - 1) * conv_dim :], before_rows[0][:, (width - 1) * conv_dim :])
+    assert torch.equal(ssm_rows[:, inner * d_state :], before_rows[1][:, inner * d_state :])
+
+
+def test_refuses_a_slot_that_is_not_contiguous():
+    ssm_cache = torch.zeros(4, 2, 8, 3).transpose(2, 3)
+    conv_cache = torch.zeros(4, 3, 2 * 8 + 2 * 3)
+    one = int64_tensor([1])
+    rows = MambaRows(starts=int64_tensor([0]), lengths=one, resumed=one, slots=one, save_seqs=int64_tensor([]),
+                     save_after=int64_tensor([]), save_slots=int64_tensor([]))
+    with pytest.raises(ValueError, match="contiguous"):
+        mamba_rows_(
+            torch.zeros(1, 16 + 22 + 2), rows, conv_cache, ssm_cache, torch.zeros(4, 22), torch.zeros(22),
+            torch.zeros(2), -torch.ones(2), torch.zeros(2), (0.0, math.inf), torch.ones(16), 16, 1e-5, 1,
+        )
