@@ -1,22 +1,27 @@
-"""One Mamba2 decode step per row in one compiled loop (numba), for float32 models and caches.
+"""A Mamba2 layer's step in one compiled loop (numba), for float32 models and caches: token by token over each
+sequence, decode rows and prefill chunks alike.
 
-The torch path of a decode step (mamba2.py `_decode_torch`) is ~25 tensor operations per layer on tensors of a
-few kB each: the convolution window, SiLU, softplus, the state update, the read-out, the gated norm. At a decode
-step's sizes each operation costs its dispatch more than its arithmetic, ~250 us per layer for 16 rows of the
-default model. This kernel does the same arithmetic per row in one pass over the row's conv and SSM state, where
-they sit in the cache (no gather, no scatter), in ~50 us: the default model's five Mamba layers take ~1 ms less
-per decode step.
+The torch path (mamba2.py) is ~25 tensor operations per layer for a decode step, on tensors of a few kB each (the
+convolution window, SiLU, softplus, the state update, the read-out, the gated norm): there each operation costs its
+dispatch more than its arithmetic, ~250 us per layer for 16 rows of the default model. This kernel does the same
+arithmetic per row in one pass over the row's conv and SSM state, where they sit in the cache (no gather, no
+scatter): ~50 us, ~1 ms less per decode step of the default model's five Mamba layers. On a prefill of 16 x 256
+tokens the token-by-token recurrence costs what the chunked scan (ssd.py) plus its layouts and the gated norm cost
+(~13 ms per layer; a third of it is the SiLUs' exp, which numba calls per element), so one kernel serves every
+float32 step and the step context builds no scan layouts for it.
 
-Per row r (cache slot `slots[r]`), with C = conv_dim, I = intermediate, H heads of P channels, G groups of N:
+Per row (token) of a sequence, with C = conv_dim, I = intermediate, H heads of P channels, G groups of N:
 
-    conv  = silu(bias + sum_k window[k] * weight[k])       window = the slot's last K - 1 inputs, then xbc[r]
+    conv  = silu(bias + sum_k window[k] * weight[k])       window = the last K - 1 inputs, then this row's xbc
     x, B, C = conv[:I] as [H, P], conv[I : I + G N] as [G, N], conv[I + G N :] as [G, N]
-    dt_h  = clamp(softplus(dt_raw[r, h] + dt_bias[h]), dt_min, dt_max)
+    dt_h  = clamp(softplus(dt_raw_h + dt_bias_h), dt_min, dt_max)
     S_h   = exp(dt_h A_h) S_h + dt_h x_h B_g^T              y_h = S_h C_g + D_h x_h   (g = h's group)
-    out   = norm_weight * rmsnorm_per_group(y * silu(gate[r]))   (groups of `norm_group` channels)
+    out   = norm_weight * rmsnorm_per_group(y * silu(gate))   (groups of `norm_group` channels)
 
-and the slot's conv window shifts by one input. Accumulations are float32, as torch's are; sums run in another
-order, so results agree with the torch path to float32 rounding, not bit for bit (tests/unit/model).
+and the window shifts by one input. A sequence starts from its slot's states (resumed) or from zeros; after the
+rows the scheduler named, the states are also copied to other slots (prefix-cache saves). Accumulations are
+float32, as torch's are; sums run in another order, so results agree with the torch path to float32 rounding,
+not bit for bit (tests/unit/model/test_fused_mamba.py against the formulas; tests/oracle against transformers).
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@
 A slot holds the conv state (the last d_conv - 1 pre-conv inputs xBC, [d_conv - 1, conv_dim], oldest first)
 and the ssm state ([heads, head_dim, d_state], float32). A prefill chunk starts from the sequence's slot
 (zeros when num_computed == 0: a slot may hold a previous owner's state), writes the states the scheduler
-asked for (`mamba_saves`) and its final state back to the slot. Decode rows (one new token, num_computed > 0)
-take one batched recurrent step: for a float32 model, a decode-only step runs the compiled per-row kernel
-(fused_mamba_decode.py), which also applies the gated norm.
+asked for (`mamba_saves`) and its final state back to the slot.
+
+A float32 model (the usual case on CPU) runs every step's rows through one compiled kernel (fused_mamba.py):
+token by token over each sequence, the states updated where they sit in the cache. Other dtypes take the torch
+path: decode rows (one new token, num_computed > 0) one batched recurrent step, the other sequences one batched
+convolution and chunked scan (ssd.py).
 """
 
 from __future__ import annotations
