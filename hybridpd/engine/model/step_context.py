@@ -161,7 +161,7 @@ def build_group_meta(
         layouts = {} if shared is None else shared
         return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan)
     if isinstance(spec, MambaSpec):
-        if all(dtype == torch.float32 for dtype in spec.dtypes):
+        if fused_mamba(spec):
             return MambaGroupMeta(decode=None, prefill=None, rows=_mamba_rows(batch, group_id))
         return _mamba_meta(batch, group_id, mamba_chunk_size, spec.conv_state_shape[0])
     raise TypeError(f"no model support for KV spec {type(spec).__name__}")
@@ -318,6 +318,11 @@ def _decode_only_meta(
         write_blocks=write_blocks, write_offsets=batch.positions % block_size, decode=decode, prefills=(),
         decode_kv=plan,
     )
+
+
+def fused_mamba(spec: MambaSpec) -> bool:
+    """Float32 states: the group's steps run the compiled kernel (fused_mamba.py); other dtypes the torch path."""
+    return all(dtype == torch.float32 for dtype in spec.dtypes)
 
 
 def _checked_saves(s: SeqEntry, g: int) -> tuple[tuple[int, int], ...]:
