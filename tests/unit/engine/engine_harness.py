@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import SchedulerPlan
 
 MAX_STEPS = 500
 
@@ -71,3 +74,40 @@ def text(outputs: list[RequestOutput]) -> str:
 def all_free(engine: LLMEngine) -> bool:
     engine.kv.check_invariants()
     return all(engine.kv.num_free_blocks(g) == engine.kv.num_blocks(g) for g in range(len(engine.groups)))
+
+
+def make_recording_engine(model_dir: Path, *, num_blocks: int, budget: int) -> tuple[LLMEngine, list]:
+    """Block size 4, up to 4 sequences; the list gets, per sampling step, each request's logits row."""
+    rows: list = []
+
+    def record(plan: SchedulerPlan, logits: torch.Tensor) -> None:
+        samplers = [item for item in plan.scheduled if item.samples]
+        rows.append({item.seq.request_id: row.clone() for item, row in zip(samplers, logits)})
+
+    engine = LLMEngine(EngineConfig(
+        model_dir=model_dir, cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4),
+    ), logits_hook=record)
+    return engine, rows
+
+
+def drive(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Steps the engine, adding arrivals[k] before step k, until it has nothing left (checking the cache's
+    invariants after every step) -> each request's token ids and its reported cached tokens."""
+    outputs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    step = 0
+    while engine.has_work() or any(k >= step for k in arrivals):
+        for request in arrivals.get(step, []):
+            engine.add_request(request)
+            outputs[request.request_id] = []
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+        engine.kv.check_invariants()
+        step += 1
+    return outputs, cached
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())

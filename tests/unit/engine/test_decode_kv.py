@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.model.decode_kv import LENGTH_STEP, DecodeKV
-from hybridpd.engine.scheduler import SchedulerPlan
 
-from .engine_harness import greedy
+from .engine_harness import drive, greedy, make_recording_engine, prompt
 
 TOKEN_BYTES = 2 * 8 * 4  # 2 KV heads of 8 floats
 
@@ -73,38 +71,10 @@ def test_growing_buffers_keep_what_they_hold():
 
 
 def make_engine(model_dir, *, decode_kv: bool, num_blocks: int = 400) -> tuple[LLMEngine, list]:
-    rows: list = []
-
-    def record(plan: SchedulerPlan, logits: torch.Tensor) -> None:
-        samplers = [item for item in plan.scheduled if item.samples]
-        rows.append({item.seq.request_id: row.clone() for item, row in zip(samplers, logits)})
-
-    engine = LLMEngine(EngineConfig(
-        model_dir=model_dir, cache=CacheConfig(block_size=4, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4),
-    ), logits_hook=record)
+    engine, rows = make_recording_engine(model_dir, num_blocks=num_blocks, budget=512)
     if not decode_kv:
         engine.model.decode_kv = DecodeKV(max_bytes_per_layer=0)  # every plan refused: the gather path
     return engine, rows
-
-
-def drive(engine: LLMEngine, arrivals: dict[int, list]) -> dict[str, list[int]]:
-    """Steps the engine, adding arrivals[k] before step k, until it has nothing left."""
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_work() or any(k >= step for k in arrivals):
-        for request in arrivals.get(step, []):
-            engine.add_request(request)
-            outputs[request.request_id] = []
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-        engine.kv.check_invariants()
-        step += 1
-    return outputs
-
-
-def prompt(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 @pytest.mark.parametrize("scenario", ["finish_and_arrive", "grow_past_length_step", "preempted", "budget"])
@@ -135,7 +105,7 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
     for engine, _ in engines:
         original = engine.scheduler._preempt
         engine.scheduler._preempt = lambda seq, original=original: preempted.append(seq.request_id) or original(seq)
-    outputs = [drive(engine, arrivals) for engine, _ in engines]
+    outputs = [drive(engine, arrivals)[0] for engine, _ in engines]
     assert outputs[0] == outputs[1]
     (_, rows_on), (_, rows_off) = engines
     assert len(rows_on) == len(rows_off)

@@ -8,46 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
-from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.model import step_context
-from hybridpd.engine.scheduler import SchedulerPlan
 
-from .engine_harness import all_free, greedy
-
-
-def make_engine(model_dir, num_blocks: int, budget: int) -> tuple[LLMEngine, list]:
-    rows: list = []
-
-    def record(plan: SchedulerPlan, logits: torch.Tensor) -> None:
-        samplers = [item for item in plan.scheduled if item.samples]
-        rows.append({item.seq.request_id: row.clone() for item, row in zip(samplers, logits)})
-
-    engine = LLMEngine(EngineConfig(
-        model_dir=model_dir, cache=CacheConfig(block_size=4, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4),
-    ), logits_hook=record)
-    return engine, rows
-
-
-def drive(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict[str, list[int]], dict[str, int]]:
-    outputs: dict[str, list[int]] = {}
-    cached: dict[str, int] = {}
-    step = 0
-    while engine.has_work() or any(k >= step for k in arrivals):
-        for request in arrivals.get(step, []):
-            engine.add_request(request)
-            outputs[request.request_id] = []
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-            cached[out.request_id] = out.num_cached_tokens
-        engine.kv.check_invariants()
-        step += 1
-    return outputs, cached
-
-
-def prompt(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+from .engine_harness import all_free, drive, greedy, make_recording_engine, prompt
 
 
 SHARED = prompt(1, 40)
@@ -66,10 +29,10 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_kernel_and_torch_paths_agree(tiny_dir, scenario, monkeypatch):
     budget, num_blocks, arrivals = SCENARIOS[scenario]
-    fused, fused_rows = make_engine(tiny_dir, num_blocks, budget)
+    fused, fused_rows = make_recording_engine(tiny_dir, num_blocks=num_blocks, budget=budget)
     fused_out, fused_cached = drive(fused, arrivals)
     monkeypatch.setattr(step_context, "fused_mamba", lambda spec: False)
-    torch_path, torch_rows = make_engine(tiny_dir, num_blocks, budget)
+    torch_path, torch_rows = make_recording_engine(tiny_dir, num_blocks=num_blocks, budget=budget)
     torch_out, torch_cached = drive(torch_path, arrivals)
 
     assert fused_out == torch_out
