@@ -46,8 +46,7 @@ class DecoderLayer(nn.Module):
         # call, which adds up over the ~90 calls of a decode step (no hooks are registered on these modules).
         parts = self._modules
         mixed = parts[self.mixer_name].forward(parts["input_layernorm"].forward(h), ctx, kv)
-        h = torch.add(h, mixed, alpha=self.residual_multiplier)
-        normed = parts["post_attention_layernorm"].forward(h)
+        h, normed = parts["post_attention_layernorm"].add_and_norm(h, mixed, self.residual_multiplier)
         mlp_out = parts["shared_mlp"].forward(normed)
         if self.has_experts:
             mlp_out = mlp_out.add_(parts["block_sparse_moe"].forward(normed))
