@@ -27,25 +27,38 @@ not bit for bit (tests/unit/model/test_fused_mamba.py against the formulas; test
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hybridpd.engine.model.step_context import MambaRows
 
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]
 _I64_1D = numba.int64[::1]
-_SIGNATURE = numba.void(
-    _F32_2D,                  # in_proj's output [T, I + C + H]: gate | xbc | dt_raw per row
+_SEQUENCES = (
     _I64_1D, _I64_1D, _I64_1D, _I64_1D,  # per sequence: first row, rows, resumed (0/1), slot
     _I64_1D, _I64_1D, _I64_1D,  # per save: sequence, rows of the step after which to save, slot (by sequence)
+)
+_CONV_SIGNATURE = numba.void(
+    _F32_2D,                  # in_proj's output [T, I + C + H]: gate | xbc | dt_raw per row
+    *_SEQUENCES,
     _F32_1D, numba.int64,     # conv cache: slot s's [K - 1, C] state at [s * stride, ...) of this flat array
-    _F32_1D, numba.int64,     # ssm cache: slot s's [H, P, N] state likewise
-    numba.int64, numba.int64, numba.int64,  # H, P, N
     _F32_2D,                  # conv weight [K, C]
     _F32_1D,                  # conv bias [C] (zeros when the layer has none)
+    numba.int64,              # I (where xbc starts in a row of in_proj's output)
+    _F32_2D,                  # out: the convolution before its SiLU [T, C]
+)
+_SCAN_SIGNATURE = numba.void(
+    _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
+    _F32_2D,                  # in_proj's output [T, I + C + H] (dt_raw: its last H columns)
+    _F32_2D,                  # silu(gate) [T, I]
+    *_SEQUENCES,
+    _F32_1D, numba.int64,     # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
+    numba.int64, numba.int64, numba.int64,  # H, P, N
     _F32_1D, _F32_1D, _F32_1D,  # dt_bias, A (negative), D: [H]
     numba.float32, numba.float32,  # dt_min, dt_max
     _F32_1D,                  # gated-norm weight [I]
@@ -56,27 +69,19 @@ _SIGNATURE = numba.void(
 )
 
 
-@numba.njit(_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
-def _mamba_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot, conv_cache,
-                conv_stride, ssm_cache, ssm_stride, heads, head_dim, d_state, conv_w, conv_b, dt_bias, A, D, dt_min,
-                dt_max, norm_w, norm_group, eps, groups, out):  # pragma: no cover - compiled
+@numba.njit(_CONV_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot, conv_cache,
+               conv_stride, conv_w, conv_b, inner, out):  # pragma: no cover - compiled
     width, conv_dim = conv_w.shape[0], conv_w.shape[1]
-    inner = heads * head_dim
-    per_group = heads // groups
-    state_size = inner * d_state
-    conv = np.empty(conv_dim, np.float32)
     next_save = 0
     for q in range(seq_start.shape[0]):
         at = seq_slot[q] * conv_stride
         window = conv_cache[at : at + (width - 1) * conv_dim].reshape((width - 1, conv_dim))
-        at = seq_slot[q] * ssm_stride
-        state = ssm_cache[at : at + state_size].reshape((heads, head_dim, d_state))
         if seq_resumed[q] == 0:  # a first chunk starts from zeros (the slot may hold an earlier owner's state)
             window[:, :] = 0.0
-            state[:, :, :] = 0.0
         for t in range(seq_rows[q]):
-            row = proj[seq_start[q] + t]
-            gate, new, dt_raw = row[:inner], row[inner : inner + conv_dim], row[inner + conv_dim :]
+            new = proj[seq_start[q] + t, inner : inner + conv_dim]
+            conv = out[seq_start[q] + t]
             conv[:] = conv_b
             for k in range(width - 1):
                 wk, ck = conv_w[k], window[k]
@@ -84,13 +89,33 @@ def _mamba_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save
                     conv[c] += ck[c] * wk[c]
             last = conv_w[width - 1]
             for c in range(conv_dim):
-                a = conv[c] + new[c] * last[c]
-                conv[c] = a / (np.float32(1.0) + np.exp(-a))
+                conv[c] += new[c] * last[c]
             for k in range(width - 2):
                 window[k, :] = window[k + 1, :]
             window[width - 2, :] = new
+            while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
+                at = save_slot[next_save] * conv_stride
+                conv_cache[at : at + (width - 1) * conv_dim] = window.ravel()
+                next_save += 1
 
-            y = out[seq_start[q] + t]
+
+@numba.njit(_SCAN_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
+               ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
+               eps, groups, out):  # pragma: no cover - compiled
+    inner = heads * head_dim
+    dt_at = proj.shape[1] - heads
+    per_group = heads // groups
+    state_size = inner * d_state
+    next_save = 0
+    for q in range(seq_start.shape[0]):
+        at = seq_slot[q] * ssm_stride
+        state = ssm_cache[at : at + state_size].reshape((heads, head_dim, d_state))
+        if seq_resumed[q] == 0:
+            state[:, :, :] = 0.0
+        for t in range(seq_rows[q]):
+            r = seq_start[q] + t
+            conv, dt_raw, y, gr = xbc[r], proj[r, dt_at:], out[r], gate[r]
             for h in range(heads):
                 v = dt_raw[h] + dt_bias[h]
                 dt = v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))  # softplus, threshold 20
@@ -118,8 +143,7 @@ def _mamba_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save
             for start in range(0, inner, norm_group):
                 square = np.float32(0.0)
                 for c in range(start, start + norm_group):
-                    gc = gate[c]
-                    value = y[c] * (gc / (np.float32(1.0) + np.exp(-gc)))
+                    value = y[c] * gr[c]
                     y[c] = value
                     square += value * value
                 scale = np.float32(1.0) / np.sqrt(square / np.float32(norm_group) + eps)
@@ -127,8 +151,6 @@ def _mamba_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save
                     y[c] = y[c] * scale * norm_w[c]
 
             while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
-                at = save_slot[next_save] * conv_stride
-                conv_cache[at : at + (width - 1) * conv_dim] = window.ravel()
                 at = save_slot[next_save] * ssm_stride
                 ssm_cache[at : at + state_size] = state.ravel()
                 next_save += 1
@@ -149,20 +171,71 @@ def _flat_slots(cache: torch.Tensor) -> tuple[np.ndarray, int]:
     return _f32(cache.as_strided((span,), (1,))), cache.stride(0)
 
 
+@dataclass(frozen=True)
+class MambaKernelCaches:
+    """A layer's conv and SSM caches as the kernels address them (numpy views of the same memory)."""
+
+    conv: np.ndarray
+    conv_stride: int
+    ssm: np.ndarray
+    ssm_stride: int
+    state_shape: tuple[int, int, int]  # H, P, N
+
+    @classmethod
+    def of(cls, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> MambaKernelCaches:
+        conv, conv_stride = _flat_slots(conv_cache)
+        ssm, ssm_stride = _flat_slots(ssm_cache)
+        heads, head_dim, d_state = ssm_cache.shape[1:]
+        return cls(conv, conv_stride, ssm, ssm_stride, (heads, head_dim, d_state))
+
+
+@dataclass(frozen=True)
+class MambaKernelWeights:
+    """A layer's parameters as the kernels take them (numpy views of the float32 tensors; no copies)."""
+
+    conv_weight: np.ndarray  # [K, C]
+    conv_bias: np.ndarray    # [C], zeros when the layer has none
+    dt_bias: np.ndarray
+    A: np.ndarray            # negative
+    D: np.ndarray
+    dt_limit: tuple[np.float32, np.float32]
+    norm_weight: np.ndarray  # [I]
+    norm_group: int
+    eps: np.float32
+    groups: int
+
+    @classmethod
+    def of(cls, conv_weight: torch.Tensor, conv_bias: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor,
+           D: torch.Tensor, dt_limit: tuple[float, float], norm_weight: torch.Tensor, norm_group: int, eps: float,
+           groups: int) -> MambaKernelWeights:
+        return cls(_f32(conv_weight), _f32(conv_bias), _f32(dt_bias), _f32(A), _f32(D),
+                   (np.float32(dt_limit[0]), np.float32(dt_limit[1])), _f32(norm_weight), norm_group,
+                   np.float32(eps), groups)
+
+
 def mamba_rows_(
-    proj: torch.Tensor, rows: MambaRows, conv_cache: torch.Tensor, ssm_cache: torch.Tensor,
-    conv_weight: torch.Tensor, conv_bias: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
-    dt_limit: tuple[float, float], norm_weight: torch.Tensor, norm_group: int, eps: float, groups: int,
+    proj: torch.Tensor, rows: MambaRows, caches: MambaKernelCaches, weights: MambaKernelWeights
 ) -> torch.Tensor:
     """Every row of `proj` (in_proj's output, [T, I + C + H] float32, contiguous), sequence by sequence as `rows`
     lays them out; the states in the caches updated in place and saved where `rows` asks -> the gated-normed
-    output [T, I] float32."""
-    out = torch.empty(proj.shape[0], norm_weight.shape[0], dtype=torch.float32)
-    _mamba_rows(
-        _f32(proj), rows.starts.numpy(), rows.lengths.numpy(), rows.resumed.numpy(), rows.slots.numpy(),
-        rows.save_seqs.numpy(), rows.save_after.numpy(), rows.save_slots.numpy(), *_flat_slots(conv_cache),
-        *_flat_slots(ssm_cache), *ssm_cache.shape[1:], _f32(conv_weight), _f32(conv_bias), _f32(dt_bias), _f32(A),
-        _f32(D), np.float32(dt_limit[0]), np.float32(dt_limit[1]), _f32(norm_weight), norm_group, np.float32(eps),
-        groups, _f32(out),
+    output [T, I] float32.
+
+    Three passes: the convolution (compiled: it walks each sequence's window), the two SiLUs over all rows at once
+    (torch's vectorised kernel: numba calls libm's expf one element at a time, which made them half of a one-pass
+    kernel's time), the scan and gated norm (compiled)."""
+    inner = weights.norm_weight.shape[0]
+    sequences = (rows.starts, rows.lengths, rows.resumed, rows.slots, rows.save_seqs, rows.save_after,
+                 rows.save_slots)
+    conv = torch.empty(proj.shape[0], weights.conv_weight.shape[1], dtype=torch.float32)
+    proj_np, conv_np = _f32(proj), conv.numpy()
+    _conv_rows(proj_np, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias, inner,
+               conv_np)
+    F.silu(conv, inplace=True)
+    gate = F.silu(proj[:, :inner])
+    out = torch.empty(proj.shape[0], inner, dtype=torch.float32)
+    _scan_rows(
+        conv_np, proj_np, gate.numpy(), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
+        weights.dt_bias, weights.A, weights.D, *weights.dt_limit, weights.norm_weight, weights.norm_group,
+        weights.eps, weights.groups, out.numpy(),
     )
     return out

@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.fused_mamba import mamba_rows_
+from hybridpd.engine.model.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
 from hybridpd.engine.model.layers import GatedRMSNorm
 from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
@@ -67,6 +67,10 @@ class Mamba2Mixer(nn.Module):
         self._constants_of: tuple[torch.Tensor, ...] = ()
         self._constants_versions: tuple[int, ...] = ()
         self._constants_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
+        self._kernel_weights_of: tuple[torch.Tensor, ...] = ()
+        self._kernel_weights: MambaKernelWeights | None = None
+        self._kernel_caches_of: tuple[torch.Tensor, ...] = ()
+        self._kernel_caches: MambaKernelCaches | None = None
 
     def _constants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A = -exp(A_log), D and dt_bias, in float32: computed again only when a parameter was replaced or written
@@ -113,17 +117,32 @@ class Mamba2Mixer(nn.Module):
     def _forward_fused(
         self, x: torch.Tensor, rows: MambaRows, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
     ) -> torch.Tensor:
-        """A float32 step through the compiled kernel: in_proj, the kernel (conv, state updates, read-out, gated
-        norm, row by row; the states updated where they sit and saved where asked), out_proj."""
-        A, D, dt_bias = self._constants()
+        """A float32 step through the compiled kernels (fused_mamba.py): in_proj, the convolution, state updates,
+        read-out and gated norm, row by row (the states updated where they sit and saved where asked), out_proj."""
         proj = F.linear(x, self.in_proj.weight, self.in_proj.bias)
-        bias = self.conv1d.bias
-        y = mamba_rows_(
-            proj, rows, conv_cache, ssm_cache, self.conv_weight, self._zero_bias if bias is None else bias,
-            dt_bias, A, D, (self.dt_min, self.dt_max), self.norm.weight, self.norm.group_size, self.norm.eps,
-            self.groups,
-        )
+        y = mamba_rows_(proj, rows, self._caches_for_kernel(conv_cache, ssm_cache), self._weights_for_kernel())
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
+
+    def _weights_for_kernel(self) -> MambaKernelWeights:
+        """The kernel's numpy views of the parameters, made again only when a tensor they view was replaced (a
+        reloaded constant, a new Parameter); in-place loads write through the views."""
+        A, D, dt_bias = self._constants()
+        bias = self._zero_bias if self.conv1d.bias is None else self.conv1d.bias
+        tensors = (self.conv_weight, bias, dt_bias, A, D, self.norm.weight)
+        if self._kernel_weights is None or any(a is not b for a, b in zip(tensors, self._kernel_weights_of)):
+            self._kernel_weights = MambaKernelWeights.of(
+                self.conv_weight, bias, dt_bias, A, D, (self.dt_min, self.dt_max), self.norm.weight,
+                self.norm.group_size, self.norm.eps, self.groups,
+            )
+            self._kernel_weights_of = tensors
+        return self._kernel_weights
+
+    def _caches_for_kernel(self, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> MambaKernelCaches:
+        held = self._kernel_caches_of
+        if self._kernel_caches is None or held[0] is not conv_cache or held[1] is not ssm_cache:
+            self._kernel_caches = MambaKernelCaches.of(conv_cache, ssm_cache)
+            self._kernel_caches_of = (conv_cache, ssm_cache)
+        return self._kernel_caches
 
     @staticmethod
     def _copy_saves(d: MambaDecode, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec, dtype_size
@@ -97,18 +98,18 @@ def _progression(values: list[int]) -> slice | None:
 
 @dataclass(frozen=True)
 class MambaRows:
-    """A float32 group's step as the compiled kernel walks it (fused_mamba.py): sequence q's rows
+    """A float32 group's step as the compiled kernels walk it (fused_mamba.py): sequence q's rows
     [starts[q], starts[q] + lengths[q]) in order, from its slot's state (resumed 1) or from zeros (0); after row
     `save_after[v]` of sequence `save_seqs[v]` (ordered by sequence, then row) the state is also copied to
-    `save_slots[v]`. All int64 [Q] or [V]."""
+    `save_slots[v]`. All int64 numpy arrays ([Q] or [V]): the kernels are their only readers."""
 
-    starts: torch.Tensor
-    lengths: torch.Tensor
-    resumed: torch.Tensor
-    slots: torch.Tensor
-    save_seqs: torch.Tensor
-    save_after: torch.Tensor
-    save_slots: torch.Tensor
+    starts: np.ndarray
+    lengths: np.ndarray
+    resumed: np.ndarray
+    slots: np.ndarray
+    save_seqs: np.ndarray
+    save_after: np.ndarray
+    save_slots: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -341,11 +342,15 @@ def _mamba_rows(batch: ForwardBatch, g: int) -> MambaRows:
             save_after.append(num_tokens - s.num_computed)
             save_slots.append(slot)
     return MambaRows(
-        starts=int64_tensor(batch.row_starts), lengths=int64_tensor([s.num_new for s in batch.seqs]),
-        resumed=int64_tensor([int(s.num_computed > 0) for s in batch.seqs]),
-        slots=int64_tensor([int(s.block_tables[g][0]) for s in batch.seqs]),
-        save_seqs=int64_tensor(save_seqs), save_after=int64_tensor(save_after), save_slots=int64_tensor(save_slots),
+        starts=_int64_array(batch.row_starts), lengths=_int64_array([s.num_new for s in batch.seqs]),
+        resumed=_int64_array([int(s.num_computed > 0) for s in batch.seqs]),
+        slots=_int64_array([s.block_tables[g][0] for s in batch.seqs]),
+        save_seqs=_int64_array(save_seqs), save_after=_int64_array(save_after), save_slots=_int64_array(save_slots),
     )
+
+
+def _int64_array(values: Sequence[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:

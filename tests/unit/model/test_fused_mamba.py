@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.forward_batch import int64_tensor
-from hybridpd.engine.model.fused_mamba import mamba_rows_
+import numpy as np
+
+from hybridpd.engine.model.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
 from hybridpd.engine.model.step_context import MambaRows
 
 
@@ -40,6 +41,10 @@ def _reference(proj, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, limit
     gated = (y.flatten() * F.silu(gate)).view(-1, norm_group)
     normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)
     return normed.flatten() * norm_w, window[1:], state
+
+
+def _ints(values) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 CASES = [
@@ -75,17 +80,17 @@ def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, wi
     starts = [sum(n for n, *_ in seqs[:q]) for q in range(len(seqs))]
     saves = [(q, after) for q, (_, _, _, afters) in enumerate(seqs) for after in afters]
     rows = MambaRows(
-        starts=int64_tensor(starts), lengths=int64_tensor([n for n, *_ in seqs]),
-        resumed=int64_tensor([r for _, r, _, _ in seqs]), slots=int64_tensor([s for _, _, s, _ in seqs]),
-        save_seqs=int64_tensor([q for q, _ in saves]), save_after=int64_tensor([a for _, a in saves]),
-        save_slots=int64_tensor(list(SAVE_SLOTS[: len(saves)])),
+        starts=_ints(starts), lengths=_ints([n for n, *_ in seqs]),
+        resumed=_ints([r for _, r, _, _ in seqs]), slots=_ints([s for _, _, s, _ in seqs]),
+        save_seqs=_ints([q for q, _ in saves]), save_after=_ints([a for _, a in saves]),
+        save_slots=_ints(list(SAVE_SLOTS[: len(saves)])),
     )
     before_conv, before_ssm = conv_cache.clone(), ssm_cache.clone()
     before_rows = conv_rows.clone(), ssm_rows.clone()
     touched = {s for _, _, s, _ in seqs} | set(SAVE_SLOTS[: len(saves)])
 
-    out = mamba_rows_(proj, rows, conv_cache, ssm_cache, conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group,
-                      eps, groups)
+    weights = MambaKernelWeights.of(conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups)
+    out = mamba_rows_(proj, rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
 
     saved = {}
     for q, (n, resumed, slot, afters) in enumerate(seqs):
@@ -114,11 +119,5 @@ def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, wi
 def test_refuses_a_slot_that_is_not_contiguous():
     ssm_cache = torch.zeros(4, 2, 8, 3).transpose(2, 3)
     conv_cache = torch.zeros(4, 3, 2 * 8 + 2 * 3)
-    one = int64_tensor([1])
-    rows = MambaRows(starts=int64_tensor([0]), lengths=one, resumed=one, slots=one, save_seqs=int64_tensor([]),
-                     save_after=int64_tensor([]), save_slots=int64_tensor([]))
     with pytest.raises(ValueError, match="contiguous"):
-        mamba_rows_(
-            torch.zeros(1, 16 + 22 + 2), rows, conv_cache, ssm_cache, torch.zeros(4, 22), torch.zeros(22),
-            torch.zeros(2), -torch.ones(2), torch.zeros(2), (0.0, math.inf), torch.ones(16), 16, 1e-5, 1,
-        )
+        MambaKernelCaches.of(conv_cache, ssm_cache)

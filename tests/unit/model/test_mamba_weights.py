@@ -36,7 +36,14 @@ def test_derived_constants_follow_loaded_or_replaced_parameters(tmp_path):
         lambda: mixer.load_state_dict({k: torch.randn_like(v) for k, v in mixer.state_dict().items()}),
         lambda: mixer.D.data.mul_(3.0),
         lambda: setattr(mixer, "dt_bias", torch.nn.Parameter(torch.randn_like(mixer.dt_bias))),
+        lambda: setattr(mixer.norm, "weight", torch.nn.Parameter(torch.randn_like(mixer.norm.weight))),
     ):
         change()
         for got, want in zip(mixer._constants(), expected()):
             assert torch.equal(got, want)
+        # The compiled kernel's views of the same parameters follow too (fused_mamba.py).
+        kernel = mixer._weights_for_kernel()
+        A, D, dt_bias = expected()
+        for got, want in ((kernel.A, A), (kernel.D, D), (kernel.dt_bias, dt_bias), (kernel.norm_weight, mixer.norm.weight),
+                          (kernel.conv_weight, mixer.conv_weight), (kernel.conv_bias, mixer.conv1d.bias)):
+            assert torch.equal(torch.from_numpy(got), want.detach())
