@@ -45,7 +45,10 @@ class Sequence:
         generator = None
         if not request.sampling.greedy:
             generator = torch.Generator()
-            generator.manual_seed(seed if seed is not None else torch.seed())
+            if seed is not None:
+                generator.manual_seed(seed)
+            else:  # from the OS's entropy, this generator only (torch.seed() would reseed the global RNG and, on
+                generator.seed()  # the way, format a stack trace for lazy device RNGs: ~80 us per request)
             if remote_prefill is not None:  # the prefill node drew the first token from the same seed
                 skip_draw(generator, vocab_size)
         all_token_ids = list(request.prompt_token_ids)
