@@ -46,7 +46,7 @@ class ModelRunner:
                     num_new=n,
                     block_tables=item.blocks.block_tables,
                     mamba_saves=tuple(ops.saves if ops is not None else () for ops in item.blocks.mamba),
-                    key=seq.request_id,
+                    key=f"{seq.request_id}#{seq.arrival_order}.{seq.num_preemptions}",
                 )
             )
         return ForwardBatch(

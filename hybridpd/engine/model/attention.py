@@ -4,9 +4,9 @@ Each step first writes the new rows' K/V (after RoPE) into the cache at
 `(block_tables[g][pos // block_size], pos % block_size)`, then every query reads its keys back from the cache:
 `[0, pos]` for full attention, `(pos - W, pos]` for a window. Sequences with nothing computed before this step
 read their keys straight from this step's K/V instead, batched when they have the same length, in chunks of
-queries that each read only the keys they can see (`step_context._query_chunks`). A run of decode-only steps
-reads its keys from contiguous buffers that keep them between steps (`decode_kv.py`), appending this step's keys
-there too, instead of gathering every block again.
+queries that each read only the keys they can see (`step_context._query_chunks`). Decode rows read their keys
+from contiguous buffers that keep them between steps (`decode_kv.py`), appending this step's keys there too,
+instead of gathering every block again; only a sequence the buffers do not hold yet gathers its blocks.
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ class Attention(nn.Module):
         k_and_v = qkv[:, q_size:].view(rows, 2, self.num_kv_heads, self.head_dim)
         cache[meta.write_blocks, :, meta.write_offsets] = k_and_v.to(cache.dtype)
 
-        if meta.decode_kv is not None and ctx.decode_kv is not None:  # only decode rows; earlier keys buffered
-            return self._decode_from_buffers(qkv, k_and_v, meta.decode_kv, meta.decode, ctx.decode_kv, kv)
+        plan = meta.decode_kv if ctx.decode_kv is not None else None
+        if plan is not None and meta.decode_rows is None:  # only decode rows, all of them; earlier keys buffered
+            att = self._decode_from_buffers(qkv, k_and_v, plan, meta.decode, ctx.decode_kv, kv)
+            return F.linear(att, self.o_proj.weight, self.o_proj.bias)
         d = meta.decode
         if d is not None and not meta.prefills and not meta.fresh:  # only decode rows: all rows, in order
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, rows, x.dtype)
@@ -96,7 +98,10 @@ class Attention(nn.Module):
         q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
         k, v = k_and_v[:, 0], k_and_v[:, 1]
         out = torch.empty(rows, q_size, dtype=x.dtype)
-        if d is not None:
+        if plan is not None:  # decode rows beside prefill rows, from the buffers
+            at = meta.decode_rows
+            out[at] = self._decode_from_buffers(qkv[at], k_and_v[at], plan, d, ctx.decode_kv, kv)
+        elif d is not None:
             num = d.rows.shape[0]
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, num, x.dtype)
             q_dec = q[d.rows].view(num, self.num_kv_heads, -1, self.head_dim)
@@ -124,24 +129,28 @@ class Attention(nn.Module):
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def _decode_from_buffers(
-        self, qkv: torch.Tensor, k_and_v: torch.Tensor, plan: DecodeKVPlan, gather: AttentionDecode | None,
+        self, qkv: torch.Tensor, k_and_v: torch.Tensor, plan: DecodeKVPlan, fills: AttentionDecode | None,
         decode_kv: DecodeKV, kv: KVCacheStorage,
     ) -> torch.Tensor:
-        """A decode-only step served by DecodeKV: refill the buffers from the paged cache (which already holds
-        this step's keys; `gather` lists its blocks) or append this step's keys, then attend over the buffers in
-        place."""
+        """The decode rows (qkv, k_and_v: theirs only, in the plan's row order) served by DecodeKV: held rows move
+        up, the rows `fills` lists are rebuilt from the paged cache (which already holds this step's keys), every
+        row appends this step's key, then attention over the buffers in place -> [rows, q_size]."""
         rows, q_size, length = qkv.shape[0], self.q_size, plan.length
         k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, qkv.dtype)
-        if gather is not None:  # a refill
-            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), gather.blocks, rows, qkv.dtype)
-            k_buf[:rows, :, :length] = k_seq[:, :, :length]
-            v_buf[:rows, :, :length] = v_seq[:, :, :length]
-        else:
-            k_buf[plan.rows, :, plan.positions] = k_and_v[:, 0]
-            v_buf[plan.rows, :, plan.positions] = k_and_v[:, 1]
+        for source, target in plan.moves:  # ascending: a target is never a row still to move
+            k_buf[target] = k_buf[source]
+            v_buf[target] = v_buf[source]
+        if fills is not None:
+            num = fills.rows.shape[0]
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), fills.blocks, num, qkv.dtype)
+            columns = min(k_seq.shape[2], k_buf.shape[2])
+            k_buf[fills.rows, :, :columns] = k_seq[:, :, :columns]
+            v_buf[fills.rows, :, :columns] = v_seq[:, :, :columns]
+        k_buf[plan.rows, :, plan.positions] = k_and_v[:, 0]
+        v_buf[plan.rows, :, plan.positions] = k_and_v[:, 1]
         q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
         keys = slice(plan.start, length)
         att = F.scaled_dot_product_attention(
             q_dec, k_buf[:rows, :, keys], v_buf[:rows, :, keys], attn_mask=plan.bias, scale=self.scale
         )
-        return F.linear(att.reshape(rows, q_size), self.o_proj.weight, self.o_proj.bias)
+        return att.reshape(rows, q_size)

@@ -1,19 +1,26 @@
-"""Contiguous K/V of the sequences in a run of decode-only steps, for the attention layers.
+"""Contiguous K/V of the decoding sequences, for the attention layers.
 
-A decode step's attention reads every earlier key of every sequence. From the paged cache that is a gather of
-whole blocks per layer and step, a copy of all the keys (~6 MB per step for the default model's three
-full-attention layers with 16 sequences of 320 tokens), then attention over the strided copy. While the same
-sequences decode step after step, none of those keys changes: `DecodeKV` keeps them per attention layer in a
-contiguous [rows, kv_heads, capacity, head_dim] buffer (row s = the step's sequence s), so a step writes one new key
-per row and attention reads the buffer where it is.
+A decode row's attention reads every earlier key of its sequence. From the paged cache that is a gather of whole
+blocks per layer and step, a copy of all the keys (~6 MB per step for the default model's three full-attention
+layers with 16 sequences of 320 tokens), then attention over the strided copy. Step after step most of those keys
+do not change: `DecodeKV` keeps them per attention layer in a contiguous [rows, kv_heads, capacity, head_dim]
+buffer, row s = the step's decode row s, so a step writes one new key per row and attention reads the buffer where
+it is.
 
 The paged cache stays the canonical KV cache (the connector reads it, the prefix cache serves from it); these
-buffers are a copy on the compute side, rebuilt from it (one gather, what every step did before) whenever the run
-breaks. Per attention group:
+buffers are a copy on the compute side. Per attention group the buffers remember which sequence each row holds
+and how many of its keys. A step's decode rows (in a decode-only step or beside prefill rows):
 
-    IDLE --decode-only step--> FILLED(keys, lengths) --next step, same keys at positions == lengths--> FILLED ...
-    FILLED --any other step: other sequences or order, a position the buffer does not end at, a step that is
-             not decode-only, a batch over the byte budget, a failed forward--> IDLE (the next step refills)
+- a sequence a row holds at exactly this position keeps its keys: moved up to its new row if sequences before it
+  left (rows only ever move up, so the moves run in ascending order without overwriting a row still to move);
+- any other (a sequence that just finished its prefill, one the buffers lost) is filled from the paged cache: a
+  gather of its own blocks only;
+- then every row appends this step's key.
+
+A step without decode rows leaves the buffers as they are. A sequence is known by its request id, arrival and
+preemption count (`SeqEntry.key`), so a reused request id or a recomputed sequence is never taken for the keys
+an earlier one left. Everything is forgotten when the buffers would exceed the byte budget (those steps gather
+from the paged cache) or a forward fails (`end_runs`).
 
 Sliding-window groups use them too: the buffers hold every position (those before the window stay as they were
 and are never read again) and attention reads the columns from the earliest position any row's window starts at.
@@ -37,45 +44,66 @@ LENGTH_STEP = 256
 
 @dataclass(frozen=True)
 class DecodeKVPlan:
-    """One decode-only step of one attention group."""
+    """One step's decode rows of one attention group."""
 
-    refill: bool              # rows [0, S) are rebuilt from the paged cache (after this step's write)
-    rows: torch.Tensor        # [S] 0..S-1
+    rows: torch.Tensor        # [S] 0..S-1: buffer row s is the step's decode row s
     positions: torch.Tensor   # [S] each row's new key position (its length before this step)
+    moves: tuple[tuple[int, int], ...]  # (from, to) buffer rows, to < from, ascending: held keys moving up
+    fills: tuple[int, ...]    # buffer rows rebuilt from the paged cache (after this step's write)
+    held_rows: int            # rows the buffers must keep through the step (the moves' sources included)
     start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
     length: int               # the largest position + 1
     bias: torch.Tensor        # [S, 1, 1, length - start]: 0 where the row sees that key, -inf where not
+
+    @property
+    def refill(self) -> bool:
+        """Every row is rebuilt from the paged cache."""
+        return len(self.fills) == self.positions.shape[0]
 
 
 class DecodeKV:
     def __init__(self, max_bytes_per_layer: int = MAX_BYTES_PER_LAYER) -> None:
         self.max_bytes_per_layer = max_bytes_per_layer
-        self._runs: dict[int, tuple[tuple[str, ...], list[int]]] = {}  # group -> (sequence keys, lengths held)
+        self._runs: dict[int, tuple[tuple[str, ...], list[int]]] = {}  # group -> (row keys, lengths held)
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> K and V buffers
         self._storage: object | None = None
 
     def plan(self, group_id: int, keys: Sequence[str | None], positions: list[int], token_bytes: int,
              dtype: torch.dtype, window: int | None = None) -> DecodeKVPlan | None:
-        """A decode-only step: append to the run if it continues, else refill. None (and the run ends) when a
-        sequence has no key or the buffers would exceed the budget: then the step gathers from the paged cache.
-        `token_bytes`: one token's K (or V) in one layer of the group; `window`: a sliding window's size."""
+        """The step's decode rows (`keys`, `positions` in row order): which held rows move, which are filled, and
+        the mask. None (and the group's rows are forgotten) when a sequence has no key or the buffers would exceed
+        the budget: then the step gathers from the paged cache. `token_bytes`: one token's K (or V) in one layer of
+        the group; `window`: a sliding window's size."""
+        held_keys, held_lengths = self._runs.get(group_id, ((), []))
         length = max(positions) + 1
         capacity = -(-length // LENGTH_STEP) * LENGTH_STEP
-        if None in keys or 2 * len(keys) * capacity * token_bytes > self.max_bytes_per_layer:
+        rows_needed = max(len(keys), len(held_keys))
+        if None in keys or 2 * rows_needed * capacity * token_bytes > self.max_bytes_per_layer:
             self._runs.pop(group_id, None)
             return None
-        run_keys = tuple(keys)  # type: ignore[arg-type]
-        held = self._runs.get(group_id)
-        refill = held is None or held[0] != run_keys or held[1] != positions
-        self._runs[group_id] = (run_keys, [p + 1 for p in positions])
+        where = {key: (row, held) for row, (key, held) in enumerate(zip(held_keys, held_lengths))}
+        moves: list[tuple[int, int]] = []
+        fills: list[int] = []
+        last_source = -1
+        for row, (key, position) in enumerate(zip(keys, positions)):
+            source, held = where.get(key, (-1, -1))
+            # Rows only move up, in order: a held row below one already taken (another order) is filled instead.
+            if held != position or source < row or source <= last_source:
+                fills.append(row)
+                continue
+            last_source = source
+            if source != row:
+                moves.append((source, row))
+        self._runs[group_id] = (tuple(keys), [p + 1 for p in positions])  # type: ignore[arg-type]
         position_tensor = int64_tensor(positions)
         start = 0 if window is None else max(0, min(positions) - window + 1)
         bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
-        return DecodeKVPlan(refill=refill, rows=torch.arange(len(positions)), positions=position_tensor,
-                            start=start, length=length, bias=bias[:, None, None, :])
+        return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, moves=tuple(moves),
+                            fills=tuple(fills), held_rows=rows_needed, start=start, length=length,
+                            bias=bias[:, None, None, :])
 
     def end_runs(self) -> None:
-        """A step that is not decode-only (or failed): every buffer is stale from here on."""
+        """A failed forward: some layers may have written their buffers, others not; every row is stale."""
         self._runs.clear()
 
     def bind(self, storage: object) -> None:
@@ -86,22 +114,25 @@ class DecodeKV:
 
     def buffers(self, layer_id: int, plan: DecodeKVPlan, kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V buffers for this step, [>= rows, kv_heads, >= plan.length, head_dim]. Too small
-        ones are replaced by buffers of exactly the rows and the length rounded up to LENGTH_STEP; on an append
-        step (a run going on past the length they hold) the keys they hold are copied over."""
-        rows = plan.positions.shape[0]
+        """The layer's K and V buffers for this step, [>= plan.held_rows, kv_heads, >= plan.length, head_dim]. Too
+        small ones are replaced by larger ones (the length rounded up to LENGTH_STEP) that keep every row and
+        position the old ones held."""
         held = self._buffers.get(layer_id)
-        if held is not None and held[0].shape[0] >= rows and held[0].shape[2] >= plan.length and (
+        if held is not None and held[0].shape[0] >= plan.held_rows and held[0].shape[2] >= plan.length and (
             held[0].dtype == dtype
         ):
             return held
-        shape = (rows, kv_heads, -(-plan.length // LENGTH_STEP) * LENGTH_STEP, head_dim)
+        rows = plan.held_rows if held is None else max(plan.held_rows, held[0].shape[0])
+        columns = -(-plan.length // LENGTH_STEP) * LENGTH_STEP
+        if held is not None:
+            columns = max(columns, held[0].shape[2])
+        shape = (rows, kv_heads, columns, head_dim)
         # Zeros, not empty: attention multiplies masked keys too, and a NaN bit pattern there would survive the
         # -inf of the mask; past the rows' positions the buffers only ever hold zeros or earlier real keys.
         grown = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-        if held is not None and not plan.refill:
-            kept = min(rows, held[0].shape[0]), min(shape[2], held[0].shape[2])
+        if held is not None and held[0].dtype == dtype:
+            kept_rows, kept_columns = held[0].shape[0], held[0].shape[2]
             for new, old in zip(grown, held):
-                new[: kept[0], :, : kept[1]] = old[: kept[0], :, : kept[1]]
+                new[:kept_rows, :, :kept_columns] = old
         self._buffers[layer_id] = grown
         return grown

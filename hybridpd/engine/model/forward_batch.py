@@ -35,7 +35,9 @@ class SeqEntry:
     num_new: int
     block_tables: tuple[Sequence[int], ...]
     mamba_saves: tuple[tuple[tuple[int, int], ...], ...] = ()
-    key: str | None = None  # the sequence's identity across steps (its request id), for DecodeKV
+    # The sequence's identity across steps, for DecodeKV: request id, arrival and preemption count, so that a reused
+    # request id or a recomputed sequence is another key.
+    key: str | None = None
 
     @property
     def end(self) -> int:

@@ -8,7 +8,7 @@ one by one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,10 +72,13 @@ class FreshPrefillRun:
 class AttentionGroupMeta:
     write_blocks: torch.Tensor   # [T] where each new row's K/V goes
     write_offsets: torch.Tensor  # [T]
-    decode: AttentionDecode | None  # None on a decode-only step that appends to its DecodeKV buffers
+    # The decode rows' gather from the paged cache: all of them (rows of the step), or with `decode_kv` only the
+    # buffer rows it fills (rows of the buffers), or None when the buffers hold every row's keys.
+    decode: AttentionDecode | None
     prefills: tuple[AttentionPrefill, ...]  # sequences that read earlier keys from the cache
     fresh: tuple[FreshPrefillRun, ...] = ()
-    decode_kv: DecodeKVPlan | None = None  # a decode-only step served from DecodeKV buffers
+    decode_kv: DecodeKVPlan | None = None  # the decode rows served from DecodeKV buffers
+    decode_rows: torch.Tensor | None = None  # with `decode_kv` in a step with prefill rows: the decode rows of T
 
 
 @dataclass(frozen=True)
@@ -133,9 +136,7 @@ def build_step_context(
 ) -> StepContext:
     """Every group's metadata for one step. Groups of one kind with equal block sizes and windows (two full
     attention groups with different KV heads, say) share what depends only on the positions: built once.
-    With `decode_kv`, decode-only steps of attention groups read contiguous buffers (decode_kv.py)."""
-    if decode_kv is not None and not batch.all_decode:
-        decode_kv.end_runs()
+    With `decode_kv`, the decode rows of attention groups read contiguous buffers (decode_kv.py)."""
     shared: dict[tuple, DecodeLayout] = {}
     return StepContext(
         rope_cos=None if rope is None else rope[0], rope_sin=None if rope is None else rope[1],
@@ -153,14 +154,18 @@ def build_group_meta(
     spec = group.spec
     if isinstance(spec, AttentionSpec):
         window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        token_bytes = spec.num_kv_heads * spec.head_size * dtype_size(spec.dtype)
+
+        def plan_for(seqs: Sequence[SeqEntry]) -> DecodeKVPlan | None:
+            if decode_kv is None or not seqs:
+                return None
+            return decode_kv.plan(group_id, [s.key for s in seqs], [s.num_computed for s in seqs], token_bytes,
+                                  spec.dtype, window)
+
         if not batch.all_decode:
-            return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype)
-        plan = None
-        if decode_kv is not None:
-            token_bytes = spec.num_kv_heads * spec.head_size * dtype_size(spec.dtype)
-            plan = decode_kv.plan(group_id, batch.seq_keys, batch.decode_positions, token_bytes, spec.dtype, window)
+            return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype, plan_for)
         layouts = {} if shared is None else shared
-        return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan)
+        return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan_for(batch.seqs))
     if isinstance(spec, MambaSpec):
         if fused_mamba(spec):
             return MambaGroupMeta(decode=None, prefill=None, rows=_mamba_rows(batch, group_id))
@@ -169,7 +174,8 @@ def build_group_meta(
 
 
 def _attention_meta(
-    batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype
+    batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype,
+    plan_for: Callable[[Sequence[SeqEntry]], DecodeKVPlan | None] = lambda seqs: None,
 ) -> AttentionGroupMeta:
     write_blocks: list[int] = []
     decode_rows: list[int] = []
@@ -193,11 +199,15 @@ def _attention_meta(
         else:
             fresh.append([row_start, 1, s.num_new])
     decode = None
-    if decode_rows:
+    plan = plan_for(decode_seqs)
+    if plan is not None:
+        decode = _fill_gather(plan, decode_seqs, g, block_size, dtype)
+    elif decode_rows:
         decode = _attention_decode(decode_rows, decode_seqs, g, block_size, window, dtype)
     return AttentionGroupMeta(
         write_blocks=int64_tensor(write_blocks), write_offsets=batch.positions % block_size,
-        decode=decode, prefills=tuple(prefills),
+        decode=decode, prefills=tuple(prefills), decode_kv=plan,
+        decode_rows=None if plan is None else int64_tensor(decode_rows),
         fresh=tuple(
             FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, chunks=_query_chunks(n, window, dtype))
             for r, k, n in fresh
@@ -297,23 +307,36 @@ def _attention_decode(
     return AttentionDecode(rows=int64_tensor(rows), blocks=blocks, bias=layout.bias)
 
 
+def _fill_gather(
+    plan: DecodeKVPlan, seqs: Sequence[SeqEntry], g: int, block_size: int, dtype: torch.dtype
+) -> AttentionDecode | None:
+    """The blocks of the buffer rows `plan` fills from the paged cache (every position from 0, which the step has
+    already written), or None when it fills none."""
+    if not plan.fills:
+        return None
+    filled = [seqs[row] for row in plan.fills]
+    layout = _decode_layout([s.num_computed for s in filled], block_size, None, dtype)
+    blocks = _decode_blocks([s.block_tables[g] for s in filled], layout)
+    return AttentionDecode(rows=int64_tensor(list(plan.fills)), blocks=blocks, bias=layout.bias)
+
+
 def _decode_only_meta(
     batch: ForwardBatch, g: int, block_size: int, window: int | None, dtype: torch.dtype,
     shared: dict[tuple, DecodeLayout], plan: DecodeKVPlan | None = None,
 ) -> AttentionGroupMeta:
-    """A step of decode rows only (every sequence one new token, rows in sequence order): the usual step. The
-    blocks to gather are listed unless `plan` appends to DecodeKV buffers that already hold every earlier key."""
+    """A step of decode rows only (every sequence one new token, rows in sequence order): the usual step. With
+    `plan` the rows read DecodeKV buffers, and only the rows it fills gather their blocks; without, every row
+    gathers."""
     positions = batch.decode_positions
     tables = [s.block_tables[g] for s in batch.seqs]
     write_blocks = int64_tensor([table[p // block_size] for table, p in zip(tables, positions)])
-    decode = None
-    if plan is None or plan.refill:
-        # A refill copies every position into the buffers (window or not): its blocks start at block 0.
-        read_window = window if plan is None else None
-        key = (block_size, read_window, dtype)
+    if plan is not None:
+        decode = _fill_gather(plan, batch.seqs, g, block_size, dtype)
+    else:
+        key = (block_size, window, dtype)
         layout = shared.get(key)
         if layout is None:
-            layout = shared[key] = _decode_layout(positions, block_size, read_window, dtype)
+            layout = shared[key] = _decode_layout(positions, block_size, window, dtype)
         decode = AttentionDecode(rows=batch.decode_rows, blocks=_decode_blocks(tables, layout), bias=layout.bias)
     return AttentionGroupMeta(
         write_blocks=write_blocks, write_offsets=batch.positions % block_size, decode=decode, prefills=(),

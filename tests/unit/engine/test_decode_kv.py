@@ -19,18 +19,24 @@ from .engine_harness import drive, greedy, make_recording_engine, prompt
 TOKEN_BYTES = 2 * 8 * 4  # 2 KV heads of 8 floats
 
 
+ALL = "all"  # every row filled from the paged cache
+
+
 @pytest.mark.parametrize("steps, expected", [
-    ([(("a", "b"), [5, 9]), (("a", "b"), [6, 10]), (("a", "b"), [7, 11])], ["refill", "append", "append"]),
-    ([(("a", "b"), [5, 9]), (("b", "a"), [10, 6])], ["refill", "refill"]),          # another order
-    ([(("a", "b"), [5, 9]), (("a",), [6])], ["refill", "refill"]),                  # b finished
-    ([(("a",), [5]), (("a",), [7])], ["refill", "refill"]),                         # a position it does not hold
-    ([(("a",), [5]), "end", (("a",), [6])], ["refill", None, "refill"]),            # a mixed step in between
+    ([(("a", "b"), [5, 9]), (("a", "b"), [6, 10]), (("a", "b"), [7, 11])], [ALL, ((), ()), ((), ())]),
+    ([(("a", "b"), [5, 9]), (("b", "a"), [10, 6])], [ALL, (((1, 0),), (1,))]),      # another order: a refilled
+    ([(("a", "b"), [5, 9]), (("a",), [6])], [ALL, ((), ())]),                       # b finished
+    ([(("a", "b", "c"), [5, 9, 3]), (("b", "c", "d"), [10, 4, 7])],
+     [ALL, (((1, 0), (2, 1)), (2,))]),                                              # a left, d joined: b, c move up
+    ([(("a", "b", "c"), [5, 9, 3]), (("c", "a"), [4, 6])], [ALL, (((2, 0),), (1,))]),
+    ([(("a",), [5]), (("a",), [7])], [ALL, ALL]),                                   # a position it does not hold
+    ([(("a",), [5]), "end", (("a",), [6])], [ALL, None, ALL]),                      # a failed forward in between
     ([(("a", None), [5, 9])], ["gather"]),                                          # a sequence without a key
     ([(("a", "b"), [LENGTH_STEP - 2, 9]), (("a", "b"), [LENGTH_STEP - 1, 10]), (("a", "b"), [LENGTH_STEP, 11])],
-     ["refill", "append", "gather"]),                                               # over the byte budget
+     [ALL, ((), ()), "gather"]),                                                    # over the byte budget
 ])
 def test_run_bookkeeping(steps, expected):
-    decode_kv = DecodeKV(max_bytes_per_layer=2 * 2 * LENGTH_STEP * TOKEN_BYTES)  # 2 rows of LENGTH_STEP positions
+    decode_kv = DecodeKV(max_bytes_per_layer=2 * 3 * LENGTH_STEP * TOKEN_BYTES)  # 3 rows of LENGTH_STEP positions
     got = []
     for step in steps:
         if step == "end":
@@ -39,7 +45,7 @@ def test_run_bookkeeping(steps, expected):
             continue
         keys, positions = step
         plan = decode_kv.plan(0, keys, positions, TOKEN_BYTES, torch.float32)
-        got.append("gather" if plan is None else "refill" if plan.refill else "append")
+        got.append("gather" if plan is None else ALL if plan.refill else (plan.moves, plan.fills))
         if plan is not None:
             assert plan.length == max(positions) + 1
             visible = plan.bias[:, 0, 0] == 0
@@ -63,7 +69,7 @@ def test_growing_buffers_keep_what_they_hold():
     k, _ = decode_kv.buffers(7, first, 2, 8, torch.float32)
     k[0, :, : LENGTH_STEP] = torch.arange(LENGTH_STEP, dtype=torch.float32)[None, :, None]
     grown = decode_kv.plan(0, ("a",), [LENGTH_STEP], TOKEN_BYTES, torch.float32)
-    assert not grown.refill
+    assert not grown.fills and not grown.moves
     k2, v2 = decode_kv.buffers(7, grown, 2, 8, torch.float32)
     assert k2.shape == (1, 2, 2 * LENGTH_STEP, 8) and v2.shape == k2.shape
     assert torch.equal(k2[0, :, :LENGTH_STEP], k[0, :, :LENGTH_STEP])
@@ -77,11 +83,15 @@ def make_engine(model_dir, *, decode_kv: bool, num_blocks: int = 400) -> tuple[L
     return engine, rows
 
 
-@pytest.mark.parametrize("scenario", ["finish_and_arrive", "grow_past_length_step", "preempted", "budget"])
+@pytest.mark.parametrize("scenario", ["finish_and_arrive", "leave_and_join", "grow_past_length_step", "preempted",
+                                      "budget"])
 def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
     arrivals = {
         "finish_and_arrive": {0: [greedy("a", prompt(1, 9), 12), greedy("b", prompt(2, 17), 5)],
                               6: [greedy("c", prompt(3, 5), 9)], 9: [greedy("d", prompt(4, 1), 4)]},
+        # a leaves first (b and c move up), d's prefill runs beside their decodes, then d joins (filled alone)
+        "leave_and_join": {0: [greedy("a", prompt(11, 7), 3), greedy("b", prompt(12, 30), 14),
+                               greedy("c", prompt(13, 21), 14)], 6: [greedy("d", prompt(14, 40), 6)]},
         "grow_past_length_step": {0: [greedy("a", prompt(5, LENGTH_STEP - 6), 14),
                                       greedy("b", prompt(6, LENGTH_STEP - 3), 9)]},
         "preempted": {0: [greedy(f"p{i}", prompt(20 + i, 14 + 3 * i), 16) for i in range(3)]},
@@ -97,7 +107,8 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
 
     def spy(*args, **kwargs):
         result = plan(*args, **kwargs)
-        outcomes.append("gather" if result is None else "refill" if result.refill else "append")
+        outcomes.append("gather" if result is None else "refill" if result.refill else "partial" if result.fills
+                        else "move" if result.moves else "append")
         return result
 
     decode_kv.plan = spy
@@ -114,6 +125,8 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
         for rid in on:
             torch.testing.assert_close(on[rid], off[rid], atol=1e-5, rtol=0, msg=f"{rid} at step {step}")
     assert "append" in outcomes and "refill" in outcomes
+    if scenario == "leave_and_join":
+        assert "move" in outcomes and "partial" in outcomes
     if scenario == "grow_past_length_step":
         assert max(k.shape[2] for k, _ in decode_kv._buffers.values()) > LENGTH_STEP
     if scenario == "budget":
