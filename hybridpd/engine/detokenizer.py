@@ -1,8 +1,14 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded from all output ids each time (tiny outputs; exact for any tokenizer), and only the part that is
-final is released: a trailing U+FFFD (an incomplete UTF-8 sequence) and, when stop strings are set, the last
-`len(longest stop) - 1` characters are held back until the next token decides them.
+Each step decodes only the new ids, after the previous step's ids as context (as vLLM does): the text they add is
+`decode(context + new)` minus `decode(context)`, so a decoder that treats the first token of a decode specially (a
+stripped leading space) sees the same first token both times. New ids that end inside a UTF-8 sequence (the
+decode ends in U+FFFD) wait for the next token. A decoder whose text for the context changes once more ids follow
+(a clean-up rule, say) is caught and the whole output decoded again. Decoding everything every step instead cost
+O(length) per token: 8% of a decode step at 700 output tokens.
+
+Only the part of the text that is final is released: when stop strings are set, the last `len(longest stop) - 1`
+characters are held back until the next token decides them.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ class Detokenizer:
     stop: tuple[str, ...]
     emitted: int = 0          # characters of the output text already released
     text: str = field(default="")
+    context: int = 0          # output_ids[context:decoded] were the last ids added: the next ones decode after them
+    decoded: int = 0          # output_ids[:decoded] are in `text`
 
     def step(self, output_ids: list[int], final: bool) -> tuple[str, str | None]:
         """Returns (new text to release, the stop string that matched or None)."""
-        self.text = self.tokenizer.decode(output_ids)
+        self._decode_new(output_ids, final)
         match = self._first_stop()
         if match is not None:
             at, stop = match
@@ -34,6 +42,19 @@ class Detokenizer:
             if self.stop:
                 end -= max(len(s) for s in self.stop) - 1
         return self._release(max(end, self.emitted)), None
+
+    def _decode_new(self, ids: list[int], final: bool) -> None:
+        if len(ids) <= self.decoded:
+            return
+        before = self.tokenizer.decode(ids[self.context : self.decoded]) if self.decoded > self.context else ""
+        after = self.tokenizer.decode(ids[self.context :])
+        if after.endswith("\ufffd") and not final:
+            return  # the new ids end inside a UTF-8 sequence
+        if after.startswith(before):
+            self.text += after[len(before) :]
+        else:
+            self.text = self.tokenizer.decode(ids)
+        self.context, self.decoded = self.decoded, len(ids)
 
     def _first_stop(self) -> tuple[int, str] | None:
         """The stop string that occurs first in the text not yet released (one token may add several: the earliest

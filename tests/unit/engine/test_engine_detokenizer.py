@@ -136,3 +136,39 @@ def test_release_never_repeats_or_goes_back():
         if matched is not None:
             break
     assert total == "one two three " and matched == "END"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_text_equals_decoding_everything_with_the_preset_tokenizer(seed):
+    """The default preset's tokenizer.json (byte-level BPE, as transformers writes it): random ids, released token
+    by token, add up to exactly what one decode of all of them gives."""
+    import json
+    import random
+
+    from hybridpd.engine.model.presets import default_model_dir
+    from hybridpd.engine.tokenizer import load_tokenizer
+
+    model_dir = default_model_dir()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = load_tokenizer(model_dir, vocab)
+    rng = random.Random(seed)
+    for _ in range(25):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        pieces, stop = drive(Detokenizer(tokenizer, ()), ids)
+        assert stop is None and "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_a_decoder_that_rewrites_its_context_falls_back_to_decoding_everything():
+    """A decoder whose text for earlier ids changes once more follow ("b" then "c" reads "Bc", as a clean-up rule
+    might): the detokenizer's text is again what one decode of all ids gives, and later text is released from it
+    (what was released before cannot be taken back, as with any streaming detokenizer)."""
+
+    class Rewriting(PieceTokenizer):
+        def decode(self, ids: Sequence[int]) -> str:
+            return super().decode(ids).replace("bc", "Bc")
+
+    tok = Rewriting(["a", "b", "c"])
+    detok = Detokenizer(tok, ())
+    pieces, _ = drive(detok, [0, 1, 2, 0])
+    assert detok.text == tok.decode([0, 1, 2, 0]) == "aBca"
+    assert pieces == ["a", "b", "c", "a"]
