@@ -72,31 +72,42 @@ _SCAN_SIGNATURE = numba.void(
 @numba.njit(_CONV_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot, conv_cache,
                conv_stride, conv_w, conv_b, inner, out):  # pragma: no cover - compiled
+    """Output row t of a sequence reads its inputs t - (K - 1) .. t straight where they are: this step's rows of
+    in_proj's output, or the slot's window for those before the step. The window is written once, at the end (and
+    a saved one assembled the same way), not shifted row by row: half the time of shifting on a prefill chunk."""
     width, conv_dim = conv_w.shape[0], conv_w.shape[1]
+    history = width - 1
     next_save = 0
     for q in range(seq_start.shape[0]):
         at = seq_slot[q] * conv_stride
-        window = conv_cache[at : at + (width - 1) * conv_dim].reshape((width - 1, conv_dim))
+        window = conv_cache[at : at + history * conv_dim].reshape((history, conv_dim))
         if seq_resumed[q] == 0:  # a first chunk starts from zeros (the slot may hold an earlier owner's state)
             window[:, :] = 0.0
-        for t in range(seq_rows[q]):
-            new = proj[seq_start[q] + t, inner : inner + conv_dim]
-            conv = out[seq_start[q] + t]
+        first, n = seq_start[q], seq_rows[q]
+        for t in range(n):
+            conv = out[first + t]
             conv[:] = conv_b
-            for k in range(width - 1):
-                wk, ck = conv_w[k], window[k]
+            for k in range(width):
+                j = t - history + k  # the sequence's input row in this step; negative: in the window
+                source = proj[first + j, inner : inner + conv_dim] if j >= 0 else window[history + j]
+                wk = conv_w[k]
                 for c in range(conv_dim):
-                    conv[c] += ck[c] * wk[c]
-            last = conv_w[width - 1]
-            for c in range(conv_dim):
-                conv[c] += new[c] * last[c]
-            for k in range(width - 2):
-                window[k, :] = window[k + 1, :]
-            window[width - 2, :] = new
+                    conv[c] += source[c] * wk[c]
             while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
                 at = save_slot[next_save] * conv_stride
-                conv_cache[at : at + (width - 1) * conv_dim] = window.ravel()
+                saved = conv_cache[at : at + history * conv_dim].reshape((history, conv_dim))
+                for i in range(history):
+                    j = t + 1 - history + i
+                    saved[i, :] = proj[first + j, inner : inner + conv_dim] if j >= 0 else window[history + j]
                 next_save += 1
+        if n >= history:  # the window becomes the sequence's last K - 1 inputs
+            for i in range(history):
+                window[i, :] = proj[first + n - history + i, inner : inner + conv_dim]
+        else:
+            for i in range(history - n):
+                window[i, :] = window[i + n]
+            for i in range(n):
+                window[history - n + i, :] = proj[first + i, inner : inner + conv_dim]
 
 
 @numba.njit(_SCAN_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
