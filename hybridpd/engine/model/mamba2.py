@@ -248,4 +248,3 @@ class Mamba2Mixer(nn.Module):
             ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
         self._copy_saves(d, conv_cache, ssm_cache)
         return out.view(-1, self.intermediate)
-

@@ -23,7 +23,7 @@ from hybridpd.engine.model.step_context import MambaRows
 def _reference(proj, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups):
     """One row: returns (out, new conv state, new ssm state), all float64."""
     heads, head_dim, d_state = ssm_state.shape
-    inner, width = heads * head_dim, conv_w.shape[0]
+    inner = heads * head_dim
     conv_dim = conv_w.shape[1]
     gate, new, dt_raw = proj[:inner], proj[inner : inner + conv_dim], proj[inner + conv_dim :]
     window = torch.cat([conv_state, new[None]])  # [width, C]

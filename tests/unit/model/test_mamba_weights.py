@@ -44,6 +44,7 @@ def test_derived_constants_follow_loaded_or_replaced_parameters(tmp_path):
         # The compiled kernel's views of the same parameters follow too (fused_mamba.py).
         kernel = mixer._weights_for_kernel()
         A, D, dt_bias = expected()
-        for got, want in ((kernel.A, A), (kernel.D, D), (kernel.dt_bias, dt_bias), (kernel.norm_weight, mixer.norm.weight),
-                          (kernel.conv_weight, mixer.conv_weight), (kernel.conv_bias, mixer.conv1d.bias)):
+        for got, want in ((kernel.A, A), (kernel.D, D), (kernel.dt_bias, dt_bias),
+                          (kernel.norm_weight, mixer.norm.weight), (kernel.conv_weight, mixer.conv_weight),
+                          (kernel.conv_bias, mixer.conv1d.bias)):
             assert torch.equal(torch.from_numpy(got), want.detach())
