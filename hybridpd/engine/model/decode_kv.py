@@ -115,24 +115,21 @@ class DecodeKV:
     def buffers(self, layer_id: int, plan: DecodeKVPlan, kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V buffers for this step, [>= plan.held_rows, kv_heads, >= plan.length, head_dim]. Too
-        small ones are replaced by larger ones (the length rounded up to LENGTH_STEP) that keep every row and
-        position the old ones held."""
+        small ones are replaced by buffers of exactly the rows the plan needs and its length rounded up to
+        LENGTH_STEP (so they stay within the byte budget the plan was checked against), keeping what the old ones
+        held there."""
         held = self._buffers.get(layer_id)
         if held is not None and held[0].shape[0] >= plan.held_rows and held[0].shape[2] >= plan.length and (
             held[0].dtype == dtype
         ):
             return held
-        rows = plan.held_rows if held is None else max(plan.held_rows, held[0].shape[0])
-        columns = -(-plan.length // LENGTH_STEP) * LENGTH_STEP
-        if held is not None:
-            columns = max(columns, held[0].shape[2])
-        shape = (rows, kv_heads, columns, head_dim)
+        shape = (plan.held_rows, kv_heads, -(-plan.length // LENGTH_STEP) * LENGTH_STEP, head_dim)
         # Zeros, not empty: attention multiplies masked keys too, and a NaN bit pattern there would survive the
         # -inf of the mask; past the rows' positions the buffers only ever hold zeros or earlier real keys.
         grown = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         if held is not None and held[0].dtype == dtype:
-            kept_rows, kept_columns = held[0].shape[0], held[0].shape[2]
+            rows, columns = min(shape[0], held[0].shape[0]), min(shape[2], held[0].shape[2])
             for new, old in zip(grown, held):
-                new[:kept_rows, :, :kept_columns] = old
+                new[:rows, :, :columns] = old[:rows, :, :columns]
         self._buffers[layer_id] = grown
         return grown

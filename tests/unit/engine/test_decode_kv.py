@@ -133,3 +133,24 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
         assert outcomes.index("gather") > outcomes.index("append")
     if scenario == "preempted":
         assert preempted, "the scenario must preempt"
+
+
+def test_buffers_stay_within_the_budget_their_plans_were_checked_against():
+    """Many short rows, then few long ones: the buffers are sized for the step at hand (what its plan was checked
+    against), not for the most rows and the longest length ever seen together; what they held is kept."""
+    kv_heads, head_dim = 2, TOKEN_BYTES // (2 * 4)
+    budget = 2 * 4 * LENGTH_STEP * TOKEN_BYTES  # K and V of 4 rows x LENGTH_STEP positions
+    decode_kv = DecodeKV(max_bytes_per_layer=budget)
+    wide = decode_kv.plan(0, ("a", "b", "c", "d"), [5, 5, 5, 5], TOKEN_BYTES, torch.float32)
+    k, _ = decode_kv.buffers(7, wide, kv_heads, head_dim, torch.float32)
+    k[3, :, :6] = 3.0  # d's keys
+    moved = decode_kv.plan(0, ("c", "d"), [6, 6], TOKEN_BYTES, torch.float32)  # a and b left
+    assert moved.moves == ((2, 0), (3, 1)) and not moved.fills
+    k, _ = decode_kv.buffers(7, moved, kv_heads, head_dim, torch.float32)
+    k[1] = k[3]  # what the attention layer does with the move
+    longer = decode_kv.plan(0, ("e", "d"), [LENGTH_STEP + 1, 7], TOKEN_BYTES, torch.float32)
+    assert longer is not None and longer.fills == (0,) and not longer.moves
+    k, v = decode_kv.buffers(7, longer, kv_heads, head_dim, torch.float32)
+    assert k.shape == (2, kv_heads, 2 * LENGTH_STEP, head_dim)
+    assert (k.numel() + v.numel()) * k.element_size() <= budget
+    assert torch.equal(k[1, :, :6], torch.full((kv_heads, 6, head_dim), 3.0))  # d's keys came along
