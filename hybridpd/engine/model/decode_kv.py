@@ -55,11 +55,6 @@ class DecodeKVPlan:
     length: int               # the largest position + 1
     bias: torch.Tensor        # [S, 1, 1, length - start]: 0 where the row sees that key, -inf where not
 
-    @property
-    def refill(self) -> bool:
-        """Every row is rebuilt from the paged cache."""
-        return len(self.fills) == self.positions.shape[0]
-
 
 class DecodeKV:
     def __init__(self, max_bytes_per_layer: int = MAX_BYTES_PER_LAYER) -> None:

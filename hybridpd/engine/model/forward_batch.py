@@ -77,10 +77,6 @@ class ForwardBatch:
         return [s.num_computed for s in self.seqs]
 
     @cached_property
-    def seq_keys(self) -> tuple[str | None, ...]:
-        return tuple(s.key for s in self.seqs)
-
-    @cached_property
     def decode_rows(self) -> torch.Tensor:
         """[S] the rows 0..S-1 (of an `all_decode` step)."""
         return torch.arange(len(self.seqs))

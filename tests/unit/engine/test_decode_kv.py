@@ -45,7 +45,7 @@ def test_run_bookkeeping(steps, expected):
             continue
         keys, positions = step
         plan = decode_kv.plan(0, keys, positions, TOKEN_BYTES, torch.float32)
-        got.append("gather" if plan is None else ALL if plan.refill else (plan.moves, plan.fills))
+        got.append("gather" if plan is None else ALL if len(plan.fills) == len(keys) else (plan.moves, plan.fills))
         if plan is not None:
             assert plan.length == max(positions) + 1
             visible = plan.bias[:, 0, 0] == 0
@@ -107,7 +107,8 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
 
     def spy(*args, **kwargs):
         result = plan(*args, **kwargs)
-        outcomes.append("gather" if result is None else "refill" if result.refill else "partial" if result.fills
+        refill = result is not None and len(result.fills) == result.positions.shape[0]
+        outcomes.append("gather" if result is None else "refill" if refill else "partial" if result.fills
                         else "move" if result.moves else "append")
         return result
 
