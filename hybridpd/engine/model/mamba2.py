@@ -144,13 +144,6 @@ class Mamba2Mixer(nn.Module):
             self._kernel_caches_of = (conv_cache, ssm_cache)
         return self._kernel_caches
 
-    @staticmethod
-    def _copy_saves(d: MambaDecode, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> None:
-        """The states some rows must also keep in other slots (prefix-cache saves at this position)."""
-        for index, slot in d.saves:
-            conv_cache[slot] = conv_cache[d.slots[index]]
-            ssm_cache[slot] = ssm_cache[d.slots[index]]
-
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm, then out_proj (as plain functions: module calls cost a few us each in a decode step)."""
         return F.linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
@@ -246,5 +239,7 @@ class Mamba2Mixer(nn.Module):
         else:
             conv_cache.index_copy_(0, d.slots, window[:, 1:].to(conv_cache.dtype))
             ssm_cache.index_copy_(0, d.slots, state.to(ssm_cache.dtype))
-        self._copy_saves(d, conv_cache, ssm_cache)
+        for index, slot in d.saves:
+            conv_cache[slot] = conv_cache[d.slots[index]]
+            ssm_cache[slot] = ssm_cache[d.slots[index]]
         return out.view(-1, self.intermediate)
