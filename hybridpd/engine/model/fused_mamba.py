@@ -1,27 +1,34 @@
-"""A Mamba2 layer's step in one compiled loop (numba), for float32 models and caches: token by token over each
+"""A Mamba2 layer's step as compiled loops (numba), for float32 models and caches: token by token over each
 sequence, decode rows and prefill chunks alike.
 
 The torch path (mamba2.py) is ~25 tensor operations per layer for a decode step, on tensors of a few kB each (the
 convolution window, SiLU, softplus, the state update, the read-out, the gated norm): there each operation costs its
-dispatch more than its arithmetic, ~250 us per layer for 16 rows of the default model. This kernel does the same
-arithmetic per row in one pass over the row's conv and SSM state, where they sit in the cache (no gather, no
-scatter): ~50 us, ~1 ms less per decode step of the default model's five Mamba layers. On a prefill of 16 x 256
-tokens the token-by-token recurrence costs what the chunked scan (ssd.py) plus its layouts and the gated norm cost
-(~13 ms per layer; a third of it is the SiLUs' exp, which numba calls per element), so one kernel serves every
-float32 step and the step context builds no scan layouts for it.
+dispatch more than its arithmetic, ~250 us per layer for 16 rows of the default model. Here a step is three passes
+over all its rows (`mamba_rows_`):
+
+1. `_conv_rows` (compiled): the causal convolution, each output reading its K inputs where they are (this step's
+   rows of in_proj's output, or the slot's window for those before the step); the window is written once at the end;
+2. the SiLUs of the convolution and of the gate, in torch over all rows at once (its exp is vectorised; numba calls
+   libm's expf one element at a time, which made them half of a one-pass kernel's time);
+3. `_scan_rows` (compiled): softplus, the state update and read-out with the D skip, the gated norm, the SSM state
+   updated where it sits in the cache.
+
+16 decode rows of the default model: ~80 us per layer (~1 ms less per decode step than the torch path); a 16 x 256
+prefill: ~8.5 ms per layer, about half of the chunked scan's path (ssd.py, with its layouts and the gated norm).
 
 Per row (token) of a sequence, with C = conv_dim, I = intermediate, H heads of P channels, G groups of N:
 
-    conv  = silu(bias + sum_k window[k] * weight[k])       window = the last K - 1 inputs, then this row's xbc
+    conv  = silu(bias + sum_k inputs[t - K + 1 + k] * weight[k])   (inputs before the step: the slot's window)
     x, B, C = conv[:I] as [H, P], conv[I : I + G N] as [G, N], conv[I + G N :] as [G, N]
     dt_h  = clamp(softplus(dt_raw_h + dt_bias_h), dt_min, dt_max)
     S_h   = exp(dt_h A_h) S_h + dt_h x_h B_g^T              y_h = S_h C_g + D_h x_h   (g = h's group)
     out   = norm_weight * rmsnorm_per_group(y * silu(gate))   (groups of `norm_group` channels)
 
-and the window shifts by one input. A sequence starts from its slot's states (resumed) or from zeros; after the
-rows the scheduler named, the states are also copied to other slots (prefix-cache saves). Accumulations are
-float32, as torch's are; sums run in another order, so results agree with the torch path to float32 rounding,
-not bit for bit (tests/unit/model/test_fused_mamba.py against the formulas; tests/oracle against transformers).
+A sequence starts from its slot's states (resumed) or from zeros; after the rows the scheduler named, the states
+are also copied to other slots (prefix-cache saves). Accumulations are float32, as torch's are; sums run in another
+order, so results agree with the torch path to float32 rounding, not bit for bit (tests/unit/model/test_fused_mamba.py
+against the formulas; tests/unit/engine/test_fused_mamba_path.py against the torch path; tests/oracle against
+transformers). Loops index slices from 0 (`y[start:end][c]`, not `y[start + c]`): only that form vectorises.
 """
 
 from __future__ import annotations
