@@ -268,7 +268,8 @@ class LLMEngine:
     def _emit(self, seq: Sequence, logprob: TokenLogprob | None) -> RequestOutput:
         tracked = self._tracked[seq.request_id]
         self.num_generation_tokens_total += 1
-        text_ids = seq.output_token_ids
+        output_ids = seq.output_token_ids  # a copy: made once here
+        text_ids = output_ids
         if seq.finish_reason is FinishReason.STOP:  # ended by EOS, which is not part of the text
             text_ids = text_ids[:-1]
         new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished)
@@ -278,8 +279,8 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, FinishReason.STOP)
             seq.stop_reason = stop
-        new_ids = tuple(seq.output_token_ids[tracked.sent_tokens :])
-        tracked.sent_tokens = len(seq.output_token_ids)
+        new_ids = tuple(output_ids[tracked.sent_tokens :])
+        tracked.sent_tokens = len(output_ids)
         logprobs = (logprob,) if logprob is not None else ()
         params = None
         if seq.is_finished:
