@@ -18,6 +18,7 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
+from hybridpd.engine.model.fused_decode_write import rope_and_write_
 from hybridpd.engine.model.layers import RotaryEmbedding
 from hybridpd.engine.model.step_context import AttentionDecode, AttentionGroupMeta, StepContext
 
@@ -73,20 +74,16 @@ class Attention(nn.Module):
         # q | k | v side by side in one row of the projection; RoPE rotates q and k in place (the projection is
         # ours), so k and v stay adjacent and go into the cache in one write.
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        if ctx.rope_cos is not None:
-            RotaryEmbedding.apply_(qkv[:, : self.split[0]].view(rows, -1, self.head_dim), ctx.rope_cos, ctx.rope_sin)
         q_size = self.q_size
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, AttentionGroupMeta):
             raise TypeError(f"layer {self.layer_id} is attention but its KV group is not")
         cache = kv.attention_view(self.layer_id)  # [blocks, 2, block_size, kv_heads, head_dim]
-        k_and_v = qkv[:, q_size:].view(rows, 2, self.num_kv_heads, self.head_dim)
-        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v.to(cache.dtype)
-
         plan = meta.decode_kv if ctx.decode_kv is not None else None
         if plan is not None and meta.decode_rows is None:  # only decode rows, all of them; earlier keys buffered
-            att = self._decode_from_buffers(qkv, k_and_v, plan, meta.decode, ctx.decode_kv, kv)
+            att = self._decode_only(qkv, ctx, meta, plan, cache, kv)
             return F.linear(att, self.o_proj.weight, self.o_proj.bias)
+        k_and_v = self._rope_and_write(qkv, ctx, meta, cache)
         d = meta.decode
         if d is not None and not meta.prefills and not meta.fresh:  # only decode rows: all rows, in order
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, rows, x.dtype)
@@ -100,7 +97,10 @@ class Attention(nn.Module):
         out = torch.empty(rows, q_size, dtype=x.dtype)
         if plan is not None:  # decode rows beside prefill rows, from the buffers
             at = meta.decode_rows
-            out[at] = self._decode_from_buffers(qkv[at], k_and_v[at], plan, d, ctx.decode_kv, kv)
+            k_buf, v_buf = self._ready_buffers(plan, d, ctx.decode_kv, kv, qkv.dtype)
+            k_buf[plan.rows, :, plan.positions] = k_and_v[at, 0]
+            v_buf[plan.rows, :, plan.positions] = k_and_v[at, 1]
+            out[at] = self._attend_buffers(qkv[at], plan, k_buf, v_buf)
         elif d is not None:
             num = d.rows.shape[0]
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), d.blocks, num, x.dtype)
@@ -128,28 +128,60 @@ class Attention(nn.Module):
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 
-    def _decode_from_buffers(
-        self, qkv: torch.Tensor, k_and_v: torch.Tensor, plan: DecodeKVPlan, fills: AttentionDecode | None,
-        decode_kv: DecodeKV, kv: KVCacheStorage,
+    def _rope_and_write(
+        self, qkv: torch.Tensor, ctx: StepContext, meta: AttentionGroupMeta, cache: torch.Tensor
     ) -> torch.Tensor:
-        """The decode rows (qkv, k_and_v: theirs only, in the plan's row order) served by DecodeKV: held rows move
-        up, the rows `fills` lists are rebuilt from the paged cache (which already holds this step's keys), every
-        row appends this step's key, then attention over the buffers in place -> [rows, q_size]."""
-        rows, q_size, length = qkv.shape[0], self.q_size, plan.length
-        k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, qkv.dtype)
+        """RoPE on q and k in place, every row's K and V into the paged cache -> the K/V view [rows, 2, kv, D]."""
+        rows = qkv.shape[0]
+        if ctx.rope_cos is not None:
+            RotaryEmbedding.apply_(qkv[:, : self.split[0]].view(rows, -1, self.head_dim), ctx.rope_cos, ctx.rope_sin)
+        k_and_v = qkv[:, self.q_size :].view(rows, 2, self.num_kv_heads, self.head_dim)
+        cache[meta.write_blocks, :, meta.write_offsets] = k_and_v.to(cache.dtype)
+        return k_and_v
+
+    def _decode_only(
+        self, qkv: torch.Tensor, ctx: StepContext, meta: AttentionGroupMeta, plan: DecodeKVPlan,
+        cache: torch.Tensor, kv: KVCacheStorage,
+    ) -> torch.Tensor:
+        """A step of decode rows only, served by DecodeKV -> [rows, q_size]. The buffers are made ready first
+        (moves, fills from the paged cache: the column at each row's position is stale there and written next),
+        then RoPE, the paged write and the buffer append: for a float32 model one compiled pass
+        (fused_decode_write.py), else the torch operations."""
+        k_buf, v_buf = self._ready_buffers(plan, meta.decode, ctx.decode_kv, kv, qkv.dtype)
+        if ctx.rope_cos is not None and all(t.dtype == torch.float32 for t in (qkv, cache, k_buf)):
+            rope_and_write_(qkv, ctx.rope_cos, ctx.rope_sin, self.num_heads, cache, meta.write_blocks,
+                            meta.write_offsets, k_buf, v_buf, plan.positions)
+        else:
+            k_and_v = self._rope_and_write(qkv, ctx, meta, cache)
+            k_buf[plan.rows, :, plan.positions] = k_and_v[:, 0]
+            v_buf[plan.rows, :, plan.positions] = k_and_v[:, 1]
+        return self._attend_buffers(qkv, plan, k_buf, v_buf)
+
+    def _ready_buffers(
+        self, plan: DecodeKVPlan, fills: AttentionDecode | None, decode_kv: DecodeKV, kv: KVCacheStorage,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's DecodeKV buffers with the plan's held rows moved up and its filled rows rebuilt from the
+        paged cache."""
+        k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, dtype)
         for source, target in plan.moves:  # ascending: a target is never a row still to move
             k_buf[target] = k_buf[source]
             v_buf[target] = v_buf[source]
         if fills is not None:
             num = fills.rows.shape[0]
-            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), fills.blocks, num, qkv.dtype)
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), fills.blocks, num, dtype)
             columns = min(k_seq.shape[2], k_buf.shape[2])
             k_buf[fills.rows, :, :columns] = k_seq[:, :, :columns]
             v_buf[fills.rows, :, :columns] = v_seq[:, :, :columns]
-        k_buf[plan.rows, :, plan.positions] = k_and_v[:, 0]
-        v_buf[plan.rows, :, plan.positions] = k_and_v[:, 1]
+        return k_buf, v_buf
+
+    def _attend_buffers(
+        self, qkv: torch.Tensor, plan: DecodeKVPlan, k_buf: torch.Tensor, v_buf: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode rows' queries (qkv: theirs only, in the plan's row order) over the buffers in place."""
+        rows, q_size = qkv.shape[0], self.q_size
         q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
-        keys = slice(plan.start, length)
+        keys = slice(plan.start, plan.length)
         att = F.scaled_dot_product_attention(
             q_dec, k_buf[:rows, :, keys], v_buf[:rows, :, keys], attn_mask=plan.bias, scale=self.scale
         )

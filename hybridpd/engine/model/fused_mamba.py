@@ -181,13 +181,13 @@ def _f32(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def _flat_slots(cache: torch.Tensor) -> tuple[np.ndarray, int]:
-    """A cache view [slots, ...] whose slots are each contiguous but lie `stride` elements apart (a Mamba layer's
+def flat_slots(cache: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A cache view [slots, ...] whose slots (blocks) are each contiguous but lie `stride` elements apart (a layer's
     part of the KV storage rows) -> one flat contiguous array from slot 0's first element over the last slot's
-    last one, and that stride: the kernel then reads a slot as a contiguous block."""
+    last one, and that stride: a kernel then reads a slot as a contiguous block."""
     slot = cache[0]
     if not slot.is_contiguous():
-        raise ValueError("a Mamba cache slot must be contiguous")
+        raise ValueError("a cache slot must be contiguous")
     span = (cache.shape[0] - 1) * cache.stride(0) + slot.numel()
     return _f32(cache.as_strided((span,), (1,))), cache.stride(0)
 
@@ -204,8 +204,8 @@ class MambaKernelCaches:
 
     @classmethod
     def of(cls, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> MambaKernelCaches:
-        conv, conv_stride = _flat_slots(conv_cache)
-        ssm, ssm_stride = _flat_slots(ssm_cache)
+        conv, conv_stride = flat_slots(conv_cache)
+        ssm, ssm_stride = flat_slots(ssm_cache)
         heads, head_dim, d_state = ssm_cache.shape[1:]
         return cls(conv, conv_stride, ssm, ssm_stride, (heads, head_dim, d_state))
 

@@ -1,0 +1,42 @@
+"""The compiled RoPE + paged write + buffer append of a decode step against the torch operations it replaces
+(`RotaryEmbedding.apply_`, an advanced-index write into the paged cache, two into the DecodeKV buffers), on a cache
+that is a strided view of wider storage rows, rows in blocks in any order, one or several query heads per KV head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpd.engine.model.fused_decode_write import rope_and_write_
+from hybridpd.engine.model.layers import RotaryEmbedding
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(4, 2, 32, 16), (4, 1, 32, 16), (2, 2, 8, 4),
+                                                                   (6, 3, 16, 8)])
+def test_kernel_matches_the_torch_operations(heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + head_dim)
+    rows, num_blocks = 5, 40
+    positions = torch.tensor([0, 7, 33, 300, 129])
+    blocks = torch.randperm(num_blocks, generator=gen)[:rows]
+    offsets = positions % block_size
+    cos, sin = RotaryEmbedding(head_dim, 10000.0).cos_sin(positions, torch.float32, 512)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    block = 2 * block_size * kv_heads * head_dim
+    storage = torch.randn(num_blocks, block + 9, generator=gen)  # rows wider than a block: blocks strided
+    storages = [storage.clone(), storage.clone()]
+    caches = [s[:, :block].view(num_blocks, 2, block_size, kv_heads, head_dim) for s in storages]
+    buffers = [[torch.zeros(rows + 1, kv_heads, 320, head_dim) for _ in range(2)] for _ in range(2)]
+    qkvs = [qkv.clone(), qkv.clone()]
+
+    rope_and_write_(qkvs[0], cos, sin, heads, caches[0], blocks, offsets, *buffers[0], positions)
+
+    RotaryEmbedding.apply_(qkvs[1][:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim), cos, sin)
+    k_and_v = qkvs[1][:, heads * head_dim :].view(rows, 2, kv_heads, head_dim)
+    caches[1][blocks, :, offsets] = k_and_v
+    buffers[1][0][torch.arange(rows), :, positions] = k_and_v[:, 0]
+    buffers[1][1][torch.arange(rows), :, positions] = k_and_v[:, 1]
+
+    torch.testing.assert_close(qkvs[0], qkvs[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(storages[0], storages[1], rtol=1e-6, atol=1e-6)  # padding columns untouched too
+    for got, want in zip(buffers[0], buffers[1]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
