@@ -49,7 +49,7 @@ class DecodeKVPlan:
     rows: torch.Tensor        # [S] 0..S-1: buffer row s is the step's decode row s
     positions: torch.Tensor   # [S] each row's new key position (its length before this step)
     moves: tuple[tuple[int, int], ...]  # (from, to) buffer rows, to < from, ascending: held keys moving up
-    fills: tuple[int, ...]    # buffer rows rebuilt from the paged cache (after this step's write)
+    fills: tuple[int, ...]    # buffer rows rebuilt from the paged cache (their new column: this step's append)
     held_rows: int            # rows the buffers must keep through the step (the moves' sources included)
     start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
     length: int               # the largest position + 1

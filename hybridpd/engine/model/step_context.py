@@ -310,8 +310,9 @@ def _attention_decode(
 def _fill_gather(
     plan: DecodeKVPlan, seqs: Sequence[SeqEntry], g: int, block_size: int, dtype: torch.dtype
 ) -> AttentionDecode | None:
-    """The blocks of the buffer rows `plan` fills from the paged cache (every position from 0, which the step has
-    already written), or None when it fills none."""
+    """The blocks of the buffer rows `plan` fills from the paged cache (every position from 0; the column at a
+    row's own position is written by the step's append, whether the paged write came before or not), or None when
+    it fills none."""
     if not plan.fills:
         return None
     filled = [seqs[row] for row in plan.fills]
