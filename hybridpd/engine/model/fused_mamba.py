@@ -51,17 +51,17 @@ _SEQUENCES = (
     _I64_1D, _I64_1D, _I64_1D,  # per save: sequence, rows of the step after which to save, slot (by sequence)
 )
 _CONV_SIGNATURE = numba.void(
-    _F32_2D,                  # in_proj's output [T, I + C + H]: gate | xbc | dt_raw per row
+    _F32_2D,                  # [T, X]: xbc | dt_raw in each row's last C + H columns
     *_SEQUENCES,
     _F32_1D, numba.int64,     # conv cache: slot s's [K - 1, C] state at [s * stride, ...) of this flat array
     _F32_2D,                  # conv weight [K, C]
     _F32_1D,                  # conv bias [C] (zeros when the layer has none)
-    numba.int64,              # I (where xbc starts in a row of in_proj's output)
+    numba.int64,              # where xbc starts in a row of that array
     _F32_2D,                  # out: the convolution before its SiLU [T, C]
 )
 _SCAN_SIGNATURE = numba.void(
     _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
-    _F32_2D,                  # in_proj's output [T, I + C + H] (dt_raw: its last H columns)
+    _F32_2D,                  # [T, X] (dt_raw: its last H columns)
     _F32_2D,                  # silu(gate) [T, I]
     *_SEQUENCES,
     _F32_1D, numba.int64,     # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
@@ -235,27 +235,32 @@ class MambaKernelWeights:
 
 
 def mamba_rows_(
-    proj: torch.Tensor, rows: MambaRows, caches: MambaKernelCaches, weights: MambaKernelWeights
+    gate: torch.Tensor, xbc_dt: torch.Tensor, rows: MambaRows, caches: MambaKernelCaches,
+    weights: MambaKernelWeights,
 ) -> torch.Tensor:
-    """Every row of `proj` (in_proj's output, [T, I + C + H] float32, contiguous), sequence by sequence as `rows`
-    lays them out; the states in the caches updated in place and saved where `rows` asks -> the gated-normed
-    output [T, I] float32.
+    """Every row of in_proj's output, sequence by sequence as `rows` lays them out; the states in the caches updated
+    in place and saved where `rows` asks -> the gated-normed output [T, I] float32.
+
+    `gate` is in_proj's first I columns ([T, I], any strides; a contiguous one is our own and gets its SiLU in
+    place); `xbc_dt` is a contiguous float32 [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole
+    output (with the gate in its first columns) or only those columns from a product of their own.
 
     Three passes: the convolution (compiled: it walks each sequence's window), the two SiLUs over all rows at once
     (torch's vectorised kernel: numba calls libm's expf one element at a time, which made them half of a one-pass
     kernel's time), the scan and gated norm (compiled)."""
-    inner = weights.norm_weight.shape[0]
+    conv_dim = weights.conv_weight.shape[1]
+    heads = weights.A.shape[0]
     sequences = (rows.starts, rows.lengths, rows.resumed, rows.slots, rows.save_seqs, rows.save_after,
                  rows.save_slots)
-    conv = torch.empty(proj.shape[0], weights.conv_weight.shape[1], dtype=torch.float32)
-    proj_np, conv_np = _f32(proj), conv.numpy()
-    _conv_rows(proj_np, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias, inner,
-               conv_np)
+    conv = torch.empty(xbc_dt.shape[0], conv_dim, dtype=torch.float32)
+    source, conv_np = _f32(xbc_dt), conv.numpy()
+    _conv_rows(source, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias,
+               xbc_dt.shape[1] - conv_dim - heads, conv_np)
     F.silu(conv, inplace=True)
-    gate = F.silu(proj[:, :inner])
-    out = torch.empty(proj.shape[0], inner, dtype=torch.float32)
+    gate = F.silu(gate, inplace=True) if gate.is_contiguous() else F.silu(gate)
+    out = torch.empty(xbc_dt.shape[0], gate.shape[1], dtype=torch.float32)
     _scan_rows(
-        conv_np, proj_np, gate.numpy(), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
+        conv_np, source, gate.numpy(), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
         weights.dt_bias, weights.A, weights.D, *weights.dt_limit, weights.norm_weight, weights.norm_group,
         weights.eps, weights.groups, out.numpy(),
     )

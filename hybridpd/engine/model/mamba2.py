@@ -119,9 +119,26 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """A float32 step through the compiled kernels (fused_mamba.py): in_proj, the convolution, state updates,
         read-out and gated norm, row by row (the states updated where they sit and saved where asked), out_proj."""
-        proj = F.linear(x, self.in_proj.weight, self.in_proj.bias)
-        y = mamba_rows_(proj, rows, self._caches_for_kernel(conv_cache, ssm_cache), self._weights_for_kernel())
+        gate, xbc_dt = self._project_for_kernel(x)
+        y = mamba_rows_(gate, xbc_dt, rows, self._caches_for_kernel(conv_cache, ssm_cache),
+                        self._weights_for_kernel())
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
+
+    # From this many rows (a prefill chunk) the kernel path's in_proj is two products, gate and xbc | dt_raw, each
+    # output contiguous: the gate's SiLU then runs in place (~40% faster than over the strided columns of one output)
+    # and the two products together take less than the one 580-wide product of the default preset (9.0 vs 10.4 ms on
+    # 4,096 rows, MKL). Fewer rows take the one product, where the call count is what counts.
+    SEPARATE_GATE_FROM_ROWS = 256
+
+    def _project_for_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj -> (gate [T, I], an array whose last C + H columns are xbc | dt_raw), as `mamba_rows_` takes them."""
+        weight, bias = self.in_proj.weight, self.in_proj.bias
+        if x.shape[0] < self.SEPARATE_GATE_FROM_ROWS:
+            proj = F.linear(x, weight, bias)
+            return proj[:, : self.intermediate], proj
+        i = self.intermediate
+        gate = F.linear(x, weight[:i], None if bias is None else bias[:i])
+        return gate, F.linear(x, weight[i:], None if bias is None else bias[i:])
 
     def _weights_for_kernel(self) -> MambaKernelWeights:
         """The kernel's numpy views of the parameters, made again only when a tensor they view was replaced (a

@@ -1,7 +1,8 @@
 """A float32 model's Mamba layers run the compiled kernel (fused_mamba.py); other dtypes the torch path (batched
 recurrent step, chunked scan). Both paths on the same float32 model and the same requests: the same greedy tokens
 and the same logits to float32 rounding, through chunked prefills, mixed steps, decode-only steps, preemption,
-and prefix hits that restore saved Mamba states (which only exist if the saves were written right)."""
+and prefix hits that restore saved Mamba states (which only exist if the saves were written right); with in_proj as one
+product and as two (the gate apart, as the kernel path takes a prefill's rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from hybridpd.engine.model import step_context
+from hybridpd.engine.model.mamba2 import Mamba2Mixer
 
 from .engine_harness import all_free, drive, greedy, make_recording_engine, prompt
 
@@ -26,9 +28,12 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("gate_apart_from", [None, 8], ids=["default", "gate_apart_from_8_rows"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_kernel_and_torch_paths_agree(tiny_dir, scenario, monkeypatch):
+def test_kernel_and_torch_paths_agree(tiny_dir, scenario, gate_apart_from, monkeypatch):
     budget, num_blocks, arrivals = SCENARIOS[scenario]
+    if gate_apart_from is not None:  # the tiny prompts' steps then take in_proj as two products, as a prefill does
+        monkeypatch.setattr(Mamba2Mixer, "SEPARATE_GATE_FROM_ROWS", gate_apart_from)
     fused, fused_rows = make_recording_engine(tiny_dir, num_blocks=num_blocks, budget=budget)
     fused_out, fused_cached = drive(fused, arrivals)
     monkeypatch.setattr(step_context, "fused_mamba", lambda spec: False)

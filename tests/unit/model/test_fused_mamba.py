@@ -57,8 +57,9 @@ CASES = [
 SAVE_SLOTS = (9, 10, 11, 12, 13)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_product", "gate_apart"])
 @pytest.mark.parametrize("heads, head_dim, groups, d_state, width, with_bias, limit, seqs", CASES)
-def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs):
+def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim + len(seqs))
     inner = heads * head_dim
     conv_dim = inner + 2 * groups * d_state
@@ -90,7 +91,13 @@ def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, wi
     touched = {s for _, _, s, _ in seqs} | set(SAVE_SLOTS[: len(saves)])
 
     weights = MambaKernelWeights.of(conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups)
-    out = mamba_rows_(proj, rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
+    # in_proj's output as the mixer hands it over: one product (the gate a strided view of it), or the gate and
+    # xbc | dt_raw from products of their own (both contiguous; the gate's SiLU then runs in place on it).
+    if split:
+        gate, xbc_dt = proj[:, :inner].clone(), proj[:, inner:].clone()
+    else:
+        gate, xbc_dt = proj[:, :inner], proj
+    out = mamba_rows_(gate, xbc_dt, rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
 
     saved = {}
     for q, (n, resumed, slot, afters) in enumerate(seqs):
