@@ -119,26 +119,15 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """A float32 step through the compiled kernels (fused_mamba.py): in_proj, the convolution, state updates,
         read-out and gated norm, row by row (the states updated where they sit and saved where asked), out_proj."""
-        gate, xbc_dt = self._project_for_kernel(x)
+        gate, xbc_dt = self._in_proj(x, separate_gate=x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS)
         y = mamba_rows_(gate, xbc_dt, rows, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
 
-    # From this many rows (a prefill chunk) the kernel path's in_proj is two products, gate and xbc | dt_raw, each
-    # output contiguous: the gate's SiLU then runs in place (~40% faster than over the strided columns of one output)
-    # and the two products together take less than the one 580-wide product of the default preset (9.0 vs 10.4 ms on
-    # 4,096 rows, MKL). Fewer rows take the one product, where the call count is what counts.
+    # From this many rows (a prefill chunk) the kernel path takes the gate apart (`_in_proj`): its SiLU then runs in
+    # place (~40% faster than over the strided columns of one output), and the two products together take less
+    # than the one 580-wide product of the default preset (9.0 vs 10.4 ms on 4,096 rows, MKL).
     SEPARATE_GATE_FROM_ROWS = 256
-
-    def _project_for_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """in_proj -> (gate [T, I], an array whose last C + H columns are xbc | dt_raw), as `mamba_rows_` takes them."""
-        weight, bias = self.in_proj.weight, self.in_proj.bias
-        if x.shape[0] < self.SEPARATE_GATE_FROM_ROWS:
-            proj = F.linear(x, weight, bias)
-            return proj[:, : self.intermediate], proj
-        i = self.intermediate
-        gate = F.linear(x, weight[:i], None if bias is None else bias[:i])
-        return gate, F.linear(x, weight[i:], None if bias is None else bias[i:])
 
     def _weights_for_kernel(self) -> MambaKernelWeights:
         """The kernel's numpy views of the parameters, made again only when a tensor they view was replaced (a
@@ -166,18 +155,24 @@ class Mamba2Mixer(nn.Module):
         return F.linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
 
     def _project(self, x: torch.Tensor, separate_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """in_proj -> gate [T, I], xbc [T, conv_dim], dt_raw [T, H].
+        """in_proj -> gate [T, I], xbc [T, conv_dim], dt_raw [T, H] (views; see `_in_proj`)."""
+        gate, xbc_dt = self._in_proj(x, separate_gate)
+        return gate, *xbc_dt[:, -(self.conv_dim + self.heads) :].split([self.conv_dim, self.heads], dim=-1)
 
-        With `separate_gate` the gate comes from its own product (rows [0, I) of the weight, a view): then it is
-        contiguous, and the gated norm's silu over it runs ~3x faster than over a strided column block of the
-        fused output, which on a prefill is worth more than the one extra matmul call. Decode rows take the one
-        fused product, where the call count is what matters."""
+    def _in_proj(self, x: torch.Tensor, separate_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj -> (gate [T, I], an array whose last conv_dim + H columns are xbc | dt_raw).
+
+        With `separate_gate` the gate comes from its own product (rows [0, I) of the weight, a view) and xbc | dt_raw
+        from another: both contiguous, and the silu over the gate runs ~3x faster than over a strided column block
+        of the fused output, which on a prefill is worth more than the one extra matmul call. Decode rows take the
+        one fused product (the second array is then the whole output), where the call count is what matters."""
         weight, bias = self.in_proj.weight, self.in_proj.bias
+        i = self.intermediate
         if not separate_gate:
-            return F.linear(x, weight, bias).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
-        gate = F.linear(x, weight[: self.intermediate], None if bias is None else bias[: self.intermediate])
-        rest = F.linear(x, weight[self.intermediate :], None if bias is None else bias[self.intermediate :])
-        return gate, *rest.split([self.conv_dim, self.heads], dim=-1)
+            proj = F.linear(x, weight, bias)
+            return proj[:, :i], proj
+        gate = F.linear(x, weight[:i], None if bias is None else bias[:i])
+        return gate, F.linear(x, weight[i:], None if bias is None else bias[i:])
 
     def _split_xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., conv_dim] -> x [..., H, P], B and C [..., G, N] per group (views)."""
