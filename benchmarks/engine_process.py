@@ -14,7 +14,7 @@ process runs `LLMEngine` with the node's defaults and pins itself to `--engine-c
 
 Both servers run at once; each workload runs `--rounds` times alternating the sides (serve, split, split, serve,
 ...). Last line: JSON {"workloads": {name: {throughput_ratio, mean_ttft_ratio, p99_itl_ratio, split, serve}}}, the
-ratios split / serve (pooled as the mean of the per-round figures).
+ratios split / serve (each side pooled as the mean of its rounds).
 
     .venv/bin/python benchmarks/engine_process.py --rounds 3 --workloads random_256_64_c16
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm import VLLM_PRESET, WORKLOADS, mean_figures, ratio, run_bench, wait_ready  # noqa: E402
+from vs_vllm import VLLM_PRESET, WORKLOADS, run_bench, side_by_side, stop_all, wait_ready  # noqa: E402
 
 from hybridpd.engine.cpu_set import parse_cpu_list  # noqa: E402
 from hybridpd.engine.request import EngineRequest, RequestOutput  # noqa: E402
@@ -227,30 +227,12 @@ def main() -> int:
     try:
         for side, url in urls.items():
             wait_ready(url, processes[side], READY_DEADLINE)
-        results: dict[str, Any] = {}
-        for name in args.workloads:
-            for side in urls:  # warm-up, not counted
-                run_bench(urls[side], WORKLOADS[name], seed=99)
-            runs: dict[str, list[dict[str, Any]]] = {"serve": [], "split": []}
-            for r in range(args.rounds):
-                for side in (("serve", "split") if r % 2 == 0 else ("split", "serve")):
-                    runs[side].append(run_bench(urls[side], WORKLOADS[name], seed=r))
-                    print(f"{name} round {r} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
-            split, serve = mean_figures(runs["split"]), mean_figures(runs["serve"])
-            results[name] = {
-                "throughput_ratio": ratio(split["output_throughput"], serve["output_throughput"]),
-                "mean_ttft_ratio": ratio(split["mean_ttft_ms"], serve["mean_ttft_ms"]),
-                "p99_itl_ratio": ratio(split["p99_itl_ms"], serve["p99_itl_ms"]),
-                "split": split, "serve": serve,
-            }
+        for name in args.workloads:  # warm-up, not counted
+            for url in urls.values():
+                run_bench(url, WORKLOADS[name], seed=99)
+        results = side_by_side({"split": urls["split"], "serve": urls["serve"]}, args.workloads, args.rounds)
     finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes.values())
     print(json.dumps({"rounds": args.rounds, "workloads": results}))
     return 0
 

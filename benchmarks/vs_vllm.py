@@ -35,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from hybridpd.bench.main import bench_result
@@ -112,6 +113,40 @@ def run_bench(url: str, args: list[str], seed: int) -> dict[str, Any]:
     return {key: result.get(key) for key in FIGURES}
 
 
+def side_by_side(sides: dict[str, str], workloads: list[str], rounds: int) -> dict[str, Any]:
+    """Each workload `rounds` times on both sides (name -> URL), the order alternating (a, b, b, a, ...) so that
+    drift of the machine's speed favours neither: per workload the first side's ratios to the second's
+    (throughput, mean TTFT, p99 ITL) and each side's figures, pooled as the mean of its rounds."""
+    first, second = sides
+    results: dict[str, Any] = {}
+    for name in workloads:
+        runs: dict[str, list[dict[str, Any]]] = {first: [], second: []}
+        for r in range(rounds):
+            for side in ((first, second) if r % 2 == 0 else (second, first)):
+                runs[side].append(run_bench(sides[side], WORKLOADS[name], seed=r))
+                print(f"{name} round {r} {side}: {runs[side][-1]}", file=sys.stderr, flush=True)
+        a, b = mean_figures(runs[first]), mean_figures(runs[second])
+        results[name] = {
+            "throughput_ratio": ratio(a["output_throughput"], b["output_throughput"]),
+            "mean_ttft_ratio": ratio(a["mean_ttft_ms"], b["mean_ttft_ms"]),
+            "p99_itl_ratio": ratio(a["p99_itl_ms"], b["p99_itl_ms"]),
+            first: a, second: b,
+        }
+    return results
+
+
+def stop_all(processes: Iterable[subprocess.Popen]) -> None:
+    """SIGTERM to every server, then SIGKILL to any still running 30 s later."""
+    processes = list(processes)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def mean_figures(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(float(r[key] or 0.0) for r in runs) / len(runs) for key in FIGURES}
 
@@ -158,29 +193,9 @@ def main() -> int:
             print(f"agreement prompt {k}: {answers}", file=sys.stderr, flush=True)
         for url in sides.values():  # warm-up: one small run each
             run_bench(url, ["--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "8"], seed=99)
-        results: dict[str, Any] = {}
-        for name in args.workloads:
-            runs: dict[str, list[dict[str, Any]]] = {"ours": [], "vllm": []}
-            for r in range(args.rounds):
-                order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
-                for side in order:
-                    runs[side].append(run_bench(sides[side], WORKLOADS[name], seed=r))
-                    print(f"{name} round {r} {side}: {runs[side][-1]}", file=sys.stderr, flush=True)
-            ours, vllm = mean_figures(runs["ours"]), mean_figures(runs["vllm"])
-            results[name] = {
-                "throughput_ratio": ratio(ours["output_throughput"], vllm["output_throughput"]),
-                "mean_ttft_ratio": ratio(ours["mean_ttft_ms"], vllm["mean_ttft_ms"]),
-                "p99_itl_ratio": ratio(ours["p99_itl_ms"], vllm["p99_itl_ms"]),
-                "ours": ours, "vllm": vllm,
-            }
+        results = side_by_side(sides, args.workloads, args.rounds)  # ours first: the ratios are ours / vLLM
     finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes.values())
     print(json.dumps({"greedy_agreement": f"{agreement}/{args.agreement_prompts}", "rounds": args.rounds,
                       "workloads": results}))
     return 0
