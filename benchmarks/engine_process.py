@@ -40,6 +40,7 @@ from vs_vllm import VLLM_PRESET, WORKLOADS, run_bench, side_by_side, stop_all, w
 
 from hybridpd.engine.cpu_set import parse_cpu_list  # noqa: E402
 from hybridpd.engine.request import EngineRequest, RequestOutput  # noqa: E402
+from hybridpd.errors import EngineDeadError  # noqa: E402
 from hybridpd.launcher.ports import free_port  # noqa: E402
 
 READY_DEADLINE = 300.0
@@ -125,6 +126,12 @@ class PipeEngine:
                 self._loop.call_soon_threadsafe(self._deliver, self._conn.recv())
         except (EOFError, OSError):
             self._alive = False
+            self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _fail_all(self) -> None:
+        """The engine process is gone: every request in flight ends with an error instead of waiting forever."""
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("the engine process exited"))
 
     def _deliver(self, message: Any) -> None:
         if isinstance(message, tuple):  # ("rejected", id, error)
