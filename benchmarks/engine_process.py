@@ -44,6 +44,17 @@ from hybridpd.errors import EngineDeadError  # noqa: E402
 from hybridpd.launcher.ports import free_port  # noqa: E402
 
 READY_DEADLINE = 300.0
+ENGINE_CPUS = "0"  # both sides' engines run here (`--engine-cpus`), as vs_vllm.py pins both sides' compute
+
+
+def _configs(serve_argv: list[str]) -> Any:
+    """The node's configs from `hybridpd serve`'s own arguments (NodeConfigs)."""
+    from hybridpd.engine.model.presets import default_model_dir
+    from hybridpd.server.args import add_arguments, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return configs_from_args(parser.parse_args(serve_argv), default_model_dir)
 
 
 # -- the engine process -------------------------------------------------------------------------------------------
@@ -52,13 +63,9 @@ def engine_main(conn: Connection, serve_argv: list[str], cpus: frozenset[int]) -
     ("abort", id) come in on `conn`, each step's outputs go out as one list; a rejected request gets
     ("rejected", id, error)."""
     from hybridpd.engine.engine import LLMEngine
-    from hybridpd.engine.model.presets import default_model_dir
-    from hybridpd.server.args import add_arguments, configs_from_args
 
     os.sched_setaffinity(0, cpus)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    engine = LLMEngine(configs_from_args(parser.parse_args(serve_argv), default_model_dir).engine)
+    engine = LLMEngine(_configs(serve_argv).engine)
     conn.send("ready")
     try:
         _serve_engine(conn, engine)
@@ -95,7 +102,7 @@ def _serve_engine(conn: Connection, engine: Any) -> None:
 class PipeEngine:
     """What `create_app` needs of an engine, with the engine in another process."""
 
-    def __init__(self, conn: Connection, model_dir: Path, model_name: str, max_model_len: int) -> None:
+    def __init__(self, conn: Connection, model_dir: Path, model_name: str, max_model_len: int | None) -> None:
         from hybridpd.engine.model.generation_config import GenerationDefaults
         from hybridpd.engine.model.loader import read_model_config
         from hybridpd.engine.tokenizer import load_tokenizer
@@ -171,13 +178,9 @@ async def serve_split(serve_argv: list[str], cpus: frozenset[int]) -> None:
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
-    from hybridpd.engine.model.presets import default_model_dir
-    from hybridpd.server.args import add_arguments, configs_from_args
     from hybridpd.server.app import create_app
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    configs = configs_from_args(parser.parse_args(serve_argv), default_model_dir)
+    configs = _configs(serve_argv)
     context = multiprocessing.get_context("spawn")
     front_end, engine_end = context.Pipe()
     engine = context.Process(target=engine_main, args=(engine_end, serve_argv, cpus), daemon=True)
@@ -188,7 +191,7 @@ async def serve_split(serve_argv: list[str], cpus: frozenset[int]) -> None:
     if others:
         os.sched_setaffinity(0, others)
     client = PipeEngine(front_end, configs.engine.model_dir, configs.server.served_model_name,
-                        configs.engine.scheduler.max_model_len or 0)
+                        configs.engine.scheduler.max_model_len)
     client.start()
     runner = web.AppRunner(create_app(client, configs.server, CollectorRegistry()), handler_cancellation=True,
                            access_log=None)
@@ -214,7 +217,7 @@ def main() -> int:
     parser.add_argument("--serve-split", nargs=argparse.REMAINDER, default=None,
                         help=argparse.SUPPRESS)  # internal: run the split side's front with these serve arguments
     args = parser.parse_args()
-    cpus = parse_cpu_list("0")
+    cpus = parse_cpu_list(ENGINE_CPUS)
     if args.serve_split is not None:
         asyncio.run(serve_split(args.serve_split, cpus))
         return 0
@@ -226,7 +229,7 @@ def main() -> int:
               f"{args.kv_cache_gib}GiB", "--no-enable-prefix-caching"]
     commands = {
         "serve": [sys.executable, "-m", "hybridpd", "serve", *common, "--port", str(ports["serve"]),
-                  "--engine-cpus", "0"],
+                  "--engine-cpus", ENGINE_CPUS],
         "split": [sys.executable, __file__, "--serve-split", *common, "--port", str(ports["split"])],
     }
     urls = {side: f"http://127.0.0.1:{port}" for side, port in ports.items()}

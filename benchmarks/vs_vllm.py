@@ -34,8 +34,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from hybridpd.bench.main import bench_result
