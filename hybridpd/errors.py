@@ -39,6 +39,9 @@ class KVTransferError(HybridPDError):
         self.peer = peer
         self.reason = reason
 
+    def __reduce__(self):  # rebuilt from its own fields (it crosses to the node's HTTP front pickled)
+        return (type(self), (self.peer, self.reason))
+
 
 class CheckpointError(HybridPDError, ValueError):
     """A checkpoint directory that is missing, unreadable, or does not describe a model we can run."""

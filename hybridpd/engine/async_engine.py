@@ -1,8 +1,9 @@
 """The engine on its own thread, driven from asyncio.
 
-Everything that touches the engine runs on the engine thread: the asyncio side posts callables to an inbox, and
-outputs come back with `loop.call_soon_threadsafe`. The thread blocks on the inbox when there is no work, so an
-idle node uses no CPU; torch releases the GIL while it computes, so the event loop stays responsive.
+Everything that touches the engine runs on the engine thread: callers post callables to an inbox, and what the engine
+produces goes to an `OutputSink` (`hybridpd.engine.request_streams`): by default this process's own request
+streams, in the node's engine process the pipe to the HTTP front. The thread blocks on the inbox when there is no
+work, so an idle node uses no CPU; torch releases the GIL while it computes.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from hybridpd.engine.cpu_set import pin_current_thread
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.kv_cache.events import KVCacheEvent
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput
+from hybridpd.engine.request_streams import OutputSink, RequestStreams
 from hybridpd.errors import EngineDeadError, ServerOverloadedError
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,8 @@ KVEventSink = Callable[[list[KVCacheEvent]], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str, kv_event_sink: KVEventSink | None = None) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, kv_event_sink: KVEventSink | None = None,
+                 sink: OutputSink | None = None) -> None:
         self.engine = engine
         self._kv_event_sink = kv_event_sink
         self.model_name = model_name
@@ -37,18 +40,15 @@ class AsyncEngine:
         self.vocab_size = engine.model_config.vocab_size
         self.generation_defaults = engine.generation_defaults
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        # Ids whose consumer left before the end: busy until the engine thread has aborted them, so that a new
-        # request with the same id never receives the old one's outputs.
-        self._closing: set[str] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams = RequestStreams()  # this process's own consumers (`generate`)
+        self._sink: OutputSink = sink if sink is not None else self._streams
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._admitting = True
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._streams.bind(asyncio.get_running_loop())
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -56,10 +56,9 @@ class AsyncEngine:
         """Stop admitting; let running requests finish within `grace` seconds, then abort the rest."""
         self._admitting = False
         deadline = asyncio.get_running_loop().time() + grace
-        while self._queues and asyncio.get_running_loop().time() < deadline:
+        while self._streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(self._queues):
-            self.call_soon(lambda rid=request_id: self.engine.abort(rid))
+        self.call_soon(self._abort_all)
         self._inbox.put(_STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
@@ -69,57 +68,61 @@ class AsyncEngine:
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     # -- the API the server uses --------------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs (EngineClient.generate); bad input is refused here, before anything is queued."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if not self._admitting:
             raise ServerOverloadedError("the node is shutting down")
         self.engine.validate(request)
         rid = request.request_id
-        if rid in self._queues or rid in self._closing:
-            raise ServerOverloadedError(f"request id {rid} is already in flight")
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[rid] = outputs
-        self.call_soon(lambda: self._add(request))
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self._closing.add(rid)
-                self.call_soon(lambda: self._abort_abandoned(rid))
+        return self._streams.stream(rid, submit=lambda: self.call_soon(lambda: self._add(request)),
+                                    abort=lambda: self.abort(rid))
+
+    def submit(self, request: EngineRequest) -> None:
+        """Add `request` from another process: validated on the engine thread, a refusal goes to the sink."""
+        self.call_soon(lambda: self._add(request, validate=True))
+
+    def abort(self, request_id: str) -> None:
+        """Drop `request_id` (its consumer left); the sink hears `aborted` once the engine has."""
+        self.call_soon(lambda: self._abort(request_id))
 
     def call_soon(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the engine thread between two steps; a RequestOutput it returns goes to its request."""
         self._inbox.put(fn)
 
     # -- engine thread ------------------------------------------------------------------------------------------
-    def _add(self, request: EngineRequest) -> RequestOutput | None:
+    def _add(self, request: EngineRequest, validate: bool = False) -> RequestOutput | None:
         """Queue `request`; returns its first output when it has one at once (a remotely prefilled request's first
         token), which `_run` delivers before the next step."""
+        if validate:
+            try:
+                self.engine.validate(request)
+            except Exception as exc:  # the request's own bad input: the consumer raises it
+                self._sink.rejected(request.request_id, exc)
+                return None
         try:
             return self.engine.add_request(request)
         except Exception as exc:  # validated already; a failure here is the request's own
-            self._deliver([
+            self._sink.deliver([
                 RequestOutput(request_id=request.request_id, new_token_ids=(), new_text="", num_prompt_tokens=0,
                               num_cached_tokens=0, num_output_tokens=0, finished=True,
                               finish_reason=FinishReason.ERROR, error=exc)
             ])
             return None
 
-    def _abort_abandoned(self, request_id: str) -> None:
-        """Abort a request whose consumer left; its last output is for nobody. Outputs reach the loop in the order
-        they were sent, so once `_closing` forgets the id no output of the old request is still on its way."""
+    def _abort(self, request_id: str) -> None:
+        """Abort a request whose consumer left; its last output is for nobody."""
         self.engine.abort(request_id)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._closing.discard, request_id)
+        self._sink.aborted(request_id)
+
+    def _abort_all(self) -> None:
+        """Shutdown: every request still held ends with an ABORT output its consumer receives."""
+        outputs = [self.engine.abort(request_id) for request_id in self.engine.request_ids()]
+        self._sink.deliver([out for out in outputs if out is not None])
 
     def _run(self) -> None:
         cpus = self.engine.config.cpus
@@ -133,10 +136,12 @@ class AsyncEngine:
                         return
                     result = item()
                     if isinstance(result, RequestOutput):
-                        self._deliver([result])
+                        self._sink.deliver([result])
                     item = self._poll_inbox()
                 if self.engine.has_work():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._sink.deliver(outputs)
                 self.engine.refresh_stats()
                 if self._kv_event_sink is not None:
                     events = self.engine.kv.take_events()
@@ -145,30 +150,10 @@ class AsyncEngine:
         except BaseException as exc:  # the engine is broken: fail everyone, report unhealthy
             log.exception("engine thread died")
             self._dead = exc
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
+            self._sink.died(exc)
 
     def _poll_inbox(self):
         try:
             return self._inbox.get_nowait()
         except queue.Empty:
             return None
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._put_all, outputs)
-
-    # -- event loop side ----------------------------------------------------------------------------------------
-    def _put_all(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for rid, q in self._queues.items():
-            q.put_nowait(
-                RequestOutput(request_id=rid, new_token_ids=(), new_text="", num_prompt_tokens=0, num_cached_tokens=0,
-                              num_output_tokens=0, finished=True, finish_reason=FinishReason.ERROR,
-                              error=EngineDeadError(f"the engine stopped: {exc}"))
-            )

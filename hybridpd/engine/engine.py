@@ -215,6 +215,10 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, remote.first_token_logprob)
 
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (waiting, loading, running)."""
+        return list(self._tracked)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:

@@ -65,3 +65,8 @@ def _fits(annotation: str, value: object) -> bool:
     if annotation == "str":
         return isinstance(value, str)
     return value is None or isinstance(value, str)  # "str | None"
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: an address with a wildcard (or ipc/inproc) is bound, any other is connected to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

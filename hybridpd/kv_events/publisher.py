@@ -20,17 +20,12 @@ from collections.abc import Sequence
 import zmq
 
 from hybridpd.engine.kv_cache.events import KVCacheEvent
-from hybridpd.kv_events.config import KVEventsConfig
+from hybridpd.kv_events.config import KVEventsConfig, binds
 from hybridpd.kv_events.wire import END_OF_REPLAY, GroupInfo, encode_batch, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
 
 _STOP = None
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: an address with a wildcard (or ipc/inproc) is bound, any other is connected to."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:

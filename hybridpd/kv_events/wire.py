@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from hybridpd.engine.kv_cache import events as engine_events
-from hybridpd.engine.kv_cache.spec import KVCacheGroup, SlidingWindowSpec
+from hybridpd.kv_events.groups import GroupInfo
 
 MEDIUM_PRIMARY = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -64,26 +63,6 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupInfo:
-    """What a consumer needs to know of a group (vLLM's `kv_cache_spec_kind` / `_sliding_window`)."""
-
-    group_idx: int
-    kind: str
-    block_size: int
-    sliding_window: int | None
-
-    @classmethod
-    def of(cls, group_idx: int, group: KVCacheGroup) -> GroupInfo:
-        spec = group.spec
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        return cls(group_idx=group_idx, kind=spec.kind, block_size=spec.block_size, sliding_window=window)
-
-    def as_json(self) -> dict:
-        return {"group_idx": self.group_idx, "kind": self.kind, "block_size": self.block_size,
-                "sliding_window": self.sliding_window}
 
 
 def to_wire(event: engine_events.KVCacheEvent, groups: Sequence[GroupInfo]) -> KVCacheEvent:

@@ -10,11 +10,13 @@ One request through `/v1/completions` (or chat):
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import json
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
-from hybridpd.errors import ForbiddenError, UnauthorizedError
+from hybridpd.errors import ForbiddenError, HybridPDError, UnauthorizedError
 from hybridpd.server.admission import Admission
 from hybridpd.server.body import read_json_object
 from hybridpd.server.config import ServerConfig
@@ -49,6 +51,8 @@ ADMISSION_KEY = web.AppKey("admission", Admission)
 METRICS_KEY = web.AppKey("server_metrics", ServerMetrics)
 
 Parser = Callable[[dict[str, Any], EngineClient, str], ParsedRequest]
+EngineMetrics = Callable[[], Awaitable[bytes]]
+log = logging.getLogger(__name__)
 _dumps = functools.partial(json.dumps, allow_nan=False)
 
 
@@ -58,8 +62,9 @@ def _client_gone(request: web.Request) -> bool:
 
 class Handlers:
     def __init__(self, engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
-                 metrics: ServerMetrics, admission: Admission) -> None:
+                 metrics: ServerMetrics, admission: Admission, engine_metrics: EngineMetrics | None) -> None:
         self._engine = engine
+        self._engine_metrics = engine_metrics
         self._config = config
         self._registry = registry
         self._metrics = metrics
@@ -147,12 +152,20 @@ class Handlers:
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = generate_latest(self._registry)
+        if self._engine_metrics is not None:
+            try:
+                body += await self._engine_metrics()
+            except (HybridPDError, asyncio.TimeoutError) as exc:  # the engine's families are missing, ours are not
+                log.warning("engine metrics unavailable: %s", exc)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
-               extra_routes: Iterable[web.AbstractRouteDef] = ()) -> web.Application:
-    """The app; `app[ADMISSION_KEY]` is its admission gate (close it to drain before shutdown).
+               extra_routes: Iterable[web.AbstractRouteDef] = (),
+               engine_metrics: EngineMetrics | None = None) -> web.Application:
+    """The app; `app[ADMISSION_KEY]` is its admission gate (close it to drain before shutdown). `/metrics` serves
+    `registry` and, when given, the text `engine_metrics()` returns (an engine in another process).
 
     Run it with `web.AppRunner(app, handler_cancellation=True)` so that a non-streaming request whose client
     disconnects is aborted at once, not at its next output.
@@ -163,7 +176,7 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
                           client_max_size=config.client_max_size)
     app[ADMISSION_KEY] = admission
     app[METRICS_KEY] = metrics
-    h = Handlers(engine, config, registry, metrics, admission)
+    h = Handlers(engine, config, registry, metrics, admission, engine_metrics)
     app.add_routes([
         web.post("/v1/completions", h.completions),
         web.post("/v1/chat/completions", h.chat_completions),

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.tls import TLSConfig
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:

@@ -15,9 +15,8 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from hybridpd.errors import NotFoundError, UnauthorizedError
-from hybridpd.kv_events.config import KVEventsConfig
-from hybridpd.kv_events.publisher import binds
-from hybridpd.kv_events.wire import GroupInfo
+from hybridpd.kv_events.config import KVEventsConfig, binds
+from hybridpd.kv_events.groups import GroupInfo
 from hybridpd.server.app import CLUSTER_TOKEN_HEADER
 
 HASH_SCHEME = "hybridpd-blake2b256-chain-v1"  # engine/kv_cache/hashing.py; cache_salt as UTF-8 bytes

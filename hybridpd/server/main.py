@@ -8,10 +8,10 @@ import logging
 import os
 import sys
 
-from hybridpd.engine.host_memory import allocator_configured, keep_freed_memory
 from hybridpd.engine.model.presets import default_model_dir
 from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
-from hybridpd.server.node import LOOPBACK, Node
+from hybridpd.server.config import LOOPBACK
+from hybridpd.server.node import EngineStartError, Node
 
 __all__ = ["add_arguments", "run"]
 
@@ -33,11 +33,15 @@ def run(args: argparse.Namespace) -> int:
     except BadArgumentsError as exc:
         print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 2
-    confine_transport(configs.kv_transfer.kv_host)
-    if not allocator_configured(os.environ) and not keep_freed_memory():
-        logging.getLogger(__name__).info("mallopt unavailable: the allocator keeps its default thresholds")
+    except EngineStartError as exc:
+        print(f"hybridpd serve: error: the engine process could not start: {exc}", file=sys.stderr)
+        return 1
+    confine_transport(configs.kv_transfer.kv_host)  # before the engine process starts: it inherits the variable
     try:
         return asyncio.run(Node(configs).run())
     except (ValueError, FileNotFoundError) as exc:  # a checkpoint or cache configuration that cannot work
         print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 2
+    except EngineStartError as exc:
+        print(f"hybridpd serve: error: the engine process could not start: {exc}", file=sys.stderr)
+        return 1

@@ -1,102 +1,83 @@
-"""A kv_both node: the engine, its connector (transport + side channel, both roles) and the HTTP server.
+"""A kv_both node: an HTTP front and an engine process (`hybridpd.server.engine_process`: the engine, its connector,
+its KV event publisher), joined by an engine link (`hybridpd.server.engine_link`).
 
-Start order: engine (model + KV cache) -> transport registers the group tensors -> side channel (gRPC) ->
-HTTP. Stop order on SIGTERM/SIGINT: stop admitting HTTP requests (503); within one `--shutdown-grace`, let running
-requests finish and decoders pulling from us release their leases (the side channel and transport stay up); then
-release the leases left (freeing their blocks), abort the requests left, stop the side channel, close the
-transport, exit 0.
+The front holds the OpenAI-compatible app, the tokenizer and the cluster-token checks, and starts the engine process
+with the node's configs; once the engine process has its engine, transport and side channel up, the front serves
+HTTP and prints the ready line. `/metrics` serves the front's own families and the engine process's.
+
+Stop order on SIGTERM/SIGINT: stop admitting HTTP requests (503); within one `--shutdown-grace`, let running
+requests finish; then `Drain` the engine process with what is left of the grace (decoders pulling from us release
+their leases; the leases left are released, the requests left aborted, the side channel and transport closed);
+close HTTP; wait for the engine process; exit 0 (1 when the engine process had died or did not drain).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-import uuid
-from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
-from hybridpd.connector.compat import compat_fields, compat_hash, model_identity
-from hybridpd.connector.metadata import node_metadata
-from hybridpd.connector.metrics import ConnectorMetrics
-from hybridpd.connector.nixl_transport import NixlTransport
-from hybridpd.connector.side_channel_server import SideChannelServer
-from hybridpd.decode_node.loader import DecodeRole
-from hybridpd.engine.async_engine import AsyncEngine
-from hybridpd.engine.engine import LLMEngine
-from hybridpd.engine.metrics import EngineCollector
-from hybridpd.kv_events.publisher import ZmqEventPublisher
-from hybridpd.kv_events.wire import GroupInfo
-from hybridpd.prefill_node.role import PrefillRole
-from hybridpd.prefill_node.side_channel import PrefillSideChannel
+from hybridpd.engine.tokenizer import load_tokenizer
+from hybridpd.errors import EngineDeadError
 from hybridpd.server.app import ADMISSION_KEY, create_app
 from hybridpd.server.args import NodeConfigs
+from hybridpd.server.engine_link import StartFailed
 from hybridpd.server.kv_events_routes import kv_events_routes
+from hybridpd.server.remote_engine import EngineProcess, RemoteEngine
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start for a reason other than its configuration (the CLI exits 1)."""
 
 
-@dataclass(frozen=True)
-class NodeAddresses:
-    http_port: int
-    kv_port: int
+def keep_off(cpus: frozenset[int] | None) -> None:
+    """With `--engine-cpus`, the front runs on the other cores (when there are any)."""
+    if cpus is None:
+        return
+    others = frozenset(os.sched_getaffinity(0)) - cpus
+    if others:
+        os.sched_setaffinity(0, others)
 
 
 class Node:
     def __init__(self, configs: NodeConfigs) -> None:
         self.configs = configs
-        self.engine_id = f"hybridpd-{uuid.uuid4().hex[:12]}"
-        self.registry = CollectorRegistry()
         self.stopping = asyncio.Event()
 
     async def run(self) -> int:
+        process = EngineProcess.spawn(self.configs)
+        try:
+            return await self._serve(process)
+        finally:
+            await process.wait()
+
+    async def _serve(self, process: EngineProcess) -> int:
         cfg = self.configs
-        core = await asyncio.to_thread(LLMEngine, cfg.engine)
-        EngineCollector(core).register(self.registry)
-        groups = [GroupInfo.of(i, g) for i, g in enumerate(core.groups)]
-        publisher = ZmqEventPublisher(cfg.kv_events, groups) if cfg.kv_events.publishes else None
-        engine = AsyncEngine(core, cfg.server.served_model_name,
-                             kv_event_sink=publisher.publish if publisher is not None else None)
-        if publisher is not None:
-            Gauge("hybridpd:kv_event_batches_published", "KV event batches sent on the PUB socket",
-                  registry=self.registry).set_function(lambda: publisher.published)
-            Gauge("hybridpd:kv_event_batches_dropped", "KV event batches dropped because the publisher queue was full",
-                  registry=self.registry).set_function(lambda: publisher.dropped)
+        started = await process.started()
+        if isinstance(started, StartFailed):
+            if started.bad_configuration:
+                raise ValueError(started.message)
+            raise EngineStartError(started.message)
+        info = started.info
+        keep_off(cfg.engine.cpus)
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.engine.model_dir, info.vocab_size)
+        engine = RemoteEngine(process.link, info, cfg.server.served_model_name, tokenizer)
         engine.start()
 
-        transport = NixlTransport(self.engine_id, progress_thread=cfg.kv_transfer.kv_host not in LOOPBACK)
-        transport.register(core.storage.tensors)
-        fields = compat_fields(model=model_identity(cfg.engine.model_dir), dtype=cfg.engine.dtype, groups=core.groups)
-        hash_ = compat_hash(fields)
-        metrics = ConnectorMetrics(self.registry)
-        prefill = PrefillRole(engine, transport, engine_id=self.engine_id, advertised_host=cfg.kv_transfer.kv_host,
-                              side_channel_port=cfg.kv_transfer.kv_port, lease_seconds=cfg.kv_transfer.lease_seconds,
-                              metrics=metrics)
-        decode = DecodeRole(engine, transport, engine_id=self.engine_id, compat_hash=hash_, compat_fields=fields,
-                            config=cfg.kv_transfer, metrics=metrics)
-        core.set_remote(decode, prefill.hold, cfg.kv_transfer.decode_skip_mamba_align)
-        metadata = node_metadata(engine_id=self.engine_id, model_name=cfg.server.served_model_name,
-                                 fields=fields, compat_hash=hash_, transport=transport, groups=core.groups,
-                                 transport_address=cfg.kv_transfer.kv_host)
-        tls = cfg.server.tls
-        side = SideChannelServer(PrefillSideChannel(prefill, metadata), cfg.kv_transfer.kv_host,
-                                 cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token, cfg.server.trusted_peers,
-                                 credentials=tls.grpc_server_credentials() if tls is not None else None)
-        await side.start()
-        prefill.side_channel_port = side.port
-        prefill.start()
-
         events_routes = kv_events_routes(
-            cfg.kv_events, groups, host=cfg.kv_transfer.kv_host, instance_id=self.engine_id,
-            reset_prefix_cache=lambda: engine.call_soon(core.kv.reset_prefix_cache),
-            cluster_token=cfg.server.cluster_token)
-        app = create_app(engine, cfg.server, self.registry, extra_routes=events_routes)
+            cfg.kv_events, info.groups, host=cfg.kv_transfer.kv_host, instance_id=info.engine_id,
+            reset_prefix_cache=engine.reset_prefix_cache, cluster_token=cfg.server.cluster_token)
+        app = create_app(engine, cfg.server, CollectorRegistry(), extra_routes=events_routes,
+                         engine_metrics=engine.metrics_text)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
+        tls = cfg.server.tls
         site = web.TCPSite(runner, cfg.server.host, cfg.server.port,
                            ssl_context=tls.server_context() if tls is not None else None)
         await site.start()
@@ -104,11 +85,11 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         scheme = cfg.server.scheme
-        log.info("node %s serving %s on %s://%s:%d (side channel %s:%d)", self.engine_id,
+        log.info("node %s serving %s on %s://%s:%d (side channel %s:%d, engine process %d)", info.engine_id,
                  cfg.server.served_model_name, scheme, cfg.server.host, cfg.server.port, cfg.kv_transfer.kv_host,
-                 side.port)
+                 info.side_channel_port, process.process.pid)
         print(f"hybridpd node ready: {scheme}://{cfg.server.host}:{cfg.server.port} side-channel "
-              f"{cfg.kv_transfer.kv_host}:{side.port} engine {self.engine_id}", flush=True)
+              f"{cfg.kv_transfer.kv_host}:{info.side_channel_port} engine {info.engine_id}", flush=True)
 
         await self.stopping.wait()
         grace = cfg.server.shutdown_grace
@@ -117,15 +98,13 @@ class Node:
         admission.close()
         deadline = loop.time() + grace
         await admission.wait_idle(grace)
-        await prefill.wait_released(max(0.0, deadline - loop.time()))
         aborted = engine.num_active_requests
-        released = await prefill.stop()  # frees on the engine thread: before the engine stops
+        try:
+            released = await engine.drain(max(0.0, deadline - loop.time()))
+        except (EngineDeadError, asyncio.TimeoutError) as exc:
+            log.error("the engine process did not drain: %s", exc)
+            await runner.cleanup()
+            return 1
         log.info("drained: %d request(s) aborted, %d lease(s) released at shutdown", aborted, released)
-        await engine.shutdown(0.0)
-        await decode.close()
-        await side.stop(1.0)
         await runner.cleanup()
-        transport.close()
-        if publisher is not None:
-            await asyncio.to_thread(publisher.close)
         return 0

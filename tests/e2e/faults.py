@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.nodes import NodeProcess, assert_blocks_free, free_port, kill, start_node, terminate
+from tests.e2e.nodes import NodeProcess, assert_blocks_free, free_port, kill, signal_tree, start_node, terminate
 
 WAIT_S = 60.0          # generous: several engineers' tests share 2 cores
 REQUEST_TIMEOUT_S = 90.0
@@ -73,12 +73,12 @@ def assert_clean(*nodes: NodeProcess, timeout: float = WAIT_S) -> None:
 @contextlib.contextmanager
 def frozen(node: NodeProcess) -> Iterator[None]:
     """SIGSTOP `node` for the block; SIGCONT on the way out (unless it was killed meanwhile)."""
-    os.kill(node.proc.pid, signal.SIGSTOP)
+    signal_tree(node.proc.pid, signal.SIGSTOP)
     try:
         yield
     finally:
         if node.proc.poll() is None:
-            os.kill(node.proc.pid, signal.SIGCONT)
+            signal_tree(node.proc.pid, signal.SIGCONT)
 
 
 def prompt(tag: str, repeat: int = 12) -> str:

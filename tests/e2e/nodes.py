@@ -44,6 +44,45 @@ def kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it: a node is its HTTP front and its engine process."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def signal_tree(pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to a node's every process (SIGSTOP freezes the whole node, as a frozen host would)."""
+    for member in process_tree(pid):
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
+
+
+def tree_rss_kib(pid: int) -> int:
+    """Resident memory (VmRSS) of `pid` and its processes below, summed."""
+    total = 0
+    for member in process_tree(pid):
+        for line in Path(f"/proc/{member}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total
+
+
 # Below Linux's ephemeral range (32768-60999): a port the OS hands out for an outgoing connection (there are many
 # in this suite) can never collide with one chosen here between the check and the node's bind.
 _PORT_LOW, _PORT_HIGH = 20000, 32767

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from hybridpd.launcher.ports import free_cluster_ports
-from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint
+from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint, signal_tree
 from tests.e2e.test_up import _children, _kill_leftovers, _pids_with_args, _stop
 
 LEASE_S = 3.0
@@ -131,10 +131,10 @@ def test_chaos_under_load(tiny, tmp_path):
             for _ in range(NUM_REQUESTS // 5):
                 done.acquire()
             pid = _node_pid(nodes["prefill-1"])
-            os.kill(pid, signal.SIGSTOP)
+            signal_tree(pid, signal.SIGSTOP)
             paused.append(pid)
             time.sleep(LEASE_S + 2.0)   # past the lease: the pause is the fault being injected
-            os.kill(pid, signal.SIGCONT)
+            signal_tree(pid, signal.SIGCONT)
             paused.remove(pid)
 
         chaos_thread = threading.Thread(target=chaos, daemon=True)
@@ -172,6 +172,6 @@ def test_chaos_under_load(tiny, tmp_path):
             assert_blocks_free(view, timeout=LEASE_S * 4 + 10)
     finally:
         for pid in paused:
-            os.kill(pid, signal.SIGCONT)
+            signal_tree(pid, signal.SIGCONT)
         _stop(up)
         _kill_leftovers(_children(ports))

@@ -5,7 +5,7 @@ greedy and seeded sampling; completions and chat) runs at concurrency 32 after a
 - every request succeeded (status 200, a finish_reason, `[DONE]` on streams, no error event);
 - a sample of greedy requests through the cluster gives exactly the token ids a colocated node gives;
 - once drained, every block of both nodes is back in its pool and the prefill node holds no lease;
-- each node's resident memory (VmRSS) has not grown more than 10% past its level after the warm-up.
+- each node's resident memory (VmRSS of its front and its engine process) has not grown more than 10% past its level after the warm-up.
 
 Memory notes, so that RSS growth means a leak and nothing else:
 - the KV cache is `np.zeros` (pages are mapped lazily), so a node's RSS grows until every block has been written
@@ -26,7 +26,6 @@ import random
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,7 +35,7 @@ from hybridpd.engine.model.presets import write_checkpoint
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterInfo, ClusterSpec
-from tests.e2e.nodes import NodeProcess, assert_blocks_free
+from tests.e2e.nodes import NodeProcess, assert_blocks_free, tree_rss_kib
 
 CONCURRENCY = 32
 REQUEST_TIMEOUT_S = 300.0
@@ -147,13 +146,6 @@ def assert_all_ok(results: list[SoakResult]) -> None:
     assert not failures, f"{len(failures)} of {len(results)} requests failed; first: {failures[:5]}"
 
 
-def vm_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def _as_process(info: ClusterInfo, index: int) -> NodeProcess:
     """A NodeProcess view of a LocalCluster node, for the metric helpers (the launcher owns the process)."""
     node = info.nodes[index]
@@ -186,7 +178,7 @@ def soak(info: ClusterInfo, num_requests: int, num_warmup: int, sample_size: int
     assert_all_ok(run_requests(info.proxy_url, workload(num_warmup, seed)))
     for node in nodes:
         assert_blocks_free(node, timeout=60.0)
-    warm_rss = {node.pid: vm_rss_kib(node.pid) for node in info.nodes}
+    warm_rss = {node.pid: tree_rss_kib(node.pid) for node in info.nodes}
 
     requests = workload(num_requests, seed + 1)
     results = run_requests(info.proxy_url, requests)
@@ -208,7 +200,7 @@ def soak(info: ClusterInfo, num_requests: int, num_warmup: int, sample_size: int
     assert sum(nodes[1].metric_values("hybridpd:kv_bytes_read_total").values()) > 0  # the KV really moved
     assert sum(nodes[1].metric_values("hybridpd:kv_decode_hit_tokens_total").values()) > 0  # shared prefixes hit
     for node in info.nodes:
-        rss = vm_rss_kib(node.pid)
+        rss = tree_rss_kib(node.pid)
         assert rss <= warm_rss[node.pid] * RSS_GROWTH_LIMIT, (
             f"{node.name} RSS grew from {warm_rss[node.pid]} KiB after warm-up to {rss} KiB")
 

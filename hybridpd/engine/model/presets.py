@@ -16,15 +16,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
-
-from hybridpd.engine.model.paged_lm import PagedCausalLM
 from hybridpd.engine.model.preset_shapes import SHAPES, VOCAB_SIZES
 from hybridpd.engine.model.preset_tokenizer import SPECIAL_TOKENS, write_tokenizer
-from hybridpd.engine.model.registry import family_for
+
+if TYPE_CHECKING:  # writing a checkpoint needs torch; finding one (`default_model_dir`) does not
+    import torch
+
+    from hybridpd.engine.model.paged_lm import PagedCausalLM
 
 DEFAULT_PRESET = "small"
 SEED = 1234
@@ -44,6 +44,8 @@ PRESETS: dict[str, dict[str, Any]] = {name: _with_tokenizer_ids(shape, VOCAB_SIZ
 
 
 def _random_weights(model: PagedCausalLM, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    import torch
+
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * std + mean
 
@@ -89,6 +91,11 @@ def _json_value(value: Any) -> Any:
 
 def write_checkpoint(preset: str, out: Path) -> Path:
     """Write the preset's whole directory into `out` (created if needed); return `out`."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hybridpd.engine.model.registry import family_for
+
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     raw = PRESETS[preset]

@@ -1,0 +1,131 @@
+"""A node is two processes: its HTTP front (the pid `hybridpd serve` started as) and its engine process. Whatever
+happens to one, nothing is left behind and no request waits forever:
+- SIGKILL of the front (the fault matrix's crash): the engine process dies with it, its side channel port is free;
+- SIGKILL of the engine process: a request in flight ends with an error, `/health` answers 503, and the front still
+  stops on SIGTERM (exit 1: its engine had died);
+- SIGTERM: both exit 0, the engine process after the front's drain;
+- a configuration the engine rejects: the CLI's error and exit 2, no process left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from hybridpd.engine.model.presets import write_checkpoint
+from tests.e2e.nodes import NodeProcess, process_tree, start_node
+
+SERVE_ARGS = ["--num-blocks", "256", "--max-model-len", "512"]
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("model"))
+
+
+def engine_pid(node: NodeProcess) -> int:
+    tree = process_tree(node.proc.pid)
+    assert len(tree) == 2, f"a node is its front and one engine process: {tree}"
+    return tree[1]
+
+
+def gone(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"   # exited, not yet reaped
+
+
+def wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def health(node: NodeProcess) -> int:
+    try:
+        with urllib.request.urlopen(node.url + "/health", timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_engine_process_dies_with_its_front(model_dir, tmp_path):
+    node = start_node(model_dir, tmp_path, SERVE_ARGS)
+    try:
+        engine = engine_pid(node)
+        assert node.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+        node.proc.kill()
+        node.proc.wait(timeout=WAIT_S)
+        wait_for(lambda: gone(engine), "the engine process to exit after its front's SIGKILL")
+        wait_for(lambda: port_free(node.kv_port), "the side channel port to be free")
+    finally:
+        node.kill()
+
+
+def test_a_dead_engine_process_fails_requests_in_flight_and_the_node_reports_unhealthy(model_dir, tmp_path):
+    node = start_node(model_dir, tmp_path, SERVE_ARGS)
+    try:
+        engine = engine_pid(node)
+        answers: list[tuple[int, dict]] = []
+        long_request = threading.Thread(target=lambda: answers.append(node.post_json(
+            "/v1/completions", {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True},
+            timeout=WAIT_S)))
+        long_request.start()
+        wait_for(lambda: "hybridpd:num_requests_running 1.0" in node.metrics(), "the request to run")
+        os.kill(engine, signal.SIGKILL)
+        long_request.join(WAIT_S)
+        assert not long_request.is_alive()
+        status, body = answers[0]
+        assert status == 500 and "engine" in body["error"]["message"], (status, body)
+        assert health(node) == 503
+        status, body = node.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 500 and body["error"]["type"], body
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=WAIT_S) == 1, node.log_tail()     # it stops, and says its engine had died
+        assert "the engine process did not drain" in node.log_path.read_text()
+    finally:
+        node.kill()
+
+
+def test_sigterm_stops_both_processes(model_dir, tmp_path):
+    node = start_node(model_dir, tmp_path, SERVE_ARGS)
+    try:
+        engine = engine_pid(node)
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=WAIT_S) == 0, node.log_tail()
+        assert gone(engine)            # the front waits for its engine process before it exits
+        assert "engine stopped" in node.log_path.read_text()
+    finally:
+        node.kill()
+
+
+def test_a_configuration_the_engine_rejects_is_a_cli_error(model_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--port", "0", "--kv-port", "0",
+         "--num-blocks", "1", "--max-model-len", "512"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "hybridpd serve: error:" in result.stderr
