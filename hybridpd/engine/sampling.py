@@ -30,14 +30,27 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `probs` [R, vocab], drawn from that row's distribution: the argmax of p / E with E ~ Exp(1)
+    per token (the exponential race, as vLLM's sampler draws), each row's noise from its own generator in one
+    `exponential_` call of the vocabulary's size (what `skip_draw` consumes). Modifies `probs`."""
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1).tolist()
+
+
+def _unfiltered(params: SamplingParams, vocab_size: int) -> bool:
+    return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> SampledToken:
     """`logits` is one sequence's [vocab] float32 row."""
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
         filtered = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        token = _race(torch.softmax(filtered, dim=-1).unsqueeze(0), [generator])[0]
     logprob = None
     if params.logprobs is not None:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -51,20 +64,29 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
-    """Advance `generator` past one `sample_one` draw, as if it had sampled a token (another node did: the prefill
-    node of a P/D request samples the first token from the same seed). A multinomial draw consumes the generator by
-    the shape of its input only, so a uniform row of the vocabulary's size stands for any logits."""
-    torch.multinomial(torch.full((vocab_size,), 1.0 / vocab_size), 1, generator=generator)
+    """Advance `generator` past one draw, as if it had sampled a token (another node did: the prefill node of a P/D
+    request samples the first token from the same seed). A draw consumes the generator by its noise's shape only."""
+    torch.empty(vocab_size).exponential_(generator=generator)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
-    """Rows of `logits` [S, vocab] in the order of `params`. Greedy rows without logprobs share one argmax."""
+    """Rows of `logits` [S, vocab] in the order of `params`. Greedy rows without logprobs share one argmax; random
+    rows without logprobs or top-k / top-p share one softmax and one race (each with its own generator's noise)."""
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
     out: list[SampledToken | None] = [None] * len(params)
     if plain_greedy:
         rows = logits if len(plain_greedy) == len(params) else logits[plain_greedy]
         tokens = torch.argmax(rows, dim=-1).tolist()
         for i, token in zip(plain_greedy, tokens):
+            out[i] = SampledToken(token, None)
+    vocab_size = logits.shape[-1]
+    plain_random = [i for i, p in enumerate(params)
+                    if not p.greedy and p.logprobs is None and _unfiltered(p, vocab_size)]
+    if plain_random:
+        temperatures = torch.tensor([params[i].temperature for i in plain_random], dtype=logits.dtype)
+        probs = torch.softmax(logits[plain_random] / temperatures.unsqueeze(1), dim=-1)
+        tokens = _race(probs, [generators[i] for i in plain_random])
+        for i, token in zip(plain_random, tokens):
             out[i] = SampledToken(token, None)
     for i, p in enumerate(params):
         if out[i] is None:

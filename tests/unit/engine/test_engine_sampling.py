@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from hybridpd.engine.sampling import sample, sample_one
+from hybridpd.engine.sampling import sample, sample_one, skip_draw
 from hybridpd.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -128,3 +128,44 @@ def test_no_logprobs_unless_asked():
 def test_a_tiny_temperature_behaves_like_greedy(temperature):
     logits = random_logits(1)
     assert sample_one(logits, SamplingParams(temperature=temperature), gen(0)).token_id == int(logits.argmax())
+
+
+def test_batched_random_rows_draw_what_each_row_draws_alone():
+    """The shared softmax and race of `sample` give every seeded row the token `sample_one` gives it alone, with
+    filtered, greedy and logprob rows in between (each row's noise comes from its own generator)."""
+    logits = torch.stack([random_logits(s) / 3 for s in range(6)])
+    params = [SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=2), SamplingParams(temperature=1.3, top_p=0.9, seed=3),
+              SamplingParams(temperature=2.0, seed=4), SamplingParams(temperature=0.9, logprobs=1, seed=5)]
+    for round_ in range(5):
+        out = sample(logits, params, [gen(p.seed + round_) if p.seed else None for p in params])
+        alone = [sample_one(logits[i], p, gen(p.seed + round_) if p.seed else None) for i, p in enumerate(params)]
+        assert [o.token_id for o in out] == [a.token_id for a in alone]
+
+
+def test_skip_draw_advances_a_generator_as_a_draw_does():
+    """The P/D contract: the decode node skips the prefill node's first draw, then draws what a colocated node
+    draws next."""
+    logits = random_logits(3) / 3
+    params = SamplingParams(temperature=1.0, seed=9)
+    drawn, skipped = gen(9), gen(9)
+    sample_one(logits, params, drawn)
+    skip_draw(skipped, VOCAB)
+    assert [sample_one(logits, params, drawn).token_id for _ in range(16)] == \
+           [sample_one(logits, params, skipped).token_id for _ in range(16)]
+
+
+def test_batched_rows_follow_their_temperatures():
+    temperatures = (1.0, 0.5, 2.0)
+    expected = [PROBS**(1 / t) / (PROBS**(1 / t)).sum() for t in temperatures]
+    n = 4000
+    torch.manual_seed(0)   # the unseeded rows draw from the global generator
+    logits = LOGITS.repeat(len(temperatures), 1)
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    counts = [Counter() for _ in temperatures]
+    for _ in range(n):
+        for row, token in enumerate(sample(logits, params, [None] * len(params))):
+            counts[row][token.token_id] += 1
+    for row, want in enumerate(expected):
+        freq = torch.tensor([counts[row][i] / n for i in range(4)])
+        assert torch.allclose(freq, want.float(), atol=0.03), (temperatures[row], freq, want)
