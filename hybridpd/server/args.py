@@ -17,6 +17,7 @@ from pathlib import Path
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.config import (
     DEFAULT_MAMBA_CACHE_BUDGET,
+    DEFAULT_PREFILL_TOKENS_WHILE_DECODING,
     CacheConfig,
     EngineConfig,
     KVLoadFailurePolicy,
@@ -96,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched = parser.add_argument_group("scheduler and model")
     sched.add_argument("--max-num-seqs", type=int, default=32)
     sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sched.add_argument("--max-prefill-tokens-while-decoding", type=int, default=256,
+    sched.add_argument("--max-prefill-tokens-while-decoding", type=int,
+                       default=DEFAULT_PREFILL_TOKENS_WHILE_DECODING,
                        help="prefill tokens a step may carry while some request decodes, so that arriving prompts "
                             "do not stall the decodes for long (0: up to --max-num-batched-tokens)")
     sched.add_argument("--max-model-len", type=int, default=None)

@@ -32,7 +32,7 @@ def test_defaults():
     assert (c.kv_transfer.kv_port, c.kv_transfer.lease_seconds, c.kv_transfer.load_timeout_seconds) == (9100, 60.0, 30.0)
     assert c.kv_transfer.load_failure_policy is KVLoadFailurePolicy.FAIL
     assert c.kv_transfer.decode_skip_mamba_align and c.kv_transfer.cluster_token is None
-    assert (c.engine.cpus, c.engine.scheduler.max_prefill_tokens_while_decoding) == (None, 256)
+    assert (c.engine.cpus, c.engine.scheduler.max_prefill_tokens_while_decoding) == (None, 192)
 
 
 @pytest.mark.parametrize("text, cpus", [("0", {0}), ("0-1", {0, 1}), ("1,0", {0, 1}), (" 0 ", {0})])
