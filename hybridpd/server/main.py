@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     except EngineStartError as exc:
         print(f"hybridpd serve: error: the engine process could not start: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the HTTP port taken, the address not ours
+        print(f"hybridpd serve: error: {exc}", file=sys.stderr)
+        return 1
     confine_transport(configs.kv_transfer.kv_host)  # before the engine process starts: it inherits the variable
     try:
         return asyncio.run(Node(configs).run())
@@ -44,4 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except EngineStartError as exc:
         print(f"hybridpd serve: error: the engine process could not start: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the HTTP port taken, the address not ours
+        print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 1

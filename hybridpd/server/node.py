@@ -55,7 +55,7 @@ class Node:
         try:
             return await self._serve(process)
         finally:
-            await process.wait()
+            await process.stop()
 
     async def _serve(self, process: EngineProcess) -> int:
         cfg = self.configs

@@ -82,8 +82,14 @@ class EngineProcess:
                                bad_configuration=False)
         return message
 
-    async def wait(self) -> int:
-        """Its exit code, once it has exited (killed if it has not within EXIT_TIMEOUT_S)."""
+    async def stop(self) -> int:
+        """Its exit code, once it has exited. A process not yet drained (the front failed before its shutdown, e.g.
+        its HTTP port was taken) is told to drain at once; one that has not exited within EXIT_TIMEOUT_S is killed."""
+        if self.process.poll() is None:
+            try:
+                self.link.send(Drain(0.0))  # a second Drain after the front's own is ignored
+            except OSError:
+                pass
         try:
             return await asyncio.to_thread(self.process.wait, EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -4,7 +4,8 @@ happens to one, nothing is left behind and no request waits forever:
 - SIGKILL of the engine process: a request in flight ends with an error, `/health` answers 503, and the front still
   stops on SIGTERM (exit 1: its engine had died);
 - SIGTERM: both exit 0, the engine process after the front's drain;
-- a configuration the engine rejects: the CLI's error and exit 2, no process left.
+- a configuration the engine rejects: the CLI's error and exit 2; an HTTP port already taken: the CLI's error and
+  exit 1, the engine process told to stop at once (no process left either way).
 """
 
 from __future__ import annotations
@@ -129,3 +130,35 @@ def test_a_configuration_the_engine_rejects_is_a_cli_error(model_dir, tmp_path):
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 2, result.stderr[-2000:]
     assert "hybridpd serve: error:" in result.stderr
+
+
+def engine_processes_of(front_pid: int) -> list[int]:
+    """Engine processes started by the front `front_pid` (their command line names it), alive or not reaped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"hybridpd.server.engine_process" in argv and argv[-2:-1] == [str(front_pid).encode()]:
+                found.append(int(entry))
+    return found
+
+
+def test_an_http_port_already_taken_is_a_cli_error_and_stops_the_engine_process(model_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--port", str(port), "--kv-port", "0",
+             *SERVE_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "hybridpd serve: error:" in stderr and "address already in use" in stderr.lower(), stderr[-2000:]
+    assert engine_processes_of(proc.pid) == []
