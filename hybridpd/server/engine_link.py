@@ -134,6 +134,9 @@ class LinkEnd:
             self._connection.send(message)
 
     def recv(self) -> object:
+        """The next message; EOFError once the other end (or this one) has closed."""
+        if self._connection.closed:
+            raise EOFError("the engine link is closed")
         return self._connection.recv()
 
     def close(self) -> None:
