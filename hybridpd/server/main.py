@@ -30,19 +30,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         configs = configs_from_args(args, default_model_dir)
-    except BadArgumentsError as exc:
-        print(f"hybridpd serve: error: {exc}", file=sys.stderr)
-        return 2
-    except EngineStartError as exc:
-        print(f"hybridpd serve: error: the engine process could not start: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # the HTTP port taken, the address not ours
-        print(f"hybridpd serve: error: {exc}", file=sys.stderr)
-        return 1
-    confine_transport(configs.kv_transfer.kv_host)  # before the engine process starts: it inherits the variable
-    try:
+        confine_transport(configs.kv_transfer.kv_host)  # before the engine process starts: it inherits it
         return asyncio.run(Node(configs).run())
-    except (ValueError, FileNotFoundError) as exc:  # a checkpoint or cache configuration that cannot work
+    except (BadArgumentsError, ValueError, FileNotFoundError) as exc:  # flags, checkpoint or cache that cannot work
         print(f"hybridpd serve: error: {exc}", file=sys.stderr)
         return 2
     except EngineStartError as exc:
