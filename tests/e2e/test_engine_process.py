@@ -4,13 +4,14 @@ happens to one, nothing is left behind and no request waits forever:
 - SIGKILL of the engine process: a request in flight ends with an error, `/health` answers 503, and the front still
   stops on SIGTERM (exit 1: its engine had died);
 - SIGTERM: both exit 0, the engine process after the front's drain;
-- a configuration the engine rejects: the CLI's error and exit 2; an HTTP port already taken: the CLI's error and
+- a checkpoint the engine rejects: the CLI's error and exit 2; an HTTP port already taken: the CLI's error and
   exit 1, the engine process told to stop at once (no process left either way).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,13 +124,23 @@ def test_sigterm_stops_both_processes(model_dir, tmp_path):
         node.kill()
 
 
-def test_a_configuration_the_engine_rejects_is_a_cli_error(model_dir, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--port", "0", "--kv-port", "0",
-         "--num-blocks", "1", "--max-model-len", "512"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "hybridpd serve: error:" in result.stderr
+def test_a_checkpoint_the_engine_rejects_is_a_cli_error(model_dir, tmp_path):
+    """The front only checks that the directory exists; the engine process reads the checkpoint and refuses it, and
+    the front turns that into the CLI's error line and exit 2."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").unlink()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridpd", "serve", str(broken), "--port", "0", "--kv-port", "0", *SERVE_ARGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, stderr[-2000:]
+    assert "hybridpd serve: error:" in stderr and "neither model.safetensors" in stderr, stderr[-2000:]
+    assert engine_processes_of(proc.pid) == []
 
 
 def engine_processes_of(front_pid: int) -> list[int]:
