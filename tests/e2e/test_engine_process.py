@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -124,25 +125,6 @@ def test_sigterm_stops_both_processes(model_dir, tmp_path):
         node.kill()
 
 
-def test_a_checkpoint_the_engine_rejects_is_a_cli_error(model_dir, tmp_path):
-    """The front only checks that the directory exists; the engine process reads the checkpoint and refuses it, and
-    the front turns that into the CLI's error line and exit 2."""
-    broken = tmp_path / "broken"
-    shutil.copytree(model_dir, broken)
-    (broken / "model.safetensors").unlink()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridpd", "serve", str(broken), "--port", "0", "--kv-port", "0", *SERVE_ARGS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 2, stderr[-2000:]
-    assert "hybridpd serve: error:" in stderr and "neither model.safetensors" in stderr, stderr[-2000:]
-    assert engine_processes_of(proc.pid) == []
-
-
 def engine_processes_of(front_pid: int) -> list[int]:
     """Engine processes started by the front `front_pid` (their command line names it), alive or not reaped."""
     found = []
@@ -157,19 +139,35 @@ def engine_processes_of(front_pid: int) -> list[int]:
     return found
 
 
-def test_an_http_port_already_taken_is_a_cli_error_and_stops_the_engine_process(model_dir, tmp_path):
+def serve_until_exit(model: Path, port: int) -> tuple[int, str]:
+    """`hybridpd serve` that is expected to fail: its exit code and stderr, once no engine process of it is left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridpd", "serve", str(model), "--port", str(port), "--kv-port", "0", *SERVE_ARGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert engine_processes_of(proc.pid) == []
+    return proc.returncode, stderr
+
+
+def test_a_checkpoint_the_engine_rejects_is_a_cli_error(model_dir, tmp_path):
+    """The front only checks that the directory exists; the engine process reads the checkpoint and refuses it, and
+    the front turns that into the CLI's error line and exit 2."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").unlink()
+    code, stderr = serve_until_exit(broken, 0)
+    assert code == 2, stderr[-2000:]
+    assert "hybridpd serve: error:" in stderr and "neither model.safetensors" in stderr, stderr[-2000:]
+
+
+def test_an_http_port_already_taken_is_a_cli_error_and_stops_the_engine_process(model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = taken.getsockname()[1]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--port", str(port), "--kv-port", "0",
-             *SERVE_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            _, stderr = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode == 1, stderr[-2000:]
+        code, stderr = serve_until_exit(model_dir, taken.getsockname()[1])
+    assert code == 1, stderr[-2000:]
     assert "hybridpd serve: error:" in stderr and "address already in use" in stderr.lower(), stderr[-2000:]
-    assert engine_processes_of(proc.pid) == []
