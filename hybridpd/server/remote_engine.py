@@ -109,7 +109,6 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.generation_defaults = info.generation_defaults
-        self.info = info
         self._link = link
         self._streams = RequestStreams()
         self._dead: str | None = None
