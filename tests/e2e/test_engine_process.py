@@ -89,17 +89,18 @@ def test_the_engine_process_dies_with_its_front(model_dir, tmp_path):
 
 
 def test_a_dead_engine_process_fails_requests_in_flight_and_the_node_reports_unhealthy(model_dir, tmp_path):
-    node = start_node(model_dir, tmp_path, SERVE_ARGS)
+    # A request long enough (thousands of decode steps) to be still running when the test kills the engine.
+    node = start_node(model_dir, tmp_path, ["--num-blocks", "512", "--max-model-len", "4096"])
     try:
         engine = engine_pid(node)
         answers: list[tuple[int, dict]] = []
         long_request = threading.Thread(target=lambda: answers.append(node.post_json(
-            "/v1/completions", {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True},
-            timeout=WAIT_S)))
+            "/v1/completions", {"prompt": "once upon a time", "max_tokens": 4000, "ignore_eos": True},
+            timeout=WAIT_S * 4)))
         long_request.start()
         wait_for(lambda: "hybridpd:num_requests_running 1.0" in node.metrics(), "the request to run")
         os.kill(engine, signal.SIGKILL)
-        long_request.join(WAIT_S)
+        long_request.join(WAIT_S * 4)
         assert not long_request.is_alive()
         status, body = answers[0]
         assert status == 500 and "engine" in body["error"]["message"], (status, body)
