@@ -18,7 +18,7 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
-from hybridpd.engine.model.fused_decode_write import rope_and_write_
+from hybridpd.engine.model.fused_decode_write import rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers import RotaryEmbedding
 from hybridpd.engine.model.step_context import AttentionDecode, AttentionGroupMeta, StepContext
 
@@ -131,8 +131,13 @@ class Attention(nn.Module):
     def _rope_and_write(
         self, qkv: torch.Tensor, ctx: StepContext, meta: AttentionGroupMeta, cache: torch.Tensor
     ) -> torch.Tensor:
-        """RoPE on q and k in place, every row's K and V into the paged cache -> the K/V view [rows, 2, kv, D]."""
+        """RoPE on q and k in place, every row's K and V into the paged cache -> the K/V view [rows, 2, kv, D]: for a
+        float32 model one compiled pass (fused_decode_write.py), else the torch operations."""
         rows = qkv.shape[0]
+        if ctx.rope_cos is not None and qkv.dtype == torch.float32 and cache.dtype == torch.float32:
+            rope_and_write_paged_(qkv, ctx.rope_cos, ctx.rope_sin, self.num_heads, cache, meta.write_blocks,
+                                  meta.write_offsets)
+            return qkv[:, self.q_size :].view(rows, 2, self.num_kv_heads, self.head_dim)
         if ctx.rope_cos is not None:
             RotaryEmbedding.apply_(qkv[:, : self.split[0]].view(rows, -1, self.head_dim), ctx.rope_cos, ctx.rope_sin)
         k_and_v = qkv[:, self.q_size :].view(rows, 2, self.num_kv_heads, self.head_dim)

@@ -1,5 +1,5 @@
-"""A decode step's attention bookkeeping in one compiled pass (numba), for float32 models: RoPE on the rows' query
-and key heads, then each row's K and V into the paged cache and into the DecodeKV buffers.
+"""A step's attention bookkeeping in one compiled pass (numba), for float32 models: RoPE on the rows' query and key
+heads, then each row's K and V into the paged cache and, for a decode step, into the DecodeKV buffers.
 
 In torch that is a `roll`, a multiply and a multiply-add for RoPE (the roll allocates) and three advanced-index
 writes (the paged cache, the K buffer, the V buffer): six operations per attention layer whose dispatch costs more
@@ -33,25 +33,40 @@ _SIGNATURE = numba.void(
 )
 
 
+_PAGED_SIGNATURE = numba.void(
+    _F32_2D, _F32_2D, _F32_2D, numba.int64, numba.int64, numba.float32[::1], numba.int64, numba.int64, _I64_1D, _I64_1D,
+)
+_ROPE_ROW_SIGNATURE = numba.void(
+    numba.float32[::1], _F32_2D, _F32_2D, numba.int64, numba.int64, numba.float32[::1], numba.float32[::1],
+)
+
+
+@numba.njit(_ROPE_ROW_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _rope_row(row, cos, sin, r, heads, low, high):  # pragma: no cover - compiled
+    """Rotates the first `heads` heads of one qkv row in place (q heads, then k heads), with row r of cos / sin."""
+    head_dim = cos.shape[1]
+    half = head_dim // 2
+    c_low, c_high, s_low, s_high = cos[r, :half], cos[r, half:], sin[r, :half], sin[r, half:]
+    for h in range(heads):
+        # Halves as slices indexed from 0 (not x[d + half]): only that form vectorises.
+        x_low = row[h * head_dim : h * head_dim + half]
+        x_high = row[h * head_dim + half : (h + 1) * head_dim]
+        for d in range(half):
+            low[d] = x_low[d] * c_low[d] + x_high[d] * s_low[d]
+            high[d] = x_high[d] * c_high[d] + x_low[d] * s_high[d]
+        x_low[:] = low
+        x_high[:] = high
+
+
 @numba.njit(_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _rope_and_write(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_size, blocks, offsets, k_buf, v_buf,
                     positions):  # pragma: no cover - compiled
     head_dim = cos.shape[1]
-    half = head_dim // 2
     token = kv_heads * head_dim
-    low, high = np.empty(half, np.float32), np.empty(half, np.float32)
+    low, high = np.empty(head_dim // 2, np.float32), np.empty(head_dim // 2, np.float32)
     for r in range(qkv.shape[0]):
-        c_low, c_high, s_low, s_high = cos[r, :half], cos[r, half:], sin[r, :half], sin[r, half:]
         row = qkv[r]
-        for h in range(heads + kv_heads):
-            # Halves as slices indexed from 0 (not x[d + half]): only that form vectorises.
-            x_low = row[h * head_dim : h * head_dim + half]
-            x_high = row[h * head_dim + half : (h + 1) * head_dim]
-            for d in range(half):
-                low[d] = x_low[d] * c_low[d] + x_high[d] * s_low[d]
-                high[d] = x_high[d] * c_high[d] + x_low[d] * s_high[d]
-            x_low[:] = low
-            x_high[:] = high
+        _rope_row(row, cos, sin, r, heads + kv_heads, low, high)
         keys = row[heads * head_dim : heads * head_dim + token]
         values = row[heads * head_dim + token : heads * head_dim + 2 * token]
         at = blocks[r] * block_stride + offsets[r] * token
@@ -61,6 +76,21 @@ def _rope_and_write(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_s
         for kh in range(kv_heads):
             k_buf[r, kh, positions[r]] = keys[kh * head_dim : (kh + 1) * head_dim]
             v_buf[r, kh, positions[r]] = values[kh * head_dim : (kh + 1) * head_dim]
+
+
+@numba.njit(_PAGED_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _rope_and_write_paged(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_size, blocks,
+                          offsets):  # pragma: no cover - compiled
+    head_dim = cos.shape[1]
+    token = kv_heads * head_dim
+    low, high = np.empty(head_dim // 2, np.float32), np.empty(head_dim // 2, np.float32)
+    for r in range(qkv.shape[0]):
+        row = qkv[r]
+        _rope_row(row, cos, sin, r, heads + kv_heads, low, high)
+        at = blocks[r] * block_stride + offsets[r] * token
+        cache[at : at + token] = row[heads * head_dim : heads * head_dim + token]
+        at += block_size * token  # V follows K in a block
+        cache[at : at + token] = row[heads * head_dim + token : heads * head_dim + 2 * token]
 
 
 def rope_and_write_(
@@ -76,3 +106,16 @@ def rope_and_write_(
         qkv.numpy(), cos.view(rows, -1).numpy(), sin.view(rows, -1).numpy(), num_heads, cache.shape[3], flat, stride,
         cache.shape[2], blocks.numpy(), offsets.numpy(), k_buf.numpy(), v_buf.numpy(), positions.numpy(),
     )
+
+
+def rope_and_write_paged_(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, cache: torch.Tensor,
+    blocks: torch.Tensor, offsets: torch.Tensor,
+) -> None:
+    """`rope_and_write_` without the buffers: a prefill's (or a mixed step's) rows rotated in place and written into
+    the paged cache. On a 4,096-row prefill of the default model it replaces ~4 ms of advanced-index write per
+    attention layer, and the RoPE's roll, multiply and multiply-add."""
+    flat, stride = flat_slots(cache)
+    rows = qkv.shape[0]
+    _rope_and_write_paged(qkv.numpy(), cos.view(rows, -1).numpy(), sin.view(rows, -1).numpy(), num_heads,
+                          cache.shape[3], flat, stride, cache.shape[2], blocks.numpy(), offsets.numpy())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model.fused_decode_write import rope_and_write_
+from hybridpd.engine.model.fused_decode_write import rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers import RotaryEmbedding
 
 
@@ -40,3 +40,31 @@ def test_kernel_matches_the_torch_operations(heads, kv_heads, head_dim, block_si
     torch.testing.assert_close(storages[0], storages[1], rtol=1e-6, atol=1e-6)  # padding columns untouched too
     for got, want in zip(buffers[0], buffers[1]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(4, 2, 32, 16), (4, 1, 32, 16), (6, 3, 16, 8)])
+def test_paged_kernel_matches_the_torch_operations(heads, kv_heads, head_dim, block_size):
+    """A prefill's rows: consecutive positions of two sequences, filling blocks in their order, no buffers."""
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + head_dim + 1)
+    positions = torch.cat([torch.arange(0, 37), torch.arange(100, 131)])
+    num_blocks = 60
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = [order[:20], order[20:40]]   # the two sequences' block tables (long enough for block size 8)
+    blocks = torch.cat([tables[0][positions[:37] // block_size], tables[1][positions[37:] // block_size]])
+    offsets = positions % block_size
+    rows = positions.shape[0]
+    cos, sin = RotaryEmbedding(head_dim, 10000.0).cos_sin(positions, torch.float32, 512)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    block = 2 * block_size * kv_heads * head_dim
+    storage = torch.randn(num_blocks, block + 9, generator=gen)
+    storages = [storage.clone(), storage.clone()]
+    caches = [s[:, :block].view(num_blocks, 2, block_size, kv_heads, head_dim) for s in storages]
+    qkvs = [qkv.clone(), qkv.clone()]
+
+    rope_and_write_paged_(qkvs[0], cos, sin, heads, caches[0], blocks, offsets)
+
+    RotaryEmbedding.apply_(qkvs[1][:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim), cos, sin)
+    caches[1][blocks, :, offsets] = qkvs[1][:, heads * head_dim :].view(rows, 2, kv_heads, head_dim)
+
+    torch.testing.assert_close(qkvs[0], qkvs[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(storages[0], storages[1], rtol=1e-6, atol=1e-6)
