@@ -58,26 +58,6 @@ def _rope_row(row, cos, sin, r, heads, low, high):  # pragma: no cover - compile
         x_high[:] = high
 
 
-@numba.njit(_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
-def _rope_and_write(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_size, blocks, offsets, k_buf, v_buf,
-                    positions):  # pragma: no cover - compiled
-    head_dim = cos.shape[1]
-    token = kv_heads * head_dim
-    low, high = np.empty(head_dim // 2, np.float32), np.empty(head_dim // 2, np.float32)
-    for r in range(qkv.shape[0]):
-        row = qkv[r]
-        _rope_row(row, cos, sin, r, heads + kv_heads, low, high)
-        keys = row[heads * head_dim : heads * head_dim + token]
-        values = row[heads * head_dim + token : heads * head_dim + 2 * token]
-        at = blocks[r] * block_stride + offsets[r] * token
-        cache[at : at + token] = keys
-        at += block_size * token  # V follows K in a block
-        cache[at : at + token] = values
-        for kh in range(kv_heads):
-            k_buf[r, kh, positions[r]] = keys[kh * head_dim : (kh + 1) * head_dim]
-            v_buf[r, kh, positions[r]] = values[kh * head_dim : (kh + 1) * head_dim]
-
-
 @numba.njit(_PAGED_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _rope_and_write_paged(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_size, blocks,
                           offsets):  # pragma: no cover - compiled
@@ -91,6 +71,19 @@ def _rope_and_write_paged(qkv, cos, sin, heads, kv_heads, cache, block_stride, b
         cache[at : at + token] = row[heads * head_dim : heads * head_dim + token]
         at += block_size * token  # V follows K in a block
         cache[at : at + token] = row[heads * head_dim + token : heads * head_dim + 2 * token]
+
+
+@numba.njit(_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _rope_and_write(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_size, blocks, offsets, k_buf, v_buf,
+                    positions):  # pragma: no cover - compiled
+    _rope_and_write_paged(qkv, cos, sin, heads, kv_heads, cache, block_stride, block_size, blocks, offsets)
+    head_dim = cos.shape[1]
+    for r in range(qkv.shape[0]):  # then each row's (rotated) K and V appended to the buffers
+        keys = qkv[r, heads * head_dim : (heads + kv_heads) * head_dim]
+        values = qkv[r, (heads + kv_heads) * head_dim : (heads + 2 * kv_heads) * head_dim]
+        for kh in range(kv_heads):
+            k_buf[r, kh, positions[r]] = keys[kh * head_dim : (kh + 1) * head_dim]
+            v_buf[r, kh, positions[r]] = values[kh * head_dim : (kh + 1) * head_dim]
 
 
 def rope_and_write_(
