@@ -23,9 +23,9 @@ class EngineClient(Protocol):
         """An async generator of the request's outputs; the last has `finished=True`.
 
         Raises InvalidRequestError for input the engine rejects: at the call (an engine in this process validates at
-        once) or at the first output (the node's engine process validates on its engine thread), never later. Closing it early
-        (`aclose()`, the client went away) aborts the request and frees its blocks. A request that fails ends
-        with `finish_reason=ERROR` and `error` set.
+        once) or at the first output (the node's engine process validates on its engine thread), never later.
+        Closing it early (`aclose()`, the client went away) aborts the request and frees its blocks. A request that
+        fails ends with `finish_reason=ERROR` and `error` set.
         """
         ...
 
