@@ -54,9 +54,6 @@ class RequestStreams:
     def __len__(self) -> int:
         return len(self._queues)
 
-    def request_ids(self) -> list[str]:
-        return list(self._queues)
-
     async def stream(self, request_id: str, submit: Callable[[], None],
                      abort: Callable[[], None]) -> AsyncGenerator[RequestOutput, None]:
         """Yield the outputs of `request_id` until the finished one. `submit()` sends the request to the engine;
