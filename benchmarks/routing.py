@@ -113,7 +113,9 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
                                     *args.serve_args.split()),
         proxy_args=("--routing", policy, "--prefill-timeout", "600", "--decode-timeout", "600",
                     *(("--load-tokens-per-request", str(args.load_tokens_per_request))
-                      if args.load_tokens_per_request is not None else ())),
+                      if args.load_tokens_per_request is not None else ()),
+                    *(("--queued-tokens-weight", str(args.queued_tokens_weight))
+                      if args.queued_tokens_weight is not None else ())),
     )
     with LocalCluster(spec) as info:
         results = asyncio.run(run_workload(info.proxy_url, prompts, args.max_tokens, args.concurrency))
@@ -163,6 +165,7 @@ def main() -> int:
                         help="bytes of KV memory per node (default: attention for ~60%% of the prefixes' tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="fresh cluster pairs, the policies alternating (~20 s each)")
     parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
+    parser.add_argument("--queued-tokens-weight", type=float, default=None, help="the proxy's (default: its own)")
     parser.add_argument("--serve-args", default="", help="more `hybridpd serve` flags for every node, one string")
     args = parser.parse_args()
     if args.kv_cache_memory is None:

@@ -153,7 +153,7 @@ class Proxy:
         router = self.routers[role]
         if prompt is None or self.feeds is None:
             return Choice(upstream=router.pick(exclude=exclude), predicted_hit=None, work_tokens=0)
-        return choose(router, role, prompt, self.feeds.index, self.config.load_tokens_per_request, exclude)
+        return choose(router, role, prompt, self.feeds.index, self.config.cost_rule, exclude)
 
     def _compare(self, choice: Choice, reported: int | None) -> None:
         if choice.predicted_hit is not None and reported is not None:

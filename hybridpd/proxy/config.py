@@ -21,6 +21,21 @@ class RoutingPolicy(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CostRule:
+    """`--routing cache_aware`'s weights (the rule: proxy/cache_aware.py): what one call in flight on a node costs,
+    in prompt tokens, and how much the miss tokens queued on a node weigh against the request's own."""
+
+    load_tokens_per_request: int = 32
+    queued_tokens_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.load_tokens_per_request < 0:
+            raise ValueError(f"--load-tokens-per-request must be >= 0, got {self.load_tokens_per_request}")
+        if not 0 <= self.queued_tokens_weight <= 1:
+            raise ValueError(f"--queued-tokens-weight must be in [0, 1], got {self.queued_tokens_weight}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Upstream:
     """One node the proxy talks to, in one role (the same node may appear in both roles)."""
 
@@ -87,8 +102,8 @@ class ProxyConfig:
     # No prefill node can take a request (none known, or the prefill hop failed after its retry): send it to a
     # decode node without kv_transfer_params, which prefills it locally (latency, not an error).
     fallback_colocated: bool = True
-    # cache_aware: the load one request in flight adds to a node's cost, in tokens (proxy/cache_aware.py)
-    load_tokens_per_request: int = 32
+    # cache_aware: the weights of the cost rule (proxy/cache_aware.py)
+    cost_rule: CostRule = field(default_factory=CostRule)
     tls: TLSConfig | None = None     # proxy -> node calls over HTTPS, with this certificate (hybridpd/tls.py)
 
     @property
@@ -114,8 +129,6 @@ class ProxyConfig:
         for name in ("prefill_timeout", "decode_timeout", "connect_timeout", "health_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.load_tokens_per_request < 0:
-            raise ValueError(f"--load-tokens-per-request must be >= 0, got {self.load_tokens_per_request}")
         if self.cluster_token is not None and not self.cluster_token:
             raise ValueError("the cluster token must not be empty")
 

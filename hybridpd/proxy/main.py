@@ -11,7 +11,7 @@ from aiohttp import web
 
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
-from hybridpd.proxy.config import DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
+from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--load-tokens-per-request", type=int, default=32, metavar="TOKENS",
                         help="cache_aware: the cost of one call in flight on a node, in prompt tokens (see "
-                             "proxy/cache_aware.py: cost = miss + queued miss tokens + this x calls in flight)")
+                             "proxy/cache_aware.py: cost = miss + W x queued miss tokens + this x calls in flight)")
+    parser.add_argument("--queued-tokens-weight", type=float, default=0.5, metavar="W",
+                        help="cache_aware: how much the miss tokens queued on a node weigh against the request's "
+                             "own, in [0, 1] (0.5: a request waits for about half the work ahead of it)")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")
     parser.add_argument("--decode-timeout", type=float, default=120.0,
                         help="seconds without a byte from the decode node before the call fails")
@@ -114,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         fallback_colocated=args.fallback_colocated,
         nodes_file=args.nodes_file,
         routing=RoutingPolicy(args.routing),
-        load_tokens_per_request=args.load_tokens_per_request,
+        cost_rule=CostRule(load_tokens_per_request=args.load_tokens_per_request,
+                           queued_tokens_weight=args.queued_tokens_weight),
         prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout,
         connect_timeout=args.connect_timeout,

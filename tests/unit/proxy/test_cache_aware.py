@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hybridpd.engine.kv_cache.hashing import RequestBlockHashes
 from hybridpd.kv_events import wire
 from hybridpd.kv_events.wire import GroupInfo
 from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, tokenize_body
-from hybridpd.proxy.config import Role, RoutingPolicy, Upstream
+from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
 from hybridpd.proxy.upstream import DecodeStream
@@ -44,48 +46,64 @@ def _index_holding(tokens: list[int], mamba_upto: int | None = None) -> NodeInde
 ])
 def test_predicted_hits(held, role, expected):
     router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
-    choice = choose(router, role, PromptHashes(PROMPT, None), lambda u: _index_holding(held), 0)
+    choice = choose(router, role, PromptHashes(PROMPT, None), lambda u: _index_holding(held), CostRule())
     assert choice.predicted_hit == expected and choice.work_tokens == len(PROMPT) - expected
 
 
 def test_prefill_hit_needs_a_mamba_state_at_the_hit():
     router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
-    choice = choose(router, Role.PREFILL, PromptHashes(PROMPT, None), lambda u: _index_holding(PROMPT, 16), 0)
+    choice = choose(router, Role.PREFILL, PromptHashes(PROMPT, None), lambda u: _index_holding(PROMPT, 16), CostRule())
     assert choice.predicted_hit == 16
 
 
-@pytest.mark.parametrize("in_flight_on_holder, load_per_request, expected_port", [
-    (0, 32, 1),     # the holder wins: 1 vs 33
-    (3, 8, 1),      # calls in flight that cost less than the hit saves keep it there: 1 + 3 + 24 = 28 < 33
-    (4, 8, 2),      # ...one more and the prefix spreads: 1 + 4 + 32 = 37 > 33
-    (1, 64, 2),     # one call that costs more than the hit saves: 1 + 1 + 64 > 33
+@pytest.mark.parametrize("in_flight_on_holder, work_per_call, load_per_request, weight, expected_port", [
+    (0, 1, 32, 1.0, 1),     # the holder wins: 1 vs 33
+    (3, 1, 8, 1.0, 1),      # calls in flight that cost less than the hit saves keep it there: 1 + 3 + 24 = 28 < 33
+    (4, 1, 8, 1.0, 2),      # ...one more and the prefix spreads: 1 + 4 + 32 = 37 > 33
+    (1, 1, 64, 1.0, 2),     # one call that costs more than the hit saves: 1 + 1 + 64 > 33
+    (1, 40, 0, 1.0, 2),     # one queued miss of 40 tokens, counted whole: 1 + 40 > 33
+    (1, 40, 0, 0.5, 1),     # ...counted half (the default): 1 + 20 < 33, the holder keeps the prompt
+    (1, 80, 0, 0.5, 2),     # a queued miss twice the size spreads it even so: 1 + 40 > 33
+    (9, 1, 0, 0.0, 1),      # weight 0, no load per call: the hit alone decides
 ])
-def test_a_hot_prefix_spreads_once_its_node_is_busy(in_flight_on_holder, load_per_request, expected_port):
+def test_a_hot_prefix_spreads_once_its_node_is_busy(in_flight_on_holder, work_per_call, load_per_request, weight,
+                                                    expected_port):
     holder, other = _node(1), _node(2)
     router = Router((holder, other), RoutingPolicy.CACHE_AWARE)
     indexes = {holder: _index_holding(PROMPT), other: NodeIndex(GROUPS)}
     prompt = PromptHashes(PROMPT, None)
-    contexts = [router.in_flight(holder, work_tokens=1) for _ in range(in_flight_on_holder)]
+    rule = CostRule(load_tokens_per_request=load_per_request, queued_tokens_weight=weight)
+    contexts = [router.in_flight(holder, work_tokens=work_per_call) for _ in range(in_flight_on_holder)]
     for c in contexts:
         c.__enter__()
     try:
-        # holder: 1 miss + n*(1 queued + load);  other: 33 misses
-        assert choose(router, Role.DECODE, prompt, indexes.get, load_per_request).upstream.port == expected_port
+        # holder: 1 miss + n * (weight * queued + load);  other: 33 misses
+        assert choose(router, Role.DECODE, prompt, indexes.get, rule).upstream.port == expected_port
     finally:
         for c in contexts:
             c.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("load, weight, message", [
+    (-1, 0.5, "--load-tokens-per-request must be >= 0"),
+    (32, 1.5, "--queued-tokens-weight must be in [0, 1]"),
+    (32, -0.1, "--queued-tokens-weight must be in [0, 1]"),
+])
+def test_a_cost_rule_out_of_range_is_refused(load, weight, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CostRule(load_tokens_per_request=load, queued_tokens_weight=weight)
 
 
 def test_without_any_index_it_is_least_outstanding_work():
     a, b = _node(1), _node(2)
     router = Router((a, b), RoutingPolicy.CACHE_AWARE)
     with router.in_flight(a, work_tokens=100):
-        assert choose(router, Role.DECODE, PromptHashes(PROMPT, None), lambda u: None, 32).upstream == b
+        assert choose(router, Role.DECODE, PromptHashes(PROMPT, None), lambda u: None, CostRule()).upstream == b
 
 
 def test_a_salted_prompt_does_not_hit_unsalted_blocks():
     router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
-    choice = choose(router, Role.DECODE, PromptHashes(PROMPT, b"tenant"), lambda u: _index_holding(PROMPT), 0)
+    choice = choose(router, Role.DECODE, PromptHashes(PROMPT, b"tenant"), lambda u: _index_holding(PROMPT), CostRule())
     assert choice.predicted_hit == 0
 
 
