@@ -20,6 +20,7 @@ from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
 from hybridpd.engine.model.fused_decode_write import rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers import RotaryEmbedding
+from hybridpd.engine.model.linear import linear
 from hybridpd.engine.model.step_context import AttentionDecode, AttentionGroupMeta, StepContext
 
 
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         rows = x.shape[0]
         # q | k | v side by side in one row of the projection; RoPE rotates q and k in place (the projection is
         # ours), so k and v stay adjacent and go into the cache in one write.
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q_size = self.q_size
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, AttentionGroupMeta):
@@ -126,7 +127,7 @@ class Attention(nn.Module):
                 q_seq, k_seq, v_seq, attn_mask=p.visible, scale=self.scale, enable_gqa=True
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
-        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def _rope_and_write(
         self, qkv: torch.Tensor, ctx: StepContext, meta: AttentionGroupMeta, cache: torch.Tensor

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.model.fused_norm import residual_rms_norm, rms_norm
+from hybridpd.engine.model.linear import linear
 
 
 class RMSNorm(nn.Module):
@@ -95,10 +96,10 @@ class DenseMLP(nn.Module):
         weight = self.input_linear.weight
         if x.shape[0] >= self.SEPARATE_FROM_ROWS:
             half = weight.shape[0] // 2
-            gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
+            gate, up = linear(x, weight[:half]), linear(x, weight[half:])
         else:
             gate, up = F.linear(x, weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours
+        return linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours
 
 
 class RotaryEmbedding:

@@ -23,6 +23,7 @@ from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.config import HybridConfig
 from hybridpd.engine.model.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
 from hybridpd.engine.model.layers import GatedRMSNorm
+from hybridpd.engine.model.linear import linear
 from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
 from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, MambaRows, StepContext
@@ -122,7 +123,7 @@ class Mamba2Mixer(nn.Module):
         gate, xbc_dt = self._in_proj(x, separate_gate=x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS)
         y = mamba_rows_(gate, xbc_dt, rows, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
-        return F.linear(y, self.out_proj.weight, self.out_proj.bias)
+        return linear(y, self.out_proj.weight, self.out_proj.bias)
 
     # From this many rows (a prefill chunk) the kernel path takes the gate apart (`_in_proj`): its SiLU then runs in
     # place (~40% faster than over the strided columns of one output), and the two products together take less
@@ -152,7 +153,7 @@ class Mamba2Mixer(nn.Module):
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm, then out_proj (as plain functions: module calls cost a few us each in a decode step)."""
-        return F.linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
+        return linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
 
     def _project(self, x: torch.Tensor, separate_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj -> gate [T, I], xbc [T, conv_dim], dt_raw [T, H] (views; see `_in_proj`)."""
@@ -169,10 +170,10 @@ class Mamba2Mixer(nn.Module):
         weight, bias = self.in_proj.weight, self.in_proj.bias
         i = self.intermediate
         if not separate_gate:
-            proj = F.linear(x, weight, bias)
+            proj = linear(x, weight, bias)
             return proj[:, :i], proj
-        gate = F.linear(x, weight[:i], None if bias is None else bias[:i])
-        return gate, F.linear(x, weight[i:], None if bias is None else bias[i:])
+        gate = linear(x, weight[:i], None if bias is None else bias[:i])
+        return gate, linear(x, weight[i:], None if bias is None else bias[i:])
 
     def _split_xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., conv_dim] -> x [..., H, P], B and C [..., G, N] per group (views)."""

@@ -17,6 +17,7 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.attention import Attention
 from hybridpd.engine.model.layers import RMSNorm
+from hybridpd.engine.model.linear import linear
 from hybridpd.engine.model.mamba2 import Mamba2Mixer
 from hybridpd.engine.model.moe import grouped_experts
 from hybridpd.engine.model.nemotron_h_config import BlockType, NemotronHConfig
@@ -33,8 +34,8 @@ class ReLU2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = F.linear(x, self.up_proj.weight, self.up_proj.bias)
-        return F.linear(F.relu(up).square_(), self.down_proj.weight, self.down_proj.bias)
+        up = linear(x, self.up_proj.weight, self.up_proj.bias)
+        return linear(F.relu(up).square_(), self.down_proj.weight, self.down_proj.bias)
 
 
 class GroupedTopKRouter(nn.Module):

@@ -1,0 +1,56 @@
+"""`linear`: which product takes a step's rows (oneDNN only for whole multiples of ONEDNN_ROWS, so its primitive
+cache meets a bounded set of shapes), and that both agree with `F.linear` to float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpd.engine.model import linear as linear_module
+from hybridpd.engine.model.linear import ONEDNN_ROWS, linear
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Records the row counts oneDNN is given (and still computes the product, through F.linear)."""
+    calls: list[int] = []
+
+    def recorder(x, weight, bias, *args):
+        calls.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "_onednn", recorder)
+    return calls
+
+
+@pytest.mark.parametrize("rows, dtype, contiguous, onednn", [
+    (1, torch.float32, True, False),                       # a decode step
+    (ONEDNN_ROWS - 1, torch.float32, True, False),
+    (ONEDNN_ROWS, torch.float32, True, True),
+    (ONEDNN_ROWS + 1, torch.float32, True, False),         # not a whole multiple: all MKL, never split
+    (2 * ONEDNN_ROWS, torch.float32, True, True),
+    (3 * ONEDNN_ROWS - 7, torch.float32, True, False),
+    (2 * ONEDNN_ROWS, torch.float64, True, False),         # another dtype
+    (2 * ONEDNN_ROWS, torch.float32, False, False),        # strided rows
+])
+def test_only_whole_multiples_of_float32_rows_go_to_onednn(onednn_calls, rows, dtype, contiguous, onednn):
+    weight = torch.randn(8, 6, dtype=dtype)
+    x = torch.randn(rows, 12, dtype=dtype)[:, :6] if not contiguous else torch.randn(rows, 6, dtype=dtype)
+    out = linear(x, weight)
+    assert onednn_calls == ([rows] if onednn else [])
+    torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.skipif(linear_module._onednn is None, reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("rows, inputs, outputs, with_bias", [
+    (ONEDNN_ROWS, 128, 580, False), (2 * ONEDNN_ROWS, 256, 128, True), (ONEDNN_ROWS, 64, 640, True),
+])
+def test_onednn_agrees_with_mkl(rows, inputs, outputs, with_bias):
+    gen = torch.Generator().manual_seed(rows + inputs + outputs)
+    x = torch.randn(rows, inputs, generator=gen)
+    weight = torch.randn(outputs, inputs, generator=gen) / inputs ** 0.5
+    bias = torch.randn(outputs, generator=gen) if with_bias else None
+    got = linear(x, weight, bias)
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
