@@ -3,19 +3,20 @@ same prompt length served colocated on one node; 128, 1,024 and 4,096 prompt tok
 
 One `LocalCluster` on the default preset (1 prefill + 1 decode node, one torch thread each, and the proxy). Per
 length and round, with a fresh random prompt each time (no prefix hit anywhere): (a) colocated: the prompt straight
-to the decode node; (b) P/D through the proxy; (c) the same two hops called directly, to split (b) into the
-prefill-role request, the decode-role request and what the proxy adds on top. Rounds alternate (a) and (b), and
-each figure is the median of `--rounds`. Every request streams two tokens: the first token's time (TTFT) is what
-P/D adds to the answer's start, the second's also carries the pull (the decode node streams the prefill node's
-first token at admission, then pulls, then computes the second).
+to the decode node; (b) P/D through the proxy; (c) the same two hops called directly, as the proxy calls them, to
+split (b) into the prefill-role request, the decode-role request and what the proxy adds on top. Rounds alternate
+(a) and (b), and each figure is the median of `--rounds`. Every request streams two tokens: the first token comes
+with the prefill node's streamed answer (the proxy passes it on before it opens the decode call), the second
+carries the decode hop and the pull (the decode node continues the stream: it pulls, then computes the second).
 
 Last line: JSON with `added_ms_128`, `added_ms_1024`, `added_ms_4096` (P/D minus colocated TTFT, ms),
 `added_ratio_4096` (the same over colocated), the same for the second token (`added_second_token_ms_*`), and per
 length the parts: `colocated_ttft_ms`, `pd_ttft_ms`, `colocated_second_ms`, `pd_second_ms`, `prefill_role_ms` (the
-prefill-role request, non-streamed), `decode_role_ttft_ms` and `decode_role_second_ms` (the decode-role request
-streamed directly), `proxy_ms` (P/D TTFT minus the prefill role minus the decode role's TTFT: what the proxy adds,
-with the run-to-run noise of the three), and `pull_ms` (the mean READ, from the decode node's
-`hybridpd:kv_read_seconds`). Goals (issue 16): at most 5 ms added at 128 tokens, at most 5% at 4,096.
+prefill-role request, streamed, until its answer ended), `decode_role_first_ms` (the decode-role request continuing
+that stream, called directly: until its first chunk, the second token), `proxy_ms` (P/D TTFT minus the prefill
+role: what the proxy adds to the first token, with the run-to-run noise of the two), and `pull_ms` (the mean READ,
+from the decode node's `hybridpd:kv_read_seconds`). Goals (issue 16): at most 5 ms added at 128 tokens, at most 5%
+at 4,096.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from hybridpd.engine.model.presets import default_model_dir
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec
+from hybridpd.proxy.bodies import decode_body, prefill_body
+from hybridpd.proxy.prefill_stream import read_prefill_stream
 
 LENGTHS = (128, 1024, 4096)
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def stream(url: str, body: dict[str, Any]) -> tuple[float, float]:
-    """(seconds until the first token's chunk, until the second token's chunk) of a streamed completion."""
+def token_times(url: str, body: dict[str, Any]) -> list[float]:
+    """Seconds until each token's chunk of a streamed completion."""
     request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
                                      data=json.dumps({**body, "stream": True, "return_token_ids": True}).encode())
     start = time.perf_counter()
@@ -56,19 +57,26 @@ def stream(url: str, body: dict[str, Any]) -> tuple[float, float]:
                 raise RuntimeError(f"{url}: {event['error']}")
             for choice in event.get("choices", []):
                 times.extend([time.perf_counter() - start] * len(choice.get("token_ids") or ()))
+    return times
+
+
+def stream(url: str, body: dict[str, Any]) -> tuple[float, float]:
+    """(seconds until the first token's chunk, until the second token's chunk) of a streamed completion."""
+    times = token_times(url, body)
     if len(times) < 2:
         raise RuntimeError(f"{url}: {len(times)} tokens streamed, 2 asked")
     return times[0], times[1]
 
 
-def post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(seconds until the whole answer arrived, the answer)."""
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def prefill_call(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """The proxy's prefill call, streamed: (seconds until its answer ended, the decode call's body)."""
+    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps(prefill_body(body)).encode())
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as answer:
-        data = json.loads(answer.read())
-    return time.perf_counter() - start, data
+        answered = read_prefill_stream(answer.read())
+    seconds = time.perf_counter() - start
+    return seconds, decode_body(body, answered.kv_transfer_params, answered.stream_head)
 
 
 def read_seconds(metrics_url: str) -> tuple[float, float]:
@@ -103,8 +111,7 @@ def main() -> int:
             stream(info.proxy_url, body_for(length, rng))
         for length in args.lengths:
             parts: dict[str, list[float]] = {k: [] for k in (
-                "colocated_ttft", "colocated_second", "pd_ttft", "pd_second", "prefill_role", "decode_role_ttft",
-                "decode_role_second")}
+                "colocated_ttft", "colocated_second", "pd_ttft", "pd_second", "prefill_role", "decode_role_first")}
             reads_before = read_seconds(info.decode[0].metrics_url)
             for r in range(args.rounds):
                 order = ("colocated", "pd") if r % 2 == 0 else ("pd", "colocated")
@@ -113,15 +120,12 @@ def main() -> int:
                     first, second = stream(url, body_for(length, rng))
                     parts[f"{kind}_ttft"].append(first)
                     parts[f"{kind}_second"].append(second)
-                body = body_for(length, rng)
-                seconds, answer = post(prefill_url, {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})
+                seconds, decode = prefill_call(prefill_url, {**body_for(length, rng), "stream": True})
                 parts["prefill_role"].append(seconds)
-                first, second = stream(decode_url, {**body, "kv_transfer_params": answer["kv_transfer_params"]})
-                parts["decode_role_ttft"].append(first)
-                parts["decode_role_second"].append(second)
+                parts["decode_role_first"].append(token_times(decode_url, decode)[0])
             ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
             figures = {f"{k}_ms": round(v, 2) for k, v in ms.items()}
-            figures["proxy_ms"] = round(ms["pd_ttft"] - ms["prefill_role"] - ms["decode_role_ttft"], 2)
+            figures["proxy_ms"] = round(ms["pd_ttft"] - ms["prefill_role"], 2)
             reads_after = read_seconds(info.decode[0].metrics_url)
             pulls = reads_after[1] - reads_before[1]
             figures["pull_ms"] = round((reads_after[0] - reads_before[0]) / pulls * 1e3 if pulls else float("nan"), 2)

@@ -161,8 +161,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--mamba-cache-budget", type=float, default=0.5,
                         help="every node's (a prefill node's hybrid hits need saved Mamba states; default 0.5)")
+    parser.add_argument("--memory-share", type=float, default=0.6,
+                        help="the share of the prefixes' tokens one node's attention holds (default 0.6)")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="bytes of KV memory per node (default: attention for ~60%% of the prefixes' tokens)")
+                        help="bytes of KV memory per node (default: from --memory-share)")
     parser.add_argument("--rounds", type=int, default=3, help="fresh cluster pairs, the policies alternating (~20 s each)")
     parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
     parser.add_argument("--queued-tokens-weight", type=float, default=None, help="the proxy's (default: its own)")
@@ -170,7 +172,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.kv_cache_memory is None:
         per_prefix = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16) * 16
-        args.kv_cache_memory = memory_for_attention_tokens(int(0.6 * args.prefixes * per_prefix),
+        args.kv_cache_memory = memory_for_attention_tokens(int(args.memory_share * args.prefixes * per_prefix),
                                                            args.mamba_cache_budget)
     runs: dict[str, list[dict[str, Any]]] = {"round_robin": [], "cache_aware": []}
     for r in range(args.rounds):
@@ -189,7 +191,7 @@ def main() -> int:
         "mean_ttft_ratio": round(mean("cache_aware", "mean_ttft_ms") / mean("round_robin", "mean_ttft_ms"), 3),
         "prediction_accuracy": round(mean("cache_aware", "prediction_accuracy"), 4),
         "workload": {k: getattr(args, k) for k in ("prefixes", "prefix_len", "suffix_len", "repeats", "max_tokens",
-                                                   "concurrency", "kv_cache_memory", "mamba_cache_budget",
+                                                   "concurrency", "memory_share", "kv_cache_memory", "mamba_cache_budget",
                                                    "rounds")},
         "round_robin": {k: round(mean("round_robin", k), 4) for k in FIGURES},
         "cache_aware": {k: round(mean("cache_aware", k), 4) for k in FIGURES + ("prediction_accuracy",)},

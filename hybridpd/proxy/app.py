@@ -34,8 +34,9 @@ from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
 from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
 from hybridpd.proxy.responses import (
-    invalid_request, no_upstream, sse_error_event, upstream_failed, upstream_rejected,
+    invalid_request, no_upstream, sse_error_event, sse_rejected_event, upstream_failed, upstream_rejected,
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, refresh_all
 from hybridpd.proxy.health_watch import revive_once
@@ -44,7 +45,7 @@ from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
-from hybridpd.proxy.upstream import DecodeStream, UpstreamClient
+from hybridpd.proxy.upstream import DecodeStream, PrefillAnswer, UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,11 @@ class Proxy:
             return invalid_request("request body must be a JSON object", request_id)
         prompt = await self._prompt(path, body) if self.cache_aware else None
         try:
-            kv_params = await self._prefill_or_fall_back(path, body, request_id, prompt)
+            answer = await self._prefill_or_fall_back(path, body, request_id, prompt)
+            kv_params = answer.kv_transfer_params if answer is not None else None
+            if answer is not None and answer.head and kv_params is not None:
+                return await self._decode_after_head(request, path, decode_body(body, kv_params, answer.stream_head),
+                                                     request_id, prompt, answer.head)
             return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt)
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
@@ -160,9 +165,9 @@ class Proxy:
             self.metrics.count_prediction(choice.upstream, choice.predicted_hit, reported)
 
     async def _prefill_or_fall_back(self, path: str, body: dict[str, Any], request_id: str,
-                                    prompt: PromptHashes | None) -> dict[str, Any] | None:
-        """The prefill node's kv_transfer_params; None (the decode node prefills) when no prefill node could take
-        the request and the colocated fallback is on. A 4xx (the client's own error) is never retried elsewhere."""
+                                    prompt: PromptHashes | None) -> PrefillAnswer | None:
+        """The prefill node's answer; None (the decode node prefills) when no prefill node could take the request
+        and the colocated fallback is on. A 4xx (the client's own error) is never retried elsewhere."""
         try:
             return await self._prefill(path, body, request_id, prompt)
         except (UpstreamError, NoUpstreamError) as exc:
@@ -173,7 +178,7 @@ class Proxy:
             return None
 
     async def _prefill(self, path: str, body: dict[str, Any], request_id: str,
-                       prompt: PromptHashes | None) -> dict[str, Any] | None:
+                       prompt: PromptHashes | None) -> PrefillAnswer:
         router = self.routers[Role.PREFILL]
         attempts = min(_MAX_PREFILL_ATTEMPTS, len(router.upstreams))
         failed: list[UpstreamError] = []
@@ -191,11 +196,10 @@ class Proxy:
                 logger.warning("request %s: %s; retrying on another prefill node", request_id, exc)
                 continue
             self._compare(choice, answer.cached_tokens)
-            params = answer.kv_transfer_params
-            if params is None:
+            if answer.kv_transfer_params is None:
                 logger.warning("request %s: %s answered without kv_transfer_params; "
                                "the decode node computes the prompt itself", request_id, upstream.name)
-            return params
+            return answer
 
     async def _decode(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None
@@ -216,13 +220,37 @@ class Proxy:
             await out.write_eof()
             return out
 
+    async def _decode_after_head(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
+                                 prompt: PromptHashes | None, head: bytes) -> web.StreamResponse:
+        """A stream whose head (the first token) came with the prefill node's answer: the client has it before the
+        decode call is even opened; the decode node's events follow. From here a failure is an error event."""
+        first = self._choose(Role.DECODE, prompt)  # no decode node at all: a 503, before anything is sent
+        out = web.StreamResponse(status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
+                                                      "X-Request-Id": request_id})
+        await out.prepare(request)
+        await out.write(head)
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                stream = await self._open_decode(stack, path, body, request_id, prompt, first)
+                async for chunk in stream.chunks():
+                    await out.write(chunk)
+            except UpstreamRejectedError as exc:
+                logger.warning("request %s: %s refused the decode call: HTTP %d", request_id, exc.upstream.name,
+                               exc.status)
+                await out.write(sse_rejected_event(exc))
+            except (UpstreamError, NoUpstreamError) as exc:
+                logger.warning("request %s: %s (after the stream started)", request_id, exc)
+                await out.write(sse_error_event(exc))
+        await out.write_eof()
+        return out
+
     async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
-                           request_id: str, prompt: PromptHashes | None) -> DecodeStream:
-        """The decode call, opened on a second node if the first could not be connected to."""
+                           request_id: str, prompt: PromptHashes | None, first: Choice | None = None) -> DecodeStream:
+        """The decode call (on `first` when given), opened on a second node if the first could not be connected to."""
         router = self.routers[Role.DECODE]
         tried: list[Upstream] = []
         while True:
-            choice = self._choose(Role.DECODE, prompt, tuple(tried))
+            choice = first if first is not None and not tried else self._choose(Role.DECODE, prompt, tuple(tried))
             try:
                 stream = await stack.enter_async_context(
                     self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridpd.server.stream_head import STREAM_HEAD_FIELD, StreamHead
+
 # What the prefill call carries: "prefill here, hold the blocks, tell me where they are".
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -22,21 +24,26 @@ _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's body for one token, not streamed, asking for remote decode."""
+    """The client's body for one token, asking for remote decode; streamed when the client streams (its events
+    are the head of the client's stream: proxy/prefill_stream.py), else one JSON answer."""
     out = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
-    out["stream"] = False
+    out["stream"] = wants_stream(body)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return out
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The client's body plus the prefill node's answer; without one, the decode node computes the prompt."""
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
+                stream_head: StreamHead | None = None) -> dict[str, Any]:
+    """The client's body plus the prefill node's answer (without one, the decode node computes the prompt) and,
+    when the client has the stream's head already, which stream the decode node continues."""
     out = {key: value for key, value in body.items() if key != "kv_transfer_params"}
     if kv_transfer_params:
         out["kv_transfer_params"] = kv_transfer_params
+        if stream_head is not None:
+            out["kv_transfer_params"] = {**kv_transfer_params, STREAM_HEAD_FIELD: stream_head.to_json()}
     return out
 
 

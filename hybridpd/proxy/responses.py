@@ -7,6 +7,7 @@ import json
 from aiohttp import web
 
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
+from hybridpd.proxy.routing import NoUpstreamError
 
 _GATEWAY_STATUS = {
     FailureKind.UNREACHABLE: (502, "bad_gateway"),
@@ -47,8 +48,29 @@ def upstream_rejected(error: UpstreamRejectedError, request_id: str) -> web.Resp
     )
 
 
-def sse_error_event(error: UpstreamError) -> bytes:
-    """What a stream that already started gets when its decode node fails: an error event, then [DONE]."""
-    status, error_type = _GATEWAY_STATUS[error.kind]
-    payload = json.dumps(error_body(str(error), error_type, status))
-    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+def sse_error_event(error: UpstreamError | NoUpstreamError) -> bytes:
+    """What a stream that already started gets when its decode node fails (or none is left): an error event, then
+    [DONE]."""
+    if isinstance(error, NoUpstreamError):
+        status, error_type, message = 503, "service_unavailable", f"no node available: {error}"
+    else:
+        (status, error_type), message = _GATEWAY_STATUS[error.kind], str(error)
+    return _sse_event_and_done(json.dumps(error_body(message, error_type, status)).encode())
+
+
+def sse_rejected_event(error: UpstreamRejectedError) -> bytes:
+    """A decode node's 4xx once the stream has started: its error body as an event (when it is an OpenAI error
+    object; else one of ours with its status), then [DONE]."""
+    try:
+        body = json.loads(error.body)
+    except ValueError:
+        body = None
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        text = error.body.decode("utf-8", "replace")[:300]
+        body = error_body(f"{error.upstream.name} refused the request: HTTP {error.status}: {text}",
+                          "invalid_request_error", error.status)
+    return _sse_event_and_done(json.dumps(body).encode())
+
+
+def _sse_event_and_done(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"

@@ -19,8 +19,10 @@ import aiohttp
 from hybridpd.proxy.config import ProxyConfig, Upstream
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE, PrefillStreamError, read_prefill_stream
 from hybridpd.proxy.routing import Router
 from hybridpd.server.app import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
+from hybridpd.server.stream_head import StreamHead
 
 _ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
 
@@ -45,6 +47,10 @@ def _cached_tokens(response: aiohttp.ClientResponse) -> int | None:
 class PrefillAnswer:
     kv_transfer_params: dict[str, Any] | None
     cached_tokens: int | None   # the prefill node's prefix hit, when it said
+    # A streamed call's head of the client's stream and what the decode node continues (proxy/prefill_stream.py);
+    # empty / None for a JSON answer.
+    head: bytes = b""
+    stream_head: StreamHead | None = None
 
 
 class DecodeStream:
@@ -137,7 +143,8 @@ class UpstreamClient:
         self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str,
         work_tokens: int = 0,
     ) -> PrefillAnswer:
-        """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent)."""
+        """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent) and, for a
+        streamed call, the head of the client's stream."""
         async with self._call(router, upstream, work_tokens):
             try:
                 async with self._session.post(
@@ -147,8 +154,17 @@ class UpstreamClient:
                     await self._raise_for_status(upstream, response)
                     raw = await response.read()
                     cached = _cached_tokens(response)
+                    streamed = response.headers.get("Content-Type", "").startswith(SSE_CONTENT_TYPE)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _failure(upstream, exc) from exc
+            if streamed:
+                try:
+                    stream = read_prefill_stream(raw)
+                except PrefillStreamError as exc:
+                    kind = FailureKind.SERVER_ERROR if exc.from_node else FailureKind.BAD_ANSWER
+                    raise UpstreamError(upstream, kind, str(exc)) from exc
+                return PrefillAnswer(kv_transfer_params=stream.kv_transfer_params, cached_tokens=cached,
+                                     head=stream.head, stream_head=stream.stream_head)
             try:
                 answer = json.loads(raw)
             except ValueError as exc:

@@ -23,6 +23,7 @@ from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
+from hybridpd.server.stream_head import StreamHead, parse_stream_head
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -43,10 +44,20 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    stream_head: StreamHead | None = None  # the client has this stream's head already (server/stream_head.py)
 
     @property
     def request_id(self) -> str:
         return self.engine_request.request_id
+
+    @property
+    def response_id(self) -> str:
+        """The id the answer carries: the engine's request id, or the stream's the client already has."""
+        return self.stream_head.id if self.stream_head is not None else self.engine_request.request_id
+
+    @property
+    def response_created(self) -> int:
+        return self.stream_head.created if self.stream_head is not None else self.created
 
     @property
     def wants_logprobs(self) -> bool:
@@ -177,6 +188,7 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
         max_tokens = engine.generation_defaults.max_tokens or 16
     _check_length(len(prompt), max_tokens, engine.max_model_len)
     salt = f.optional_str("cache_salt")
+    kv_transfer_params = f.raw("kv_transfer_params")
     prefix = "cmpl" if endpoint is Endpoint.COMPLETIONS else "chatcmpl"
     return ParsedRequest(
         endpoint=endpoint,
@@ -184,13 +196,14 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
             sampling=_sampling(f, max_tokens=max_tokens, logprobs=logprobs, engine=engine),
-            kv_transfer=parse_kv_transfer_params(f.raw("kv_transfer_params")),
+            kv_transfer=parse_kv_transfer_params(kv_transfer_params),
             cache_salt=None if salt is None else salt.encode("utf-8"),
         ),
         created=int(time.time()),
         stream=stream,
         include_usage=options is not None and options.bool("include_usage", False),
         return_token_ids=f.bool("return_token_ids", False),
+        stream_head=parse_stream_head(kv_transfer_params, stream=stream),
     )
 
 

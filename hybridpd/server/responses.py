@@ -57,7 +57,7 @@ def finish_reason_value(reason: FinishReason | None) -> str | None:
 
 
 def header(parsed: ParsedRequest, model: str, object_name: str) -> dict[str, Any]:
-    return {"id": parsed.request_id, "object": object_name, "created": parsed.created, "model": model}
+    return {"id": parsed.response_id, "object": object_name, "created": parsed.response_created, "model": model}
 
 
 def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -10,6 +10,7 @@ the handler's cancellation); either way the caller closes the engine generator, 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -92,16 +93,31 @@ class ChunkBuilder:
         """Zero, one or (the chat's first output: role, then content) two chunks for `output`. Every output that
         carries a token makes a chunk, as vLLM streams: one whose token is half a UTF-8 character (the detokenizer
         holds it back) has empty text, so a client's inter-token latency counts every token, not two at once."""
+        if self._parsed.stream_head is not None and not self._started:
+            return self._after_head(output)
         chunks = []
         is_chat = self._parsed.endpoint is Endpoint.CHAT
         if is_chat and not self._started:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             chunks.append({**self._header, "choices": [role]})
         if output.new_text or output.finished or output.new_token_ids:
-            choice = self._chat_choice(output) if is_chat else self._completion_choice(output)
-            chunks.append(self._chunk(choice, output))
+            chunks.append(self._chunk(self._choice(output), output))
         self._started = True
         return chunks
+
+    def _choice(self, output: RequestOutput) -> dict[str, Any]:
+        return self._chat_choice(output) if self._parsed.endpoint is Endpoint.CHAT else self._completion_choice(output)
+
+    def _after_head(self, first: RequestOutput) -> list[dict[str, Any]]:
+        """The first output of a stream whose head the client has (server/stream_head.py): its token is in that
+        head, so it makes no chunk (it still moves the logprobs' text offset on), unless it is also the last
+        output: then one chunk with no text and its finish_reason."""
+        self._choice(first)
+        self._started = True
+        if not first.finished:
+            return []
+        empty = replace(first, new_token_ids=(), new_text="", logprobs=())
+        return [self._chunk(self._choice(empty), empty)]
 
     def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
         return {**self._header, "choices": [], "usage": usage(output)}

@@ -98,6 +98,39 @@ def test_greedy_output_through_the_proxy_equals_a_colocated_node(cluster, path, 
     assert _text(path, raw, stream) != ""
 
 
+def _chunks(raw: bytes) -> list[dict[str, Any]]:
+    events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {**COMPLETION, "logprobs": 2, "return_token_ids": True}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}),
+])
+def test_a_stream_through_the_proxy_is_shaped_as_a_colocated_one(cluster, path, body):
+    """Its head comes from the prefill node's stream and the rest from the decode node's: chunk for chunk the
+    same as one node's stream (role chunk, texts, token ids, logprobs and their offsets, finish, usage), under one
+    id and `created`."""
+    _, info = cluster
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    status, raw = _post(info.proxy_url + path, body)
+    assert status == 200, raw
+    local_status, local_raw = _post(info.decode[0].url + path, body)
+    assert local_status == 200, local_raw
+    ours, local = _chunks(raw), _chunks(local_raw)
+    assert len({(c["id"], c["created"]) for c in ours}) == 1
+
+    def shape(chunks: list[dict[str, Any]]) -> list[Any]:
+        out = [json.loads(json.dumps({**c, "id": None, "created": None}),
+                          parse_float=lambda text: round(float(text), 3)) for c in chunks]
+        for chunk in out:  # where the prompt hit depends on the calls before (the decode node keeps what it pulls)
+            chunk.get("usage", {}).pop("prompt_tokens_details", None)
+        return out
+
+    assert shape(ours) == shape(local)
+
+
 def _kv_bytes_read(info: ClusterInfo) -> float:
     with urllib.request.urlopen(info.decode[0].metrics_url, timeout=10) as response:
         return counter_sum(response.read().decode(), KV_BYTES_READ_METRIC) or 0.0

@@ -20,6 +20,7 @@ class Behavior(enum.Enum):
     HANG = "hang"                  # never answers (records its cancellation)
     HANG_MID_STREAM = "hang_mid"   # decode: sends the first SSE chunk, then never another
     NO_PARAMS = "no_params"        # prefill: answers 200 without kv_transfer_params
+    STREAM_ERROR = "stream_error"  # prefill, streamed: 200, then an error event instead of the token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,29 @@ SSE_CHUNKS = (
     b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\ndata: [DONE]\n\n',
 )
 REJECT_BODY = b'{"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error", "code": 400}}'
+
+
+PREFILL_STREAM_ID, PREFILL_STREAM_CREATED = "cmpl-p", 1700000000
+
+
+def prefill_stream_chunks(path: str, params: dict[str, Any] | None, error: bool = False) -> list[bytes]:
+    """What a node streams for a one-token prefill call: [the chat role chunk], the token's chunk (carrying the
+    call's finish_reason and kv_transfer_params), [DONE]; or an error event in place of the token."""
+    head = {"id": PREFILL_STREAM_ID, "created": PREFILL_STREAM_CREATED, "model": "tiny"}
+    chunks = []
+    if path.endswith("/chat/completions"):
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        chunks.append({**head, "object": "chat.completion.chunk", "choices": [role]})
+        token = {"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": "length"}
+        chunks.append({**head, "object": "chat.completion.chunk", "choices": [token]})
+    else:
+        token = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        chunks.append({**head, "object": "text_completion", "choices": [token]})
+    if params is not None:
+        chunks[-1]["kv_transfer_params"] = params
+    if error:
+        chunks[-1] = {"error": {"message": "engine exploded", "type": "internal_server_error", "code": 500}}
+    return [b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks] + [b"data: [DONE]\n\n"]
 
 
 def remote_params(port: int) -> dict[str, Any]:
@@ -102,6 +126,8 @@ class FakeNode:
         if self.behavior is Behavior.FAIL:
             return web.Response(status=500, text="engine exploded")
         is_prefill = (body.get("kv_transfer_params") or {}).get("do_remote_decode") is True
+        if is_prefill and body.get("stream"):
+            return await self._prefill_stream(request)
         if is_prefill:
             answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}]}
             if self.behavior is not Behavior.NO_PARAMS:
@@ -116,6 +142,16 @@ class FakeNode:
             await out.write(chunk)
             if self.behavior is Behavior.HANG_MID_STREAM and index == 0:
                 await self._hang()
+        await out.write_eof()
+        return out
+
+    async def _prefill_stream(self, request: web.Request) -> web.StreamResponse:
+        """A streamed one-token prefill call, shaped as a node streams it (server/streaming.py)."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for chunk in prefill_stream_chunks(request.path, None if self.behavior is Behavior.NO_PARAMS
+                                           else remote_params(self.port), self.behavior is Behavior.STREAM_ERROR):
+            await out.write(chunk)
         await out.write_eof()
         return out
 

@@ -94,9 +94,10 @@ async def test_decode_failure_after_stream_started_is_an_error_event(make_harnes
         assert resp.status == 200
         raw = (await resp.read()).decode()
     events = [line for line in raw.split("\n\n") if line]
-    assert events[0].startswith('data: {"id":"cmpl-1"')
-    assert '"type": "gateway_timeout"' in events[1] and f"decode node 127.0.0.1:{h.decode_ports[0]}" in events[1]
-    assert events[2] == "data: [DONE]"
+    assert '"text": "x"' in events[0]  # the head, from the prefill node's stream
+    assert events[1].startswith('data: {"id":"cmpl-1"')
+    assert '"type": "gateway_timeout"' in events[2] and f"decode node 127.0.0.1:{h.decode_ports[0]}" in events[2]
+    assert events[3] == "data: [DONE]"
 
 
 @pytest.mark.parametrize("data, message", [

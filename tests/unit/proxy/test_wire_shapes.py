@@ -12,7 +12,8 @@ from hybridpd.server.app import CLUSTER_TOKEN_HEADER
 from .fake_node import SSE_CHUNKS, Behavior, remote_params
 
 # vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) sends the prefill node
-# exactly these kv_transfer_params; copied field by field.
+# exactly these kv_transfer_params; copied field by field. One difference: the toy proxy never streams the
+# prefill call, ours streams it when the client streams (its events are the head of the client's stream).
 TOY_PREFILL_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -32,7 +33,7 @@ TOY_PREFILL_PARAMS = {
     (
         {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "stream": True,
          "stream_options": {"include_usage": True}, "min_tokens": 3, "seed": 4},
-        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False, "seed": 4,
+        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True, "seed": 4,
          "kv_transfer_params": TOY_PREFILL_PARAMS},
     ),
     (
@@ -103,12 +104,16 @@ async def test_prefill_without_params_lets_the_decoder_compute(make_harness):
 
 
 async def test_stream_is_passed_through_byte_for_byte(make_harness):
+    """After the head taken from the prefill node's stream (test_stream_head.py), the decode node's bytes as
+    they are."""
     h = await make_harness([Behavior.OK], [Behavior.OK])
     body = {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
     async with h.session.post(h.url + "/v1/completions", json=body) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         raw = await resp.read()
-    assert raw == b"".join(SSE_CHUNKS)
+    head, rest = raw.split(b"\n\n", 1)
+    assert json.loads(head.removeprefix(b"data: "))["choices"][0]["text"] == "x"
+    assert rest == b"".join(SSE_CHUNKS)
     assert h.decode[0].received[0].body["stream_options"] == {"include_usage": True}
     assert "stream_options" not in h.prefill[0].received[0].body

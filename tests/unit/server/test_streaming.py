@@ -163,3 +163,67 @@ async def test_drain_lets_running_stream_finish(client, engine):
     rest = parse_sse("data: {}\n\n" + (await resp.text()))
     assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
     assert await admission.wait_idle(timeout=10) and engine.aborted == []
+
+
+# A decode-role request whose stream head the client has (server/stream_head.py): the fake's first output plays
+# the first token that the prefill node's stream carried.
+REMOTE_PREFILL = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+                  "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 9000,
+                  "remote_num_tokens": 2, "first_token_id": fake_token(0)}
+STREAM_HEAD = {"id": "cmpl-from-the-prefill-node", "created": 1700000001}
+
+
+@pytest.mark.parametrize("path, body, expected", [
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 0, "return_token_ids": True},
+     [{"text": "b", "offsets": [1], "token_ids": [fake_token(1)]},
+      {"text": "c", "offsets": [2], "token_ids": [fake_token(2)]}]),
+    ("/v1/chat/completions", {"messages": USER},
+     [{"delta": {"content": "b"}}, {"delta": {"content": "c"}}]),
+])
+async def test_a_continued_stream_sends_no_head_of_its_own(client, path, body, expected):
+    request = {**body, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+               "kv_transfer_params": {**REMOTE_PREFILL, "stream_head": STREAM_HEAD}}
+    resp = await client.post(path, json=request)
+    assert resp.status == 200
+    chunks = parse_sse(await resp.text())[:-1]
+    assert all((c["id"], c["created"]) == (STREAM_HEAD["id"], STREAM_HEAD["created"]) for c in chunks)
+    choices = [c["choices"][0] for c in chunks[:-1]]
+    if "delta" in expected[0]:
+        assert [{"delta": c["delta"]} for c in choices] == expected  # no role chunk, no first token
+    else:
+        assert [{"text": c["text"], "offsets": c["logprobs"]["text_offset"], "token_ids": c["token_ids"]}
+                for c in choices] == expected  # the offsets go on after the first token's text
+        assert all("prompt_token_ids" not in c for c in choices)
+    assert [c["finish_reason"] for c in choices] == [None, "length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path, body, expected_choice", [
+    ("/v1/completions", {"prompt": [1, 2], "return_token_ids": True},
+     {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": []}),
+    ("/v1/chat/completions", {"messages": USER},
+     {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}),
+])
+async def test_a_continued_stream_whose_first_token_was_its_last_only_finishes(client, path, body, expected_choice):
+    request = {**body, "max_tokens": 1, "stream": True,
+               "kv_transfer_params": {**REMOTE_PREFILL, "stream_head": STREAM_HEAD}}
+    (chunk,) = parse_sse(await (await client.post(path, json=request)).text())[:-1]
+    assert chunk["choices"] == [expected_choice]
+
+
+@pytest.mark.parametrize("params, stream, message", [
+    ({**REMOTE_PREFILL, "stream_head": STREAM_HEAD}, False, "needs stream: true"),
+    ({"stream_head": STREAM_HEAD}, True, "needs do_remote_prefill"),
+    ({**REMOTE_PREFILL, "stream_head": "cmpl-1"}, True, "must be an object"),
+    ({**REMOTE_PREFILL, "stream_head": {"id": "", "created": 1}}, True, "stream_head.id must be"),
+    ({**REMOTE_PREFILL, "stream_head": {"id": "x" * 257, "created": 1}}, True, "stream_head.id must be"),
+    ({**REMOTE_PREFILL, "stream_head": {"id": "c", "created": -1}}, True, "stream_head.created must be"),
+    ({**REMOTE_PREFILL, "stream_head": {"id": "c", "created": True}}, True, "stream_head.created must be"),
+    ({**REMOTE_PREFILL, "stream_head": {"id": "c", "created": 1.5}}, True, "stream_head.created must be"),
+])
+async def test_a_bad_stream_head_is_a_400(client, engine, params, stream, message):
+    resp = await client.post("/v1/completions", json={"prompt": "x", "stream": stream, "kv_transfer_params": params})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"]
+    assert engine.requests == []
