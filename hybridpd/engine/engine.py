@@ -276,7 +276,11 @@ class LLMEngine:
         text_ids = output_ids
         if seq.finish_reason is FinishReason.STOP:  # ended by EOS, which is not part of the text
             text_ids = text_ids[:-1]
-        new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished)
+        # A prefill-role request ends at its one token (max_tokens) but its output goes on at the decode node: the
+        # text is not final there, so what the detokenizer holds back (half a character, the start of a stop
+        # string) stays back, as in a colocated stream; the decode node releases it with the tokens after.
+        goes_on = seq.remote_decode and seq.finish_reason is FinishReason.LENGTH
+        new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished and not goes_on)
         if stop is not None:  # a stop string wins over max_tokens or EOS reached by the same token
             if seq.is_finished:
                 seq.finish_reason = FinishReason.STOP

@@ -30,7 +30,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
-    out["stream"] = wants_stream(body)
+    out["stream"] = streams_head(body)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return out
 
@@ -49,3 +49,10 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
 
 def wants_stream(body: dict[str, Any]) -> bool:
     return body.get("stream") is True
+
+
+def streams_head(body: dict[str, Any]) -> bool:
+    """Whether the client's stream begins with the prefill node's (proxy/prefill_stream.py): when it streams, unless
+    it asks for one token only (that token's chunk is also the last, which only the decode node can tell)."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return wants_stream(body) and not (isinstance(limit, int) and limit == 1)

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.request import FinishReason, RequestOutput
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.server.errors import http_error_for
@@ -111,13 +112,19 @@ class ChunkBuilder:
     def _after_head(self, first: RequestOutput) -> list[dict[str, Any]]:
         """The first output of a stream whose head the client has (server/stream_head.py): its token is in that
         head, so it makes no chunk (it still moves the logprobs' text offset on), unless it is also the last
-        output: then one chunk with no text and its finish_reason."""
+        output: then one chunk with its finish_reason and the text the head held back (the prefill node released
+        its token's text as a stream does mid-way; at max_tokens the rest is released now)."""
         self._choice(first)
         self._started = True
         if not first.finished:
             return []
-        empty = replace(first, new_token_ids=(), new_text="", logprobs=())
-        return [self._chunk(self._choice(empty), empty)]
+        text = ""
+        if first.finish_reason is FinishReason.LENGTH:  # the head held back what a stream holds back mid-way
+            shown, _ = Detokenizer(self._tokenizer, self._parsed.engine_request.sampling.stop).step(
+                list(first.new_token_ids), final=False)
+            text = first.new_text[len(shown):]
+        last = replace(first, new_token_ids=(), new_text=text, logprobs=())
+        return [self._chunk(self._choice(last), last)]
 
     def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
         return {**self._header, "choices": [], "usage": usage(output)}

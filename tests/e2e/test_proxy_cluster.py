@@ -107,6 +107,9 @@ def _chunks(raw: bytes) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {**COMPLETION, "logprobs": 2, "return_token_ids": True}),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}),
+    ("/v1/completions", {**COMPLETION, "stop": ["~~~~~"]}),   # text held back for a stop string's possible start
+    ("/v1/completions", {**COMPLETION, "stop": ["~~~~~"], "max_tokens": 1}),  # ... and released at the end
+    ("/v1/chat/completions", {**CHAT, "stop": ["~~~~~"], "max_completion_tokens": 1}),
 ])
 def test_a_stream_through_the_proxy_is_shaped_as_a_colocated_one(cluster, path, body):
     """Its head comes from the prefill node's stream and the rest from the decode node's: chunk for chunk the

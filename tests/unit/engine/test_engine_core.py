@@ -209,6 +209,24 @@ def test_prefill_role_holds_its_blocks_for_the_handler(tiny_dir, n_prompt, handl
     assert all_free(engine)
 
 
+@pytest.mark.parametrize("stop", [(), ("~~~~~~~~",), ("~~",)])
+def test_prefill_role_text_is_a_streams_first_chunk(tiny_dir, stop):
+    """Its output goes on at the decode node, so its text is what a colocated stream sends first: what the
+    detokenizer holds back (half a character: this prompt's first token is one; the start of a stop string) stays
+    back (the client's stream may start with it: the proxy's head)."""
+    colocated = make_engine(tiny_dir)
+    colocated.add_request(greedy("c", PROMPT, max_tokens=4, stop=stop))
+    first_chunk = run(colocated)["c"][0]
+    engine = make_engine(tiny_dir)
+    engine.add_request(EngineRequest(request_id="p", prompt_token_ids=PROMPT,
+                                     sampling=SamplingParams(max_tokens=1, temperature=0.0, stop=stop),
+                                     kv_transfer=RemoteDecodeParams()))
+    out, = run(engine)["p"]
+    assert out.finished and out.new_token_ids == first_chunk.new_token_ids
+    assert out.new_text == first_chunk.new_text
+    assert all_free(engine)
+
+
 def test_metrics_collector_reads_the_snapshot(engine):
     registry = CollectorRegistry()
     EngineCollector(engine).register(registry)

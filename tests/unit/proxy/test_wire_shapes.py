@@ -42,6 +42,15 @@ TOY_PREFILL_PARAMS = {
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
          "max_completion_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},
     ),
+    (   # one token only: its chunk is also the last, so the decode node streams it
+        {"prompt": "a", "max_tokens": 1, "stream": True},
+        {"prompt": "a", "max_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},
+    ),
+    (
+        {"messages": [], "max_tokens": 5, "max_completion_tokens": 1, "stream": True},
+        {"messages": [], "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+         "kv_transfer_params": TOY_PREFILL_PARAMS},
+    ),
     (   # a client's own kv_transfer_params never reach the prefill node
         {"prompt": "a", "kv_transfer_params": {"do_remote_prefill": True}},
         {"prompt": "a", "max_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},

@@ -203,6 +203,11 @@ async def test_a_continued_stream_sends_no_head_of_its_own(client, path, body, e
      {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": []}),
     ("/v1/chat/completions", {"messages": USER},
      {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}),
+    # a stop string's possible start ("a" of "ab") was held back from the head; at max_tokens it is released here
+    ("/v1/completions", {"prompt": [1, 2], "stop": ["ab"]},
+     {"index": 0, "text": "a", "logprobs": None, "finish_reason": "length", "stop_reason": None}),
+    ("/v1/chat/completions", {"messages": USER, "stop": ["ab"]},
+     {"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": "length"}),
 ])
 async def test_a_continued_stream_whose_first_token_was_its_last_only_finishes(client, path, body, expected_choice):
     request = {**body, "max_tokens": 1, "stream": True,
