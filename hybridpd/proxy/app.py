@@ -3,6 +3,9 @@
 A request's path through the proxy:
   RECEIVED -> PREFILLING (one node; on failure, once more on another node if there is one)
            -> DECODING (one node; its bytes go to the client as they come) -> DONE
+  A streaming client gets the prefill call's own events (the first token: proxy/prefill_stream.py) as soon as
+  that call answers, then the decode node's, which continue the same stream; once those first events are out, a
+  decode failure (a 4xx included) becomes an error event in the stream.
   A 4xx from a node goes back to the client as it is; any other node failure becomes a 502
   (504 on a timeout), or an error event when the stream to the client had already started. A decode node that
   could not even be connected to (nothing reached it) is replaced once by another decode node.
