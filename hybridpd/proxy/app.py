@@ -190,7 +190,8 @@ class Proxy:
             upstream = choice.upstream
             try:
                 answer = await self.client.prefill(
-                    router, upstream, path, prefill_body(body), f"{request_id}-prefill", choice.work_tokens
+                    router, upstream, path, prefill_body(body, self.config.first_token_from_prefill),
+                    f"{request_id}-prefill", choice.work_tokens,
                 )
             except UpstreamError as exc:
                 failed.append(exc)

@@ -23,14 +23,14 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's body for one token, asking for remote decode; streamed when the client streams (its events
-    are the head of the client's stream: proxy/prefill_stream.py), else one JSON answer."""
+def prefill_body(body: dict[str, Any], first_token_from_prefill: bool = True) -> dict[str, Any]:
+    """The client's body for one token, asking for remote decode; streamed when the client streams and the head of
+    its stream comes from this call (proxy/prefill_stream.py), else one JSON answer."""
     out = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
-    out["stream"] = streams_head(body)
+    out["stream"] = first_token_from_prefill and streams_head(body)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return out
 

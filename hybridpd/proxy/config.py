@@ -102,6 +102,9 @@ class ProxyConfig:
     # No prefill node can take a request (none known, or the prefill hop failed after its retry): send it to a
     # decode node without kv_transfer_params, which prefills it locally (latency, not an error).
     fallback_colocated: bool = True
+    # A streaming client's first token from the prefill call's own stream, before the decode call opens
+    # (proxy/prefill_stream.py); off: the decode node streams it (every node of the pool must know `stream_head`).
+    first_token_from_prefill: bool = True
     # cache_aware: the weights of the cost rule (proxy/cache_aware.py)
     cost_rule: CostRule = field(default_factory=CostRule)
     tls: TLSConfig | None = None     # proxy -> node calls over HTTPS, with this certificate (hybridpd/tls.py)

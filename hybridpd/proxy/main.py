@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between DNS resolutions (and checks of --nodes-file)")
     parser.add_argument("--fallback-colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="when no prefill node can take a request, let a decode node prefill it itself")
+    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="stream a streaming client's first token from the prefill call, before the decode call "
+                             "opens (the decode node continues the stream); off: the decode node streams it, as "
+                             "behind vLLM's toy proxy")
     parser.add_argument("--dns-server", default=None, metavar="HOST:PORT",
                         help="ask this DNS server instead of the system's resolver")
     parser.add_argument(
@@ -115,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         dns_interval=args.dns_interval,
         dns_server=_dns_server(args.dns_server),
         fallback_colocated=args.fallback_colocated,
+        first_token_from_prefill=args.first_token_from_prefill,
         nodes_file=args.nodes_file,
         routing=RoutingPolicy(args.routing),
         cost_rule=CostRule(load_tokens_per_request=args.load_tokens_per_request,

@@ -56,3 +56,10 @@ def test_flags_build_the_config(tmp_path):
     assert config.decode_timeout == 7.0
     assert config.cluster_token == "tok-123"
     assert "tok-123" not in repr(config)
+
+
+@pytest.mark.parametrize("flags, expected", [([], True), (["--no-first-token-from-prefill"], False)])
+def test_first_token_from_prefill_is_on_unless_turned_off(flags, expected):
+    config = config_from_args(_parse(["--prefiller-host", "p", "--prefiller-port", "1", "--decoder-host", "d",
+                                      "--decoder-port", "2", *flags]))
+    assert config.first_token_from_prefill is expected

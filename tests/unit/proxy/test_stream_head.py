@@ -137,3 +137,11 @@ async def test_an_unreachable_decode_node_after_the_head_is_an_error_event(make_
         assert resp.status == 200
         head, error, done = events(await resp.read())
     assert json.loads(error)["error"]["code"] == 502 and done == b"[DONE]"
+
+
+async def test_turned_off_the_decode_node_streams_the_first_token(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.OK], first_token_from_prefill=False)
+    async with h.session.post(h.url + "/v1/completions", json=COMPLETION) as resp:
+        assert await resp.read() == b"".join(SSE_CHUNKS)
+    assert h.prefill[0].received[0].body["stream"] is False
+    assert h.decode[0].received[0].body["kv_transfer_params"] == remote_params(h.prefill_ports[0])
