@@ -115,7 +115,7 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
                     *(("--load-tokens-per-request", str(args.load_tokens_per_request))
                       if args.load_tokens_per_request is not None else ()),
                     *(("--queued-tokens-weight", str(args.queued_tokens_weight))
-                      if args.queued_tokens_weight is not None else ())),
+                      if args.queued_tokens_weight is not None else ()), *args.proxy_args.split()),
     )
     with LocalCluster(spec) as info:
         results = asyncio.run(run_workload(info.proxy_url, prompts, args.max_tokens, args.concurrency))
@@ -169,6 +169,7 @@ def main() -> int:
     parser.add_argument("--load-tokens-per-request", type=int, default=None, help="the proxy's (default: its own)")
     parser.add_argument("--queued-tokens-weight", type=float, default=None, help="the proxy's (default: its own)")
     parser.add_argument("--serve-args", default="", help="more `hybridpd serve` flags for every node, one string")
+    parser.add_argument("--proxy-args", default="", help="more `hybridpd proxy` flags, one string")
     args = parser.parse_args()
     if args.kv_cache_memory is None:
         per_prefix = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16) * 16
