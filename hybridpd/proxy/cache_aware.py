@@ -20,7 +20,8 @@ average it waits for about half of the work ahead of it, while its own miss toke
 1 a node holding the prefix but busy with one miss loses to an idle node that must compute the whole prompt again,
 and the copy it makes there evicts other prefixes: on `benchmarks/routing.py` (2 prefill + 2 decode nodes) the
 prefill nodes' hit rate was 0.55-0.62 at weight 1 and 0.69 at 0.5 (0.706 is every repeat hitting), and the mean
-TTFT against round robin's 0.77-0.88 and 0.73-0.75 (0.58-0.78, ~0.65 on average, since the first token comes from the prefill call).
+TTFT against round robin's 0.77-0.88 and 0.73-0.75 (0.58-0.78, ~0.65 on average, since the first token comes from
+the prefill call).
 
 The prompt is tokenized once per request: token-id prompts as they are; text and chat through a node's
 `POST /tokenize`, which renders and tokenizes exactly as the node will (same chat template, same special tokens).
