@@ -192,8 +192,8 @@ def main() -> int:
         "mean_ttft_ratio": round(mean("cache_aware", "mean_ttft_ms") / mean("round_robin", "mean_ttft_ms"), 3),
         "prediction_accuracy": round(mean("cache_aware", "prediction_accuracy"), 4),
         "workload": {k: getattr(args, k) for k in ("prefixes", "prefix_len", "suffix_len", "repeats", "max_tokens",
-                                                   "concurrency", "memory_share", "kv_cache_memory", "mamba_cache_budget",
-                                                   "rounds")},
+                                                   "concurrency", "memory_share", "kv_cache_memory",
+                                                   "mamba_cache_budget", "rounds", "proxy_args")},
         "round_robin": {k: round(mean("round_robin", k), 4) for k in FIGURES},
         "cache_aware": {k: round(mean("cache_aware", k), 4) for k in FIGURES + ("prediction_accuracy",)},
     }
