@@ -110,6 +110,11 @@ class LeaseTable:
         with self._lock:
             return len(self._held)
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether a lease is held for `request_id` (expired or not: the sweeper ends it)."""
+        with self._lock:
+            return request_id in self._held
+
     def _live(self, request_id: str) -> Lease:
         lease = self._held.get(request_id)
         if lease is not None and lease.expiry > self.clock():
