@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from hybridpd.connector.metrics import ConnectorMetrics
@@ -33,11 +36,17 @@ class RecordingEngine:
         self.calls += 1
 
 
-def make_role() -> tuple[PrefillRole, CountingTransport]:
+@contextlib.asynccontextmanager
+async def running_role() -> AsyncIterator[tuple[PrefillRole, CountingTransport]]:
+    """A started role (its progress and expiry loops running), stopped on the way out."""
     transport = CountingTransport()
     role = PrefillRole(RecordingEngine(), transport, engine_id="e", advertised_host="127.0.0.1",
                        side_channel_port=1, lease_seconds=60.0, metrics=ConnectorMetrics(CollectorRegistry()))
-    return role, transport
+    role.start()
+    try:
+        yield role, transport
+    finally:
+        await role.stop()
 
 
 async def polls_after(transport: CountingTransport, seconds: float) -> int:
@@ -54,9 +63,7 @@ async def wait_for_polls(transport: CountingTransport, count: int) -> None:
 
 
 async def test_polls_from_the_first_heartbeat_until_release():
-    role, transport = make_role()
-    role.start()
-    try:
+    async with running_role() as (role, transport):
         lease = role.leases.add("r", ((1,),), 16)
         assert await polls_after(transport, QUIET) == 0      # held, nobody reading yet
         role.heartbeat("r", lease.secret)
@@ -64,14 +71,10 @@ async def test_polls_from_the_first_heartbeat_until_release():
         assert role.release("r", aborted=False, secret=lease.secret)
         await asyncio.sleep(0.005)                           # the loop's current sleep ends
         assert await polls_after(transport, QUIET) == 0
-    finally:
-        await role.stop()
 
 
 async def test_a_lease_that_ends_otherwise_stops_the_polling():
-    role, transport = make_role()
-    role.start()
-    try:
+    async with running_role() as (role, transport):
         reading, waiting = role.leases.add("a", ((1,),), 16), role.leases.add("b", ((2,),), 16)
         role.heartbeat("a", reading.secret)
         await wait_for_polls(transport, 3)
@@ -79,21 +82,11 @@ async def test_a_lease_that_ends_otherwise_stops_the_polling():
         await asyncio.sleep(0.005)
         assert await polls_after(transport, QUIET) == 0
         assert waiting.request_id not in role.leases
-    finally:
-        await role.stop()
 
 
 async def test_a_refused_heartbeat_starts_no_polling():
-    role, transport = make_role()
-    role.start()
-    try:
+    async with running_role() as (role, transport):
         role.leases.add("r", ((1,),), 16)
-        try:
+        with pytest.raises(LookupError, match="wrong lease secret"):
             role.heartbeat("r", "not-the-secret")
-        except LookupError:
-            pass
-        else:
-            raise AssertionError("a heartbeat without the lease's secret was accepted")
         assert await polls_after(transport, QUIET) == 0
-    finally:
-        await role.stop()
