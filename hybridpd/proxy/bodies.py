@@ -41,9 +41,8 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
     when the client has the stream's head already, which stream the decode node continues."""
     out = {key: value for key, value in body.items() if key != "kv_transfer_params"}
     if kv_transfer_params:
-        out["kv_transfer_params"] = kv_transfer_params
-        if stream_head is not None:
-            out["kv_transfer_params"] = {**kv_transfer_params, STREAM_HEAD_FIELD: stream_head.to_json()}
+        head = {STREAM_HEAD_FIELD: stream_head.to_json()} if stream_head is not None else {}
+        out["kv_transfer_params"] = {**kv_transfer_params, **head}
     return out
 
 

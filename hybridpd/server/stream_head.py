@@ -4,8 +4,8 @@ In P/D the prefill node samples the first token. When the client streams, the pr
 stream too and passes its head (the chat role chunk and the first token's chunk) to the client at once, then opens
 the decode call with `kv_transfer_params.stream_head = {"id", "created"}`: the decode node continues that stream
 under the same response id and `created`, and sends no head of its own (a first output that is also the last sends
-one chunk with an empty text and its finish_reason). Without the field, the decode node streams the first token
-itself, as it does for vLLM's toy proxy.
+one chunk with its finish_reason and whatever text the head held back). Without the field, the decode node streams
+the first token itself, as it does for vLLM's toy proxy.
 """
 
 from __future__ import annotations
