@@ -41,8 +41,8 @@ class PrefillRole:
         self.leases = LeaseTable(lease_seconds, clock=time.time)
         self._sweeper: asyncio.Task | None = None
         self._progress: asyncio.Task | None = None
-        # Leases whose decoder has started reading (its heartbeat, sent beside the READ, arrived) and not released
-        # yet: only those need the transport progressed (see `_make_progress`).
+        # Requests whose decoder has started reading (its heartbeat, sent beside the READ, arrived); those whose
+        # lease has ended (released, expired) are dropped at the progress loop's next check (`_reads_in_flight`).
         self._reading: set[str] = set()
         # Set when a read starts: wakes the transport progress loop at once, instead of after an idle poll (which
         # cost a pull up to 50 ms before the READ could complete).
@@ -87,7 +87,6 @@ class PrefillRole:
         lease = self.leases.release(request_id, secret)
         if lease is None:
             return False
-        self._reading.discard(request_id)
         self._free(lease)
         self.metrics.lease_released()
         log.debug("lease %s released (%s)", request_id, "aborted" if aborted else "done")
@@ -132,7 +131,6 @@ class PrefillRole:
             await asyncio.sleep(period)
             for lease in self.leases.expire_due():
                 log.warning("lease on request %s expired before the decoder released it", lease.request_id)
-                self._reading.discard(lease.request_id)
                 self._free(lease)
                 self.metrics.lease_expired()
 

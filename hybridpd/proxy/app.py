@@ -215,14 +215,18 @@ class Proxy:
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
             out = web.StreamResponse(status=stream.status, headers=headers)
             await out.prepare(request)
-            try:
-                async for chunk in stream.chunks():
-                    await out.write(chunk)
-            except UpstreamError as exc:
-                logger.warning("request %s: %s (after the stream started)", request_id, exc)
-                await out.write(sse_error_event(exc))
+            await self._relay(out, stream, request_id)
             await out.write_eof()
             return out
+
+    async def _relay(self, out: web.StreamResponse, stream: DecodeStream, request_id: str) -> None:
+        """The decode node's bytes to the client as they come; a failure midway becomes an error event."""
+        try:
+            async for chunk in stream.chunks():
+                await out.write(chunk)
+        except UpstreamError as exc:
+            logger.warning("request %s: %s (after the stream started)", request_id, exc)
+            await out.write(sse_error_event(exc))
 
     async def _decode_after_head(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
                                  prompt: PromptHashes | None, head: bytes) -> web.StreamResponse:
@@ -236,8 +240,6 @@ class Proxy:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 stream = await self._open_decode(stack, path, body, request_id, prompt, first)
-                async for chunk in stream.chunks():
-                    await out.write(chunk)
             except UpstreamRejectedError as exc:
                 logger.warning("request %s: %s refused the decode call: HTTP %d", request_id, exc.upstream.name,
                                exc.status)
@@ -245,6 +247,8 @@ class Proxy:
             except (UpstreamError, NoUpstreamError) as exc:
                 logger.warning("request %s: %s (after the stream started)", request_id, exc)
                 await out.write(sse_error_event(exc))
+            else:
+                await self._relay(out, stream, request_id)
         await out.write_eof()
         return out
 
