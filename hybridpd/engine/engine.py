@@ -90,7 +90,8 @@ class LLMEngine:
         self.config = config
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.model_config, self.model = load_model(config.model_dir, dtype)
-        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir, self.model_config.vocab_size)
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir, self.model_config.vocab_size,
+                                                   skip_init=config.skip_tokenizer_init)
         self.generation_defaults = GenerationDefaults.from_model_dir(config.model_dir)
         self.eos_token_ids = stop_token_ids(self.model_config, self.generation_defaults, self.tokenizer)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings

@@ -1,4 +1,5 @@
-"""Tokenizers: the checkpoint's `tokenizer.json` (via `tokenizers`) when it has one, else a byte tokenizer.
+"""Tokenizers: the checkpoint's `tokenizer.json` (via `tokenizers`) when it has one, else a byte tokenizer; none at
+all with `--skip-tokenizer-init` (vLLM's flag: `TokenIdsOnly`).
 
 Byte tokenizer: ids 0..255 are the UTF-8 bytes; the checkpoint's `eos_token_id` (default 256) and
 `bos_token_id` (default 257) are special; any id >= 256 decodes to nothing. `encode` adds no special tokens.
@@ -23,6 +24,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 class Tokenizer(Protocol):
     eos_token_id: int | None
     vocab_size: int
+    decodes_text: bool  # False: outputs carry token ids and no text (TokenIdsOnly)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -87,6 +89,8 @@ class ChatTemplate:
 
 
 class ByteTokenizer:
+    decodes_text = True
+
     def __init__(self, vocab_size: int, eos_token_id: int | None = BYTE_VOCAB, bos_token_id: int | None = None) -> None:
         if vocab_size < BYTE_VOCAB:
             raise ValueError(f"a byte tokenizer needs vocab_size >= {BYTE_VOCAB}, got {vocab_size}")
@@ -106,6 +110,8 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """`tokenizers.Tokenizer` from tokenizer.json; `vocab_size` is the model's (ids the model can emit)."""
+
+    decodes_text = True
 
     def __init__(
         self, path: Path, vocab_size: int, eos_token_id: int | None, chat_template: ChatTemplate | None
@@ -132,6 +138,31 @@ class HFTokenizer:
         return self._chat.render(messages) if self._chat is not None else plain_chat_template(messages)
 
 
+SKIPPED = "this node runs with --skip-tokenizer-init"
+
+
+class TokenIdsOnly:
+    """No tokenizer (`--skip-tokenizer-init`, as vLLM's): prompts must be token ids, outputs carry token ids and
+    empty text. Text prompts, chat messages and stop strings need a tokenizer and are refused (HTTP 400); the end of
+    sequence comes from config.json and generation_config.json only."""
+
+    decodes_text = False
+    eos_token_id = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise InvalidRequestError(f"{SKIPPED}: send the prompt as token ids, not text", "prompt")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        raise InvalidRequestError(f"{SKIPPED}: chat messages need the tokenizer; use /v1/completions with token "
+                                  "ids", "messages")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -156,7 +187,9 @@ def _template_source(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_tokenizer(model_dir: Path, vocab_size: int) -> Tokenizer:
+def load_tokenizer(model_dir: Path, vocab_size: int, *, skip_init: bool = False) -> Tokenizer:
+    if skip_init:
+        return TokenIdsOnly(vocab_size)
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
     eos = config.get("eos_token_id")

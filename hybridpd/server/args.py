@@ -107,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--engine-cpus", default=None,
                        help="CPUs the engine thread runs on, a Linux CPU list (0, 0-3, 0,2); default: unpinned")
     sched.add_argument("--seed", type=int, default=0)
+    sched.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer (as vLLM's flag): prompts must be token ids, outputs carry token ids "
+                            "and empty text; text prompts, chat and stop strings are refused")
 
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--kv-host", default=None,
@@ -150,6 +153,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             threads=args.threads,
             cpus=parse_cpu_list(args.engine_cpus) if args.engine_cpus is not None else None,
             seed=args.seed,
+            skip_tokenizer_init=args.skip_tokenizer_init,
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,

@@ -21,7 +21,8 @@ def _finite(logprob: float) -> float:
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    """The token's text; without a tokenizer (`--skip-tokenizer-init`) vLLM's placeholder `token_id:<id>`."""
+    return tokenizer.decode([token_id]) if tokenizer.decodes_text else f"token_id:{token_id}"
 
 
 def completion_logprobs(

@@ -66,7 +66,8 @@ class Node:
             raise EngineStartError(started.message)
         info = started.info
         keep_off(cfg.engine.cpus)
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.engine.model_dir, info.vocab_size)
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.engine.model_dir, info.vocab_size,
+                                            skip_init=cfg.engine.skip_tokenizer_init)
         engine = RemoteEngine(process.link, info, cfg.server.served_model_name, tokenizer)
         engine.start()
 

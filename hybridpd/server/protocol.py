@@ -19,6 +19,7 @@ from typing import Any
 from hybridpd.engine.transfer_params import parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.tokenizer import SKIPPED, Tokenizer
 from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
@@ -140,12 +141,14 @@ def chat_prompt(messages: list[dict[str, str]], engine: EngineClient) -> tuple[i
     return ids
 
 
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
+def _stop(value: Any, tokenizer: Tokenizer) -> tuple[str, ...]:
+    if value is None or value == []:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+    if not tokenizer.decodes_text:
+        raise InvalidRequestError(f"{SKIPPED}: stop strings need the output text", "stop")
     return tuple(stops)
 
 
@@ -170,7 +173,7 @@ def _sampling(f: Fields, *, max_tokens: int, logprobs: int | None, engine: Engin
         top_p=f.float("top_p", 1.0 if defaults.top_p is None else defaults.top_p),
         top_k=min(top_k, vocab_size),  # a top_k past the vocabulary keeps every token, as vLLM does
         seed=f.optional_int("seed", minimum=_INT64_MIN, maximum=_INT64_MAX),
-        stop=_stop(f.raw("stop")),
+        stop=_stop(f.raw("stop"), engine.tokenizer),
         ignore_eos=f.bool("ignore_eos", False),
         logprobs=logprobs,
     )

@@ -14,6 +14,7 @@ class PieceTokenizer:
     """Each id decodes to a fixed multi-character piece (like a BPE vocabulary)."""
 
     eos_token_id = None
+    decodes_text = True
 
     def __init__(self, pieces: Sequence[str]) -> None:
         self.pieces = list(pieces)

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from hybridpd.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from hybridpd.engine.tokenizer import ByteTokenizer, HFTokenizer, TokenIdsOnly, load_tokenizer
 from hybridpd.errors import InvalidRequestError
 
 
@@ -53,6 +53,20 @@ def test_byte_tokenizer_from_checkpoint_dir(tmp_path):
     assert isinstance(tok, ByteTokenizer)
     assert (tok.eos_token_id, tok.vocab_size) == (256, 258)
     assert load_tokenizer(tmp_path / "missing", 300).eos_token_id == 256
+
+
+def test_skip_init_loads_no_tokenizer(tmp_path):
+    """--skip-tokenizer-init: the directory's tokenizer is not read; what needs text is refused as a bad request."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 256}))
+    tok = load_tokenizer(tmp_path, 300, skip_init=True)
+    assert isinstance(tok, TokenIdsOnly) and not tok.decodes_text
+    assert (tok.vocab_size, tok.eos_token_id, tok.decode([72, 105])) == (300, None, "")
+    with pytest.raises(InvalidRequestError) as text:
+        tok.encode("hi")
+    with pytest.raises(InvalidRequestError) as chat:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert (text.value.param, chat.value.param) == ("prompt", "messages")
+    assert load_tokenizer(tmp_path, 300).decodes_text
 
 
 def test_byte_tokenizer_rejects_small_vocab():

@@ -19,6 +19,7 @@ class ByteTokenizer:
 
     eos_token_id = EOS
     vocab_size = 260
+    decodes_text = True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))

@@ -33,6 +33,7 @@ def test_defaults():
     assert c.kv_transfer.load_failure_policy is KVLoadFailurePolicy.FAIL
     assert c.kv_transfer.decode_skip_mamba_align and c.kv_transfer.cluster_token is None
     assert (c.engine.cpus, c.engine.scheduler.max_prefill_tokens_while_decoding) == (None, 192)
+    assert not c.engine.skip_tokenizer_init
 
 
 @pytest.mark.parametrize("text, cpus", [("0", {0}), ("0-1", {0, 1}), ("1,0", {0, 1}), (" 0 ", {0})])
@@ -54,13 +55,13 @@ def test_every_flag(tmp_path):
                  "--mamba-cache-mode", "none", "--mamba-cache-interval", "64", "--dtype", "bfloat16",
                  "--threads", "2", "--seed", "7", "--kv-port", "9999", "--kv-lease-seconds", "5",
                  "--kv-load-failure-policy", "recompute", "--kv-load-timeout", "3", "--no-decode-skip-mamba-align",
-                 "--cluster-token", "s3cr3t-value", "--shutdown-grace", "1.5"])
+                 "--cluster-token", "s3cr3t-value", "--shutdown-grace", "1.5", "--skip-tokenizer-init"])
     e, k, s = c.engine, c.kv_transfer, c.server
     assert e.model_dir == tmp_path and (s.host, s.port, s.served_model_name, s.shutdown_grace) == ("0.0.0.0", 8200, "m", 1.5)
     assert (e.cache.block_size, e.cache.kv_cache_memory, e.cache.enable_prefix_caching) == (32, 512 * 2**20, False)
     assert (e.cache.mamba_cache_mode, e.cache.mamba_cache_interval) == (MambaCacheMode.NONE, 64)
     assert (e.scheduler.max_num_seqs, e.scheduler.max_num_batched_tokens, e.scheduler.max_model_len) == (4, 256, 1024)
-    assert (e.dtype, e.threads, e.seed) == ("bfloat16", 2, 7)
+    assert (e.dtype, e.threads, e.seed, e.skip_tokenizer_init) == ("bfloat16", 2, 7, True)
     assert (k.kv_host, k.kv_port, k.lease_seconds, k.load_timeout_seconds) == ("0.0.0.0", 9999, 5.0, 3.0)
     assert k.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE and not k.decode_skip_mamba_align
     assert k.cluster_token == "s3cr3t-value" == s.cluster_token and "s3cr3t" not in repr(c)
