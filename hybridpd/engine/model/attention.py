@@ -124,7 +124,7 @@ class Attention(nn.Module):
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)
             q_seq = q[rows_of_seq].transpose(0, 1)[None]  # [1, heads, n, head_dim]
             att = F.scaled_dot_product_attention(
-                q_seq, k_seq, v_seq, attn_mask=p.visible, scale=self.scale, enable_gqa=True
+                q_seq, k_seq, v_seq, attn_mask=p.bias, scale=self.scale, enable_gqa=True
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
         return linear(out, self.o_proj.weight, self.o_proj.bias)

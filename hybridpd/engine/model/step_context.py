@@ -34,13 +34,14 @@ class AttentionDecode:
 
 @dataclass(frozen=True)
 class AttentionPrefill:
-    """One sequence's rows [row_start, row_start + num_rows) reading whole blocks `blocks` [nb];
-    visible [n, nb * block_size] (bool)."""
+    """One sequence's rows [row_start, row_start + num_rows) reading whole blocks `blocks` [nb]; `bias`
+    [n, nb * block_size] is 0 where a key is visible and -inf where not (an additive mask in the cache's dtype, built
+    once per step: given a bool mask, every layer's attention call would convert it)."""
 
     row_start: int
     num_rows: int
     blocks: torch.Tensor
-    visible: torch.Tensor
+    bias: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def _attention_meta(
             rows_in_block = min(s.end, (logical + 1) * block_size) - max(s.num_computed, logical * block_size)
             write_blocks.extend([table[logical]] * rows_in_block)
         if s.num_computed > 0:
-            prefills.append(_attention_prefill(row_start, s, table, block_size, window))
+            prefills.append(_attention_prefill(row_start, s, table, block_size, window, dtype))
         elif fresh and fresh[-1][2] == s.num_new and fresh[-1][0] + fresh[-1][1] * s.num_new == row_start:
             fresh[-1][1] += 1
         else:
@@ -249,14 +250,14 @@ def _first_visible(position: int, window: int | None) -> int:
 
 
 def _attention_prefill(
-    row_start: int, s: SeqEntry, table: Sequence[int], block_size: int, window: int | None
+    row_start: int, s: SeqEntry, table: Sequence[int], block_size: int, window: int | None, dtype: torch.dtype
 ) -> AttentionPrefill:
     first_block = _first_visible(s.num_computed, window) // block_size
     last_block = (s.end - 1) // block_size
     keys = torch.arange(first_block * block_size, (last_block + 1) * block_size)
     seen = visible(torch.arange(s.num_computed, s.end), keys, window)
     blocks = int64_tensor(table[first_block : last_block + 1])
-    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, visible=seen)
+    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, bias=additive(seen, dtype))
 
 
 @dataclass(frozen=True)
