@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+
 STARTUP_TIMEOUT_S = 120.0
 
 
@@ -212,3 +214,21 @@ def assert_blocks_free(node: NodeProcess, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks not back in the pool on {node.url}: free {free}, total {total}")
         time.sleep(0.1)
+
+
+async def stream_completion(url: str, body: dict) -> list[dict]:
+    """The events of one streamed `/v1/completions` call (a 200 expected), `{"done": True}` for its `[DONE]`."""
+    events = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line:
+                    continue
+                assert line.startswith("data: ")
+                if line == "data: [DONE]":
+                    events.append({"done": True})
+                    break
+                events.append(json.loads(line[len("data: "):]))
+    return events

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from hybridpd.engine.model.presets import write_checkpoint
-from tests.e2e.nodes import assert_blocks_free, start_node
+from tests.e2e.nodes import assert_blocks_free, start_node, stream_completion
 
 
 @pytest.fixture(scope="module")
@@ -68,26 +68,9 @@ def test_completion_and_return_token_ids(node, hf_tokenizer):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the first request's blocks hit
 
 
-async def _stream(url: str, body: dict) -> list[dict]:
-    events = []
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line:
-                    continue
-                assert line.startswith("data: ")
-                if line == "data: [DONE]":
-                    events.append({"done": True})
-                    break
-                events.append(json.loads(line[len("data: "):]))
-    return events
-
-
 def test_streaming_matches_non_streaming(node):
     body = completion("streaming is", stream=True, stream_options={"include_usage": True}, max_tokens=10)
-    events = asyncio.run(_stream(node.url, body))
+    events = asyncio.run(stream_completion(node.url, body))
     assert events[-1] == {"done": True}
     usage = events[-2]["usage"]
     text = "".join(e["choices"][0]["text"] for e in events[:-2] if e.get("choices"))

@@ -5,14 +5,12 @@ with a 400 in OpenAI's shape, and every block not held by the prefix cache is fr
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 
-import aiohttp
 import pytest
 
 from hybridpd.engine.model.presets import write_checkpoint
-from tests.e2e.nodes import assert_blocks_free, start_node
+from tests.e2e.nodes import assert_blocks_free, start_node, stream_completion
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8, 120, 33, 2, 77, 15, 91, 18]
@@ -64,8 +62,8 @@ def test_token_ids_in_and_out(node, reference_ids):
 
 
 def test_stream_sends_a_chunk_per_token(node, reference_ids):
-    events = asyncio.run(_stream(node.url, completion(stream=True, return_token_ids=True)))
-    tokens = [e["choices"][0] for e in events if e["choices"] and e["choices"][0].get("token_ids")]
+    events = asyncio.run(stream_completion(node.url, completion(stream=True, return_token_ids=True)))
+    tokens = [e["choices"][0] for e in events if e.get("choices") and e["choices"][0].get("token_ids")]
     assert all(c["text"] == "" for c in tokens)
     assert [t for c in tokens for t in c["token_ids"]] == reference_ids
     assert len(tokens) == len(reference_ids)  # one chunk per token, none held back for text
@@ -92,15 +90,3 @@ def test_what_needs_the_tokenizer_is_refused(node, path, body, param):
     assert out["error"]["param"] == param and "--skip-tokenizer-init" in out["error"]["message"]
     assert node.get_json("/health")["status"] == "ok"
     assert_blocks_free(node)
-
-
-async def _stream(url: str, body: dict) -> list[dict]:
-    events = []
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line and line != "data: [DONE]":
-                    events.append(json.loads(line.removeprefix("data: ")))
-    return events
