@@ -138,7 +138,7 @@ class HFTokenizer:
         return self._chat.render(messages) if self._chat is not None else plain_chat_template(messages)
 
 
-SKIPPED = "this node runs with --skip-tokenizer-init"
+NO_TOKENIZER = "this node runs with --skip-tokenizer-init"
 
 
 class TokenIdsOnly:
@@ -153,13 +153,13 @@ class TokenIdsOnly:
         self.vocab_size = vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise InvalidRequestError(f"{SKIPPED}: send the prompt as token ids, not text", "prompt")
+        raise InvalidRequestError(f"{NO_TOKENIZER}: send the prompt as token ids, not text", "prompt")
 
     def decode(self, ids: Sequence[int]) -> str:
         return ""
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        raise InvalidRequestError(f"{SKIPPED}: chat messages need the tokenizer; use /v1/completions with token "
+        raise InvalidRequestError(f"{NO_TOKENIZER}: chat messages need the tokenizer; use /v1/completions with token "
                                   "ids", "messages")
 
 

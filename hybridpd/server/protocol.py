@@ -19,7 +19,7 @@ from typing import Any
 from hybridpd.engine.transfer_params import parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
-from hybridpd.engine.tokenizer import SKIPPED, Tokenizer
+from hybridpd.engine.tokenizer import NO_TOKENIZER, Tokenizer
 from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
@@ -148,7 +148,7 @@ def _stop(value: Any, tokenizer: Tokenizer) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
     if not tokenizer.decodes_text:
-        raise InvalidRequestError(f"{SKIPPED}: stop strings need the output text", "stop")
+        raise InvalidRequestError(f"{NO_TOKENIZER}: stop strings need the output text", "stop")
     return tuple(stops)
 
 
