@@ -69,8 +69,8 @@ def _missing_prerequisite() -> str | None:
 
 _MISSING = _missing_prerequisite()
 if _MISSING is not None:  # loud: a warning in the summary as well as the skip reason (-ra)
-    warnings.warn(f"the two-host test is NO_TOKENIZER on this machine: {_MISSING}", stacklevel=1)
-pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"NO_TOKENIZER (two hosts): {_MISSING}")
+    warnings.warn(f"the two-host test is SKIPPED on this machine: {_MISSING}", stacklevel=1)
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"SKIPPED (two hosts): {_MISSING}")
 
 
 def sh(*argv: str) -> str:
@@ -160,9 +160,9 @@ def hosts(tmp_path_factory) -> Iterator[tuple[NsNode, NsNode]]:
         for ns in (ns_p, ns_d):
             made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
             if made.returncode != 0:
-                warnings.warn(f"the two-host test is NO_TOKENIZER: `ip netns add` fails here: {made.stderr.strip()}",
+                warnings.warn(f"the two-host test is SKIPPED: `ip netns add` fails here: {made.stderr.strip()}",
                               stacklevel=1)
-                pytest.skip(f"NO_TOKENIZER (two hosts): `ip netns add` fails here: {made.stderr.strip()}")
+                pytest.skip(f"SKIPPED (two hosts): `ip netns add` fails here: {made.stderr.strip()}")
             created.append(ns)
         sh("ip", "link", "add", veth_p, "type", "veth", "peer", "name", veth_d)
         for ns, veth, addr in ((ns_p, veth_p, PREFILL_ADDR), (ns_d, veth_d, DECODE_ADDR)):

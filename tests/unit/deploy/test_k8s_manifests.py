@@ -25,9 +25,9 @@ TARGETS = ["base", "overlays/image-model", "overlays/pvc-model"]
 POD_IP = "10.1.2.3"
 
 if shutil.which("kubectl") is None:
-    warnings.warn("kubectl is not installed: the manifest tests of deploy/k8s are NO_TOKENIZER", stacklevel=1)
+    warnings.warn("kubectl is not installed: the manifest tests of deploy/k8s are SKIPPED", stacklevel=1)
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="NO_TOKENIZER LOUDLY: kubectl (with kustomize) is not installed on this machine")
+                                reason="SKIPPED LOUDLY: kubectl (with kustomize) is not installed on this machine")
 
 
 def render(target: str) -> list[dict]:
