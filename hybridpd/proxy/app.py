@@ -42,18 +42,18 @@ from hybridpd.proxy.responses import (
     invalid_request, no_upstream, sse_error_event, sse_rejected_event, upstream_failed, upstream_rejected,
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, refresh_all
-from hybridpd.proxy.health_watch import revive_once
+from hybridpd.proxy.health_watch import probe_all
+from hybridpd.proxy.outliers import OutlierDetector
 from hybridpd.proxy.kv_feed import KVFeeds
 from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
-from hybridpd.proxy.upstream import DecodeStream, PrefillAnswer, UpstreamClient
+from hybridpd.proxy.upstream import DecodeStream, PrefillAnswer, UpstreamClient, first_byte_trace
 
 logger = logging.getLogger(__name__)
 
 _MAX_PREFILL_ATTEMPTS = 2  # the first node, then one retry on another
-_HEALTH_WATCH_INTERVAL_S = 1.0  # how often nodes marked down are probed
 _FEEDS_INTERVAL_S = 1.0  # how often the KV event feeds follow the node list (and each checks its node)
 
 
@@ -64,8 +64,8 @@ class Proxy:
         self.config = config
         self.metrics = ProxyMetrics()
         self.routers = {
-            Role.PREFILL: Router(config.prefillers, config.routing, Role.PREFILL.value),
-            Role.DECODE: Router(config.decoders, config.routing, Role.DECODE.value),
+            role: Router(nodes, config.routing, role.value, OutlierDetector(config.outliers))
+            for role, nodes in ((Role.PREFILL, config.prefillers), (Role.DECODE, config.decoders))
         }
         resolver = DnsResolver(config.dns_server, timeout=config.connect_timeout)
         self.discoveries = tuple(DnsDiscovery(source, self.routers[source.role], resolver)
@@ -98,7 +98,7 @@ class Proxy:
         tls = self.config.tls
         # nodes do their own admission; don't queue here
         connector = aiohttp.TCPConnector(limit=0, ssl=tls.client_context() if tls is not None else True)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with aiohttp.ClientSession(connector=connector, trace_configs=[first_byte_trace()]) as session:
             self._client = UpstreamClient(session, self.config, self.metrics)
             if self.cache_aware:
                 self.feeds = KVFeeds(session, self.config.base_url, check_interval=_FEEDS_INTERVAL_S,
@@ -286,10 +286,13 @@ class Proxy:
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         current = self.routers[Role.PREFILL].upstreams + self.routers[Role.DECODE].upstreams
-        status, body = health_body(await check_all(self.client, current))
+        status, body = health_body(await check_all(self.client, current),
+                                   {u: self.routers[u.role].outliers.health(u) for u in current})
         return web.json_response(body, status=status)
 
     async def prometheus(self, request: web.Request) -> web.StreamResponse:
+        for router in self.routers.values():
+            self.metrics.set_node_states(router.upstreams, router.outliers)
         for feed in self.feeds.feeds() if self.feeds is not None else ():
             host, port = feed.address
             self.metrics.set_index(f"{host}:{port}", feed.index.num_hashes if feed.index else None, feed.batches)
@@ -316,9 +319,9 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(proxy.client_session)
     app.cleanup_ctx.append(periodic_context("node discovery", lambda: refresh_all(proxy.discoveries),
                                             config.dns_interval, FirstRun.BEFORE_SERVING))
-    app.cleanup_ctx.append(periodic_context("health watch", lambda: revive_once(tuple(proxy.routers.values()),
-                                                                                proxy.client),
-                                            _HEALTH_WATCH_INTERVAL_S, FirstRun.AFTER_INTERVAL))
+    app.cleanup_ctx.append(periodic_context("health probes", lambda: probe_all(tuple(proxy.routers.values()),
+                                                                               proxy.client),
+                                            config.probe_interval, FirstRun.AFTER_INTERVAL))
     app.cleanup_ctx.append(periodic_context("KV event feeds", proxy.follow_nodes, _FEEDS_INTERVAL_S, FirstRun.AT_START))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridpd.proxy.outliers import OutlierPolicy
 from hybridpd.tls import TLSConfig
 
 
@@ -90,7 +91,11 @@ class ProxyConfig:
     decoders: tuple[Upstream, ...]
     routing: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
     prefill_timeout: float = 120.0   # seconds for the whole prefill call
-    decode_timeout: float = 120.0    # seconds without a byte from the decode node (idle gap, not total)
+    prefill_first_byte_timeout: float = 5.0   # seconds for a prefill node's first byte (its 100 Continue)
+    decode_timeout: float = 120.0    # streamed decode calls: seconds without a byte (idle gap, not total)
+    decode_request_timeout: float = 1800.0   # non-streamed decode calls: seconds for the whole generation
+    probe_interval: float = 1.0      # seconds between active probes of every node
+    outliers: OutlierPolicy = field(default_factory=OutlierPolicy)
     connect_timeout: float = 5.0     # seconds to open a connection to any node
     health_timeout: float = 2.0      # seconds for one upstream's GET /health
     cluster_token: str | None = field(default=None, repr=False)
@@ -129,7 +134,8 @@ class ProxyConfig:
             raise ValueError("prefillers must all have Role.PREFILL")
         if any(u.role is not Role.DECODE for u in self.decoders):
             raise ValueError("decoders must all have Role.DECODE")
-        for name in ("prefill_timeout", "decode_timeout", "connect_timeout", "health_timeout"):
+        for name in ("prefill_timeout", "prefill_first_byte_timeout", "decode_timeout", "decode_request_timeout",
+                     "connect_timeout", "health_timeout", "probe_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.cluster_token is not None and not self.cluster_token:

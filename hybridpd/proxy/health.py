@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.proxy.config import Upstream
+from hybridpd.proxy.outliers import NodeHealth
 from hybridpd.proxy.upstream import UpstreamClient
 
 
@@ -47,11 +48,15 @@ async def check_all(client: UpstreamClient, upstreams: tuple[Upstream, ...]) -> 
     return tuple(await asyncio.gather(*(_check(client, upstream) for upstream in upstreams)))
 
 
-def health_body(report: tuple[UpstreamHealth, ...]) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body): 200 only when every upstream is healthy, else 503."""
+def health_body(report: tuple[UpstreamHealth, ...],
+                records: dict[Upstream, NodeHealth] | None = None) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body): 200 only when every upstream is healthy, else 503. Each upstream also shows its record
+    in the proxy's outlier detector (`routing`: healthy / ejected / probing, consecutive failures, last error)."""
     healthy = all(item.state is UpstreamState.HEALTHY for item in report)
+    records = records or {}
     body = {
         "status": "healthy" if healthy else "unhealthy",
-        "upstreams": [item.to_json() for item in report],
+        "upstreams": [{**item.to_json(), **({"routing": records[item.upstream].to_json()}
+                                            if item.upstream in records else {})} for item in report],
     }
     return (200 if healthy else 503), body

@@ -12,6 +12,7 @@ from aiohttp import web
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
+from hybridpd.proxy.outliers import OutlierPolicy
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache_aware: how much the miss tokens queued on a node weigh against the request's "
                              "own, in [0, 1] (0.5: a request waits for about half the work ahead of it)")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")
+    parser.add_argument("--prefill-first-byte-timeout", type=float, default=5.0,
+                        help="seconds for a prefill node's first byte (its HTTP front's 100 Continue); a node "
+                             "silent that long is retried once on another prefill node")
     parser.add_argument("--decode-timeout", type=float, default=120.0,
-                        help="seconds without a byte from the decode node before the call fails")
+                        help="streamed decode calls: seconds between two chunks before the call fails")
+    parser.add_argument("--decode-request-timeout", type=float, default=1800.0,
+                        help="non-streamed decode calls: seconds for the whole generation")
+    parser.add_argument("--probe-interval", type=float, default=1.0,
+                        help="seconds between active probes (GET /health) of every node")
+    parser.add_argument("--eject-after", type=int, default=3, metavar="N",
+                        help="consecutive failed calls (or probes) that eject a node from rotation")
+    parser.add_argument("--ejection-time", type=float, default=2.0,
+                        help="seconds of a first ejection; each further one doubles it, up to --max-ejection-time")
+    parser.add_argument("--max-ejection-time", type=float, default=30.0, help="the longest ejection, in seconds")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node")
     parser.add_argument("--health-timeout", type=float, default=2.0, help="seconds for one node's GET /health")
     add_token_arguments(parser, "sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry "
@@ -125,7 +138,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         cost_rule=CostRule(load_tokens_per_request=args.load_tokens_per_request,
                            queued_tokens_weight=args.queued_tokens_weight),
         prefill_timeout=args.prefill_timeout,
+        prefill_first_byte_timeout=args.prefill_first_byte_timeout,
         decode_timeout=args.decode_timeout,
+        decode_request_timeout=args.decode_request_timeout,
+        probe_interval=args.probe_interval,
+        outliers=OutlierPolicy(threshold=args.eject_after, base_ejection_s=args.ejection_time,
+                               max_ejection_s=args.max_ejection_time),
         connect_timeout=args.connect_timeout,
         health_timeout=args.health_timeout,
         cluster_token=read_token(args),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from hybridpd.proxy.config import Upstream
+from hybridpd.proxy.outliers import NodeState, OutlierDetector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -58,6 +59,24 @@ class ProxyMetrics:
             "hybridpd_proxy_kv_event_batches", "KV event batches applied from a node since the proxy started",
             ["upstream"], registry=self.registry,
         )
+
+        self.node_state = Gauge(
+            "hybridpd_proxy_node_state", "1 for a node's current routing state (healthy, ejected, probing), else 0",
+            ["role", "upstream", "state"], registry=self.registry,
+        )
+        self.ejections = Gauge(
+            "hybridpd_proxy_ejections", "Ejections of a role's nodes by the outlier detector since the proxy started",
+            ["role"], registry=self.registry,
+        )
+
+    def set_node_states(self, upstreams: tuple[Upstream, ...], outliers: OutlierDetector) -> None:
+        for upstream in upstreams:
+            now = outliers.state(upstream)
+            for state in NodeState:
+                self.node_state.labels(role=upstream.role.value, upstream=upstream.address,
+                                       state=state.value).set(1 if state is now else 0)
+        if upstreams:
+            self.ejections.labels(role=upstreams[0].role.value).set(outliers.num_ejections)
 
     def set_index(self, address: str, num_hashes: int | None, batches: int) -> None:
         self.kv_index_hashes.labels(upstream=address).set(-1 if num_hashes is None else num_hashes)

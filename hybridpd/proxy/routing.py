@@ -2,8 +2,8 @@
 
 The set of nodes can change while the proxy runs (DNS discovery, proxy/discovery.py): `replace` installs a new
 tuple; calls already in flight on a node that left finish where they are and are still counted until they end.
-A node that could not be reached is marked down (`mark_down`) and gets no new calls while another node of its role
-is up; the health watch (proxy/health_watch.py) marks it up again once its `/health` answers 200.
+Each router keeps an outlier detector (proxy/outliers.py) of its nodes: a node that is not HEALTHY (ejected after
+failed calls or probes, or still probing) gets no new calls while a healthy node of its role is left.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Collection, Iterator
 
 from hybridpd.proxy.config import RoutingPolicy, Upstream
+from hybridpd.proxy.outliers import OutlierDetector, OutlierPolicy
 
 
 class NoUpstreamError(LookupError):
@@ -30,13 +31,14 @@ class Router:
     Single-threaded by design: all calls happen on the proxy's event loop.
     """
 
-    def __init__(self, upstreams: tuple[Upstream, ...], policy: RoutingPolicy, role_name: str = "") -> None:
+    def __init__(self, upstreams: tuple[Upstream, ...], policy: RoutingPolicy, role_name: str = "",
+                 outliers: OutlierDetector | None = None) -> None:
         self._role_name = role_name or (upstreams[0].role.value if upstreams else "upstream")
         self._upstreams = upstreams
         self._policy = policy
         self._outstanding: dict[Upstream, int] = {}
         self._queued_tokens: dict[Upstream, int] = {}
-        self._down: set[Upstream] = set()
+        self.outliers = outliers if outliers is not None else OutlierDetector(OutlierPolicy())
         self._next = 0  # index where the round-robin order starts
 
     @property
@@ -48,16 +50,12 @@ class Router:
         if upstreams != self._upstreams:
             self._upstreams = upstreams
             self._next = self._next % len(upstreams) if upstreams else 0
+            self.outliers.retain(set(upstreams))
 
     @property
     def down(self) -> frozenset[Upstream]:
-        return frozenset(self._down & set(self._upstreams))
-
-    def mark_down(self, upstream: Upstream) -> None:
-        self._down.add(upstream)
-
-    def mark_up(self, upstream: Upstream) -> None:
-        self._down.discard(upstream)
+        """The nodes that take no calls now (ejected or probing)."""
+        return frozenset(u for u in self._upstreams if not self.outliers.available(u))
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -73,7 +71,7 @@ class Router:
         count = len(self._upstreams)
         order = [(self._next + k) % count for k in range(count)]
         candidates = [i for i in order if self._upstreams[i] not in exclude]
-        up = [i for i in candidates if self._upstreams[i] not in self._down]
+        up = [i for i in candidates if self.outliers.available(self._upstreams[i])]
         candidates = up or candidates  # every candidate down: try one anyway (it may be back)
         if not candidates:
             role = self._role_name

@@ -2,11 +2,19 @@
 
 Every failure leaves as a typed error: `UpstreamRejectedError` for a 4xx (passes through to the client),
 `UpstreamError` for everything else (a 5xx, no connection, a timeout, an unusable answer).
-Every call is counted as outstanding on its router while it runs, and timed in the metrics.
+Every call is counted as outstanding on its router while it runs, timed in the metrics, and its outcome goes to the
+router's outlier detector (proxy/outliers.py): a 4xx is the client's fault and counts as the node answering.
+
+Timeouts: a prefill call sends `Expect: 100-continue` and must see the node's first byte (the `100 Continue` its
+HTTP front sends as soon as it reads the call) within `prefill_first_byte_timeout`, so a node that accepts
+connections but never answers (a stopped process, a stuck event loop) costs seconds, not the whole prefill timeout,
+and the call is retried elsewhere (nothing was computed for it). A streamed decode call's read timeout is the gap
+between two chunks; a non-streamed one's covers the whole generation (`decode_request_timeout`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -16,10 +24,12 @@ from typing import Any
 
 import aiohttp
 
+from hybridpd.proxy.bodies import wants_stream
 from hybridpd.proxy.config import ProxyConfig, Upstream
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE, PrefillStreamError, read_prefill_stream
+from hybridpd.proxy.outliers import OutlierDetector
 from hybridpd.proxy.routing import Router
 from hybridpd.server.app import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
 from hybridpd.server.stream_head import StreamHead
@@ -36,6 +46,19 @@ def _failure(upstream: Upstream, exc: BaseException) -> UpstreamError:
     if isinstance(exc, TimeoutError):
         return UpstreamError(upstream, FailureKind.TIMEOUT, "no answer within the timeout")
     return UpstreamError(upstream, FailureKind.UNREACHABLE, f"{type(exc).__name__}: {exc}")
+
+
+def first_byte_trace() -> aiohttp.TraceConfig:
+    """The session's hook that tells a prefill call its node answered: with `Expect: 100-continue` the body goes out
+    only once the node's `100 Continue` (or its final answer) came, and the call's `trace_request_ctx` is an
+    asyncio.Event."""
+    async def body_sent(_session: aiohttp.ClientSession, context: Any, _params: Any) -> None:
+        if isinstance(context.trace_request_ctx, asyncio.Event):
+            context.trace_request_ctx.set()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(body_sent)
+    return trace
 
 
 def _cached_tokens(response: aiohttp.ClientResponse) -> int | None:
@@ -57,30 +80,50 @@ class DecodeStream:
     """An open 2xx answer of a decode node: its status and content type, and its bytes as they come."""
 
     def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse,
-                 work_done: Callable[[], None] = lambda: None) -> None:
+                 call: InFlightCall | None = None, outliers: OutlierDetector | None = None) -> None:
         self.upstream = upstream
+        self._outliers = outliers
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/json")
         self.cached_tokens = _cached_tokens(response)
         self._response = response
-        self._work_done = work_done   # the prompt's work is over once the first bytes (the first token) arrive
+        self._call = call   # the prompt's work is over once the first bytes (the first token) arrive
 
     async def chunks(self) -> AsyncIterator[bytes]:
         first = True
         try:
             async for chunk in self._response.content.iter_any():
                 if first:
-                    self._work_done()
+                    if self._call is not None:
+                        self._call.work_done()
                     first = False
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _failure(self.upstream, exc) from exc
+            raise self._broken(exc) from exc
 
     async def read_all(self) -> bytes:
         try:
             return await self._response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _failure(self.upstream, exc) from exc
+            raise self._broken(exc) from exc
+
+    def _broken(self, exc: BaseException) -> UpstreamError:
+        """A stream that breaks midway is the node's failure, as a failed call is."""
+        error = _failure(self.upstream, exc)
+        if self._call is not None:
+            self._call.broken = True
+        if self._outliers is not None:
+            self._outliers.call_failed(self.upstream, str(error))
+        return error
+
+
+@dataclass(kw_only=True)
+class InFlightCall:
+    """A call while it runs: what to call once the node has done its prompt's work (`Router.in_flight`), and whether
+    its stream broke after the call itself had opened (then it is no success for the outlier detector)."""
+
+    work_done: Callable[[], None]
+    broken: bool = False
 
 
 class UpstreamClient:
@@ -91,8 +134,11 @@ class UpstreamClient:
         self._prefill_timeout = aiohttp.ClientTimeout(
             total=config.prefill_timeout, sock_connect=config.connect_timeout
         )
-        self._decode_timeout = aiohttp.ClientTimeout(
+        self._stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout, sock_read=config.decode_timeout
+        )
+        self._whole_call_timeout = aiohttp.ClientTimeout(
+            total=config.decode_request_timeout, sock_connect=config.connect_timeout
         )
         self._health_timeout = aiohttp.ClientTimeout(
             total=config.health_timeout, sock_connect=min(config.connect_timeout, config.health_timeout)
@@ -107,23 +153,28 @@ class UpstreamClient:
 
     @contextlib.asynccontextmanager
     async def _call(self, router: Router, upstream: Upstream,
-                    work_tokens: int = 0) -> AsyncIterator[Callable[[], None]]:
-        """Counts, times and tracks one call; records its failure kind if it raises. Yields what to call once the
-        node has done the call's work (`Router.in_flight`)."""
+                    work_tokens: int = 0) -> AsyncIterator[InFlightCall]:
+        """Counts, times and tracks one call; records its failure kind if it raises, and its outcome in the router's
+        outlier detector. Yields the call in flight (`InFlightCall`)."""
         self._metrics.count_call(upstream)
         start = time.perf_counter()
         try:
             with router.in_flight(upstream, work_tokens) as work_done:
                 self._metrics.set_outstanding(upstream, router.outstanding(upstream))
-                yield work_done
+                call = InFlightCall(work_done=work_done)
+                yield call
         except UpstreamError as exc:
             self._metrics.count_error(upstream, exc.kind.value)
-            if exc.kind is FailureKind.UNREACHABLE:
-                router.mark_down(upstream)  # routed around until the health watch sees it answer again
+            router.outliers.call_failed(upstream, str(exc), conclusive=exc.kind is FailureKind.UNREACHABLE
+                                        and exc.nothing_sent)
             raise
         except UpstreamRejectedError:
             self._metrics.count_error(upstream, "rejected")
+            router.outliers.call_succeeded(upstream)
             raise
+        else:
+            if not call.broken:
+                router.outliers.call_succeeded(upstream)
         finally:
             self._metrics.observe_latency(upstream, time.perf_counter() - start)
             self._metrics.set_outstanding(upstream, router.outstanding(upstream))
@@ -146,17 +197,7 @@ class UpstreamClient:
         """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent) and, for a
         streamed call, the head of the client's stream."""
         async with self._call(router, upstream, work_tokens):
-            try:
-                async with self._session.post(
-                    self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
-                    timeout=self._prefill_timeout,
-                ) as response:
-                    await self._raise_for_status(upstream, response)
-                    raw = await response.read()
-                    cached = _cached_tokens(response)
-                    streamed = response.headers.get("Content-Type", "").startswith(SSE_CONTENT_TYPE)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise _failure(upstream, exc) from exc
+            raw, cached, streamed = await self._prefill_call(upstream, path, body, request_id)
             if streamed:
                 try:
                     stream = read_prefill_stream(raw)
@@ -174,6 +215,39 @@ class UpstreamClient:
                 raise UpstreamError(upstream, FailureKind.BAD_ANSWER, "kv_transfer_params is not an object")
             return PrefillAnswer(kv_transfer_params=params, cached_tokens=cached)
 
+    async def _prefill_call(self, upstream: Upstream, path: str, body: dict[str, Any],
+                            request_id: str) -> tuple[bytes, int | None, bool]:
+        """The answer's bytes, the node's reported hit and whether it streamed; the first byte within
+        `prefill_first_byte_timeout` (see the module docstring)."""
+        first_byte = asyncio.Event()
+
+        async def call() -> tuple[bytes, int | None, bool]:
+            async with self._session.post(
+                self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
+                timeout=self._prefill_timeout, expect100=True, trace_request_ctx=first_byte,
+            ) as response:
+                first_byte.set()
+                await self._raise_for_status(upstream, response)
+                raw = await response.read()
+                return raw, _cached_tokens(response), response.headers.get("Content-Type", "").startswith(
+                    SSE_CONTENT_TYPE)
+
+        task = asyncio.ensure_future(call())
+        waiter = asyncio.ensure_future(first_byte.wait())
+        try:
+            await asyncio.wait({task, waiter}, timeout=self._config.prefill_first_byte_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not first_byte.is_set() and not task.done():
+                raise UpstreamError(upstream, FailureKind.TIMEOUT,
+                                    f"no first byte within {self._config.prefill_first_byte_timeout:g} s",
+                                    nothing_sent=True)
+            return await task
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _failure(upstream, exc) from exc
+        finally:
+            waiter.cancel()
+            task.cancel()
+
     @contextlib.asynccontextmanager
     async def decode(
         self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str,
@@ -184,16 +258,16 @@ class UpstreamClient:
         Only opening the call is guarded here: an error raised by the block itself (the client went
         away while we wrote to it) is not the node's failure and passes through untouched.
         """
-        async with self._call(router, upstream, work_tokens) as work_done, contextlib.AsyncExitStack() as stack:
+        async with self._call(router, upstream, work_tokens) as call, contextlib.AsyncExitStack() as stack:
             try:
                 response = await stack.enter_async_context(self._session.post(
                     self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
-                    timeout=self._decode_timeout,
+                    timeout=self._stream_timeout if wants_stream(body) else self._whole_call_timeout,
                 ))
                 await self._raise_for_status(upstream, response)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _failure(upstream, exc) from exc
-            yield DecodeStream(upstream, response, work_done)
+            yield DecodeStream(upstream, response, call, router.outliers)
 
     async def get(self, router: Router, upstream: Upstream, path: str) -> tuple[int, bytes, str]:
         """A GET (models); a 4xx comes back as it is, a 5xx or no answer raises UpstreamError."""

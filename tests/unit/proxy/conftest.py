@@ -13,7 +13,7 @@ from aiohttp import web
 from hybridpd.proxy.app import PROXY_KEY, Proxy, build_app
 from hybridpd.proxy.config import ProxyConfig, Role, Upstream
 
-from .fake_node import Behavior, FakeNode, closed_port
+from .fake_node import Behavior, FakeNode, SilentNode, closed_port
 
 DOWN = None  # a node slot with nobody listening
 
@@ -44,7 +44,7 @@ async def make_harness() -> AsyncIterator[MakeHarness]:
         async def node(behavior: Behavior | None) -> FakeNode | None:
             if behavior is None:
                 return None
-            fake = FakeNode(behavior)
+            fake = SilentNode() if behavior is Behavior.SILENT else FakeNode(behavior)
             nodes.append(fake)
             await fake.start()
             return fake

@@ -21,6 +21,7 @@ class Behavior(enum.Enum):
     HANG_MID_STREAM = "hang_mid"   # decode: sends the first SSE chunk, then never another
     NO_PARAMS = "no_params"        # prefill: answers 200 without kv_transfer_params
     STREAM_ERROR = "stream_error"  # prefill, streamed: 200, then an error event instead of the token
+    SILENT = "silent"              # a stopped process: the kernel accepts connections, nothing ever answers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +81,24 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class SilentNode:
+    """A listening socket nobody accepts from: connections open (the kernel's backlog), no byte ever comes back, as
+    from a SIGSTOPped node."""
+
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self._sock = socket.socket()
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock.bind((host, port))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        self._sock.close()
 
 
 class FakeNode:

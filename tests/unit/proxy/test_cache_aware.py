@@ -13,7 +13,7 @@ from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, to
 from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
-from hybridpd.proxy.upstream import DecodeStream
+from hybridpd.proxy.upstream import DecodeStream, InFlightCall
 
 B = 4
 GROUPS = (GroupInfo(group_idx=0, kind="full_attention", block_size=B, sliding_window=None),
@@ -153,6 +153,6 @@ async def test_a_decode_streams_first_bytes_end_its_queued_work():
         status, headers, content = 200, {"Content-Type": "text/event-stream"}, Content()
 
     calls: list[str] = []
-    stream = DecodeStream(_node(1), Response(), lambda: calls.append("done"))
+    stream = DecodeStream(_node(1), Response(), InFlightCall(work_done=lambda: calls.append("done")))
     assert [c async for c in stream.chunks()] == [b"data: 1\n\n", b"data: 2\n\n"]
     assert calls == ["done"]

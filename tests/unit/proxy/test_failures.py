@@ -52,7 +52,8 @@ async def test_node_failure_is_a_gateway_error_naming_the_node(
     make_harness, prefill, decode, status, error_type, failed_role, failed_index
 ):
     """With the colocated fallback off (`--no-fallback-colocated`) a prefill failure is the client's error too."""
-    h = await make_harness(prefill, decode, prefill_timeout=0.5, decode_timeout=0.5, connect_timeout=1.0,
+    h = await make_harness(prefill, decode, prefill_timeout=0.5, decode_timeout=0.5, decode_request_timeout=0.5,
+                           connect_timeout=1.0,
                            fallback_colocated=False)
     async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
         assert resp.status == status
