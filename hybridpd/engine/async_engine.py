@@ -45,6 +45,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._admitting = True
+        # Progress, written by the engine thread and read by the node's watchdog (server/engine_process.py): steps
+        # taken, and whether work was held when the thread last looked (a thread stuck inside a step stays busy).
+        self.steps = 0
+        self._busy = False
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -66,9 +70,17 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
+    def health_detail(self) -> str:
+        return "ok" if self.healthy() else f"the engine thread is not running: {self._dead}"
+
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def busy(self) -> bool:
+        """Whether work waits for the engine thread: requests it holds, or calls not yet taken from its inbox."""
+        return self._busy or not self._inbox.empty()
 
     # -- the API the server uses --------------------------------------------------------------------------------
     def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
@@ -138,8 +150,10 @@ class AsyncEngine:
                     if isinstance(result, RequestOutput):
                         self._sink.deliver([result])
                     item = self._poll_inbox()
-                if self.engine.has_work():
+                self._busy = self.engine.has_work()
+                if self._busy:
                     outputs = self.engine.step()
+                    self.steps += 1
                     if outputs:
                         self._sink.deliver(outputs)
                 self.engine.refresh_stats()

@@ -148,7 +148,7 @@ class Handlers:
         if not self._admission.accepting:
             return web.json_response({"status": "draining"}, status=503)
         if not self._engine.healthy():
-            return web.json_response({"status": "unhealthy"}, status=503)
+            return web.json_response({"status": "unhealthy", "reason": self._engine.health_detail()}, status=503)
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:

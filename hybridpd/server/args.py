@@ -30,6 +30,7 @@ from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.engine.cpu_set import parse_cpu_list
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
+from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.server.config import ServerConfig
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
@@ -69,13 +70,19 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", type=Path, default=None,
-                        help="a Hugging Face GraniteMoeHybrid checkpoint directory (default: the built-in preset)")
+                        help="a Hugging Face checkpoint directory (GraniteMoeHybrid or NemotronH; default: the "
+                             "built-in preset)")
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8100)
     http.add_argument("--served-model-name", default=None, help="the model name in the API (default: the dir name)")
     http.add_argument("--shutdown-grace", type=float, default=10.0,
                       help="seconds to let running requests finish on SIGTERM before aborting them")
+    http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
+                      help="seconds without a heartbeat from the engine process before /health answers 503")
+    http.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                      help="seconds with work queued and no engine step finished before /health answers 503 "
+                           "(generous: one long prefill step counts as a stall too)")
 
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16)
@@ -178,6 +185,8 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             port=args.port,
             served_model_name=args.served_model_name or Path(model_dir).resolve().name,
             shutdown_grace=args.shutdown_grace,
+            watchdog=WatchdogBounds(silent_after=args.engine_heartbeat_timeout,
+                                    stall_after=args.engine_stall_timeout),
             cluster_token=cluster_token,
             trusted_peers=TrustedPeers.parse(args.kv_trusted_peers),
             tls=tls,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.tls import TLSConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -16,6 +17,7 @@ class ServerConfig:
     port: int = 8100
     served_model_name: str
     shutdown_grace: float = 10.0
+    watchdog: WatchdogBounds = field(default_factory=WatchdogBounds)   # the engine process's liveness bounds
     # When set, a request that carries `kv_transfer_params` must send it in CLUSTER_TOKEN_HEADER.
     cluster_token: str | None = field(default=None, repr=False)
     client_max_size: int = 64 * 1024 * 1024  # largest request body in bytes

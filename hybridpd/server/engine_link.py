@@ -5,7 +5,8 @@ the node's configs; the engine process answers `EngineStarted` (or `StartFailed`
 
   front -> engine: Submit, Abort, ResetPrefixCache, ScrapeMetrics, Drain
   engine -> front: Outputs (one per engine step: every output of the step), Rejected, Aborted, EngineFailed,
-                   MetricsText, Drained
+                   MetricsText, Drained, and a Heartbeat every second from a thread of its own (the front's
+                   watchdog: server/watchdog.py)
 
 Messages are pickled (`multiprocessing.connection.Connection`); both ends are this package at one version, in one
 pod. Errors that cross it are reduced to types both ends can rebuild (`portable_error`).
@@ -99,6 +100,14 @@ class EngineFailed:
 class MetricsText:
     nonce: int
     text: bytes
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The engine process is alive (sent by a thread beside the engine thread): the steps its engine has taken so
+    far, and whether work is waiting for it."""
+    steps: int
+    busy: bool
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from hybridpd.prefill_node.role import PrefillRole
 from hybridpd.prefill_node.side_channel import PrefillSideChannel
 from hybridpd.server.args import NodeConfigs
 from hybridpd.server.config import LOOPBACK
+from hybridpd.server.watchdog import BEAT_INTERVAL_S
 from hybridpd.server.engine_link import (
     Abort,
     Aborted,
@@ -55,6 +56,7 @@ from hybridpd.server.engine_link import (
     EngineFailed,
     EngineInfo,
     EngineStarted,
+    Heartbeat,
     LinkEnd,
     MetricsText,
     Outputs,
@@ -128,8 +130,11 @@ class EngineSide:
         self._loop = asyncio.get_running_loop()
         self._drain: asyncio.Future[float] = self._loop.create_future()
         threading.Thread(target=self._read, name="engine-link", daemon=True).start()
+        stopped = threading.Event()
+        threading.Thread(target=self._beat, args=(stopped,), name="engine-beat", daemon=True).start()
         grace = await self._drain
         released = await self._stop(grace)
+        stopped.set()
         try:
             self.link.send(Drained(released))
         except OSError:
@@ -191,6 +196,14 @@ class EngineSide:
         return released
 
     # -- the link -------------------------------------------------------------------------------------------------
+    def _beat(self, stopped: threading.Event) -> None:
+        """The front's watchdog hears from us every second while we live (server/watchdog.py)."""
+        while not stopped.wait(BEAT_INTERVAL_S):
+            try:
+                self.link.send(Heartbeat(self.engine.steps, self.engine.busy))
+            except OSError:
+                return
+
     def _read(self) -> None:
         """Requests go straight to the engine's inbox; everything else to the event loop."""
         try:
@@ -201,9 +214,16 @@ class EngineSide:
                 elif isinstance(message, Abort):
                     self.engine.abort(message.request_id)
                 else:
-                    self._loop.call_soon_threadsafe(self._control, message)
+                    self._post(message)
         except (EOFError, OSError):  # the front is gone: stop at once
-            self._loop.call_soon_threadsafe(self._control, Drain(0.0))
+            self._post(Drain(0.0))
+
+    def _post(self, message: object) -> None:
+        """To the event loop, unless it has already closed (the process is on its way out)."""
+        try:
+            self._loop.call_soon_threadsafe(self._control, message)
+        except RuntimeError:
+            pass
 
     def _control(self, message: object) -> None:
         if isinstance(message, ScrapeMetrics):

@@ -9,6 +9,8 @@ Stop order on SIGTERM/SIGINT: stop admitting HTTP requests (503); within one `--
 requests finish; then `Drain` the engine process with what is left of the grace (decoders pulling from us release
 their leases; the leases left are released, the requests left aborted, the side channel and transport closed);
 close HTTP; wait for the engine process; exit 0 (1 when the engine process had died or did not drain).
+An engine process that dies on its own (killed, its engine thread crashed) ends the node too, with exit code 1, so
+that a supervisor (`hybridpd up`, Kubernetes) restarts the whole node rather than leave a front that can only 503.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def keep_off(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, others)
 
 
+async def _first_of(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 class Node:
     def __init__(self, configs: NodeConfigs) -> None:
         self.configs = configs
@@ -68,7 +79,7 @@ class Node:
         keep_off(cfg.engine.cpus)
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.engine.model_dir, info.vocab_size,
                                             skip_init=cfg.engine.skip_tokenizer_init)
-        engine = RemoteEngine(process.link, info, cfg.server.served_model_name, tokenizer)
+        engine = RemoteEngine(process.link, info, cfg.server.served_model_name, tokenizer, cfg.server.watchdog)
         engine.start()
 
         events_routes = kv_events_routes(
@@ -92,7 +103,12 @@ class Node:
         print(f"hybridpd node ready: {scheme}://{cfg.server.host}:{cfg.server.port} side-channel "
               f"{cfg.kv_transfer.kv_host}:{info.side_channel_port} engine {info.engine_id}", flush=True)
 
-        await self.stopping.wait()
+        await _first_of(self.stopping, engine.dead)
+        if engine.dead.is_set():
+            log.error("the engine process died: the node exits so that its supervisor restarts it")
+            app[ADMISSION_KEY].close()
+            await runner.cleanup()
+            return 1
         grace = cfg.server.shutdown_grace
         log.info("shutting down (grace %.1f s)", grace)
         admission = app[ADMISSION_KEY]

@@ -4,7 +4,8 @@ engine link (`RemoteEngine`).
 Requests go out as `Submit`; the engine process validates them on its engine thread and answers `Rejected` (raised
 at the stream's first output, as `EngineClient.generate` promises) or the request's outputs, one `Outputs` message
 per engine step. A stream closed early sends `Abort`. If the engine process dies, every request in flight ends with
-an EngineDeadError output and `/health` answers 503.
+an EngineDeadError output, `/health` answers 503 and `dead` is set (the node then exits: server/node.py). The
+engine process's heartbeats feed a watchdog (server/watchdog.py): silent or stalled, `/health` answers 503 too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hybridpd.engine.request_streams import RequestStreams
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.errors import EngineDeadError
 from hybridpd.server.args import NodeConfigs
+from hybridpd.server.watchdog import EngineVerdict, Watchdog, WatchdogBounds
 from hybridpd.server.engine_link import (
     Abort,
     Aborted,
@@ -33,6 +35,7 @@ from hybridpd.server.engine_link import (
     EngineFailed,
     EngineInfo,
     EngineStarted,
+    Heartbeat,
     LinkEnd,
     MetricsText,
     Outputs,
@@ -103,7 +106,8 @@ class EngineProcess:
 class RemoteEngine:
     """An `EngineClient` whose engine runs in the node's engine process."""
 
-    def __init__(self, link: LinkEnd, info: EngineInfo, model_name: str, tokenizer: Tokenizer) -> None:
+    def __init__(self, link: LinkEnd, info: EngineInfo, model_name: str, tokenizer: Tokenizer,
+                 watchdog: WatchdogBounds = WatchdogBounds()) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = info.max_model_len
@@ -117,6 +121,8 @@ class RemoteEngine:
         self._drained: asyncio.Future[int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self.watchdog = Watchdog(watchdog)
+        self.dead = asyncio.Event()   # the engine process is gone (not by our own drain)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -125,7 +131,11 @@ class RemoteEngine:
         threading.Thread(target=self._read, name="engine-link", daemon=True).start()
 
     def healthy(self) -> bool:
-        return self._dead is None
+        return self.watchdog.verdict()[0] is EngineVerdict.ALIVE
+
+    def health_detail(self) -> str:
+        verdict, reason = self.watchdog.verdict()
+        return "ok" if verdict is EngineVerdict.ALIVE else f"engine {verdict.value}: {reason}"
 
     @property
     def num_active_requests(self) -> int:
@@ -179,6 +189,8 @@ class RemoteEngine:
                 message = self._link.recv()
                 if isinstance(message, Outputs):
                     self._streams.deliver(message.outputs)
+                elif isinstance(message, Heartbeat):
+                    self.watchdog.beat(message.steps, message.busy)
                 elif isinstance(message, Rejected):
                     self._streams.rejected(message.request_id, message.error)
                 elif isinstance(message, Aborted):
@@ -188,15 +200,19 @@ class RemoteEngine:
                 else:
                     self._loop.call_soon_threadsafe(self._answer, message)
         except (EOFError, OSError):
-            if not self._loop.is_closed():
+            try:
                 self._loop.call_soon_threadsafe(self._failed, "the engine process exited")
+            except RuntimeError:   # the front's loop has closed: it is on its way out anyway
+                pass
 
     # -- event loop side ----------------------------------------------------------------------------------------------
     def _failed(self, reason: str) -> None:
         if self._dead is None:
             self._dead = reason
+            self.watchdog.dead(reason)
             if not self._stopping:
                 log.error("engine failed: %s", reason)
+                self.dead.set()
         self._streams.died(EngineDeadError(reason))
         for answer in self._scrapes.values():
             if not answer.done():

@@ -1,8 +1,9 @@
 """A node is two processes: its HTTP front (the pid `hybridpd serve` started as) and its engine process. Whatever
 happens to one, nothing is left behind and no request waits forever:
 - SIGKILL of the front (the fault matrix's crash): the engine process dies with it, its side channel port is free;
-- SIGKILL of the engine process: a request in flight ends with an error, `/health` answers 503, and the front still
-  stops on SIGTERM (exit 1: its engine had died);
+- SIGKILL of the engine process: a request in flight ends with an error and the front exits 1 on its own, so that
+  a supervisor restarts the whole node;
+- SIGSTOP of the engine process: `/health` answers 503 once its heartbeats stop, 200 again after SIGCONT;
 - SIGTERM: both exit 0, the engine process after the front's drain;
 - a checkpoint the engine rejects: the CLI's error and exit 2; an HTTP port already taken: the CLI's error and
   exit 1, the engine process told to stop at once (no process left either way).
@@ -75,6 +76,14 @@ def health(node: NodeProcess) -> int:
         return exc.code
 
 
+def health_reason(node: NodeProcess) -> str:
+    try:
+        with urllib.request.urlopen(node.url + "/health", timeout=5) as resp:
+            return resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.read().decode()
+
+
 def test_the_engine_process_dies_with_its_front(model_dir, tmp_path):
     node = start_node(model_dir, tmp_path, SERVE_ARGS)
     try:
@@ -88,7 +97,7 @@ def test_the_engine_process_dies_with_its_front(model_dir, tmp_path):
         node.kill()
 
 
-def test_a_dead_engine_process_fails_requests_in_flight_and_the_node_reports_unhealthy(model_dir, tmp_path):
+def test_a_dead_engine_process_fails_requests_in_flight_and_the_front_exits_for_a_restart(model_dir, tmp_path):
     # A request long enough (thousands of decode steps) to be still running when the test kills the engine.
     node = start_node(model_dir, tmp_path, ["--num-blocks", "512", "--max-model-len", "4096"])
     try:
@@ -104,12 +113,25 @@ def test_a_dead_engine_process_fails_requests_in_flight_and_the_node_reports_unh
         assert not long_request.is_alive()
         status, body = answers[0]
         assert status == 500 and "engine" in body["error"]["message"], (status, body)
-        assert health(node) == 503
-        status, body = node.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2})
-        assert status == 500 and body["error"]["type"], body
-        node.proc.send_signal(signal.SIGTERM)
-        assert node.proc.wait(timeout=WAIT_S) == 1, node.log_tail()     # it stops, and says its engine had died
-        assert "the engine process did not drain" in node.log_path.read_text()
+        assert node.proc.wait(timeout=WAIT_S) == 1, node.log_tail()     # it exits by itself: its engine had died
+        assert "the engine process died" in node.log_path.read_text()
+    finally:
+        node.kill()
+
+
+def test_a_stopped_engine_process_makes_the_node_unhealthy_until_it_runs_again(model_dir, tmp_path):
+    node = start_node(model_dir, tmp_path, [*SERVE_ARGS, "--engine-heartbeat-timeout", "2"])
+    try:
+        engine = engine_pid(node)
+        assert health(node) == 200
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            wait_for(lambda: health(node) == 503, "/health to answer 503 once the heartbeats stop")
+            assert "no heartbeat" in health_reason(node)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        wait_for(lambda: health(node) == 200, "/health to answer 200 once the engine runs again")
+        assert node.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
     finally:
         node.kill()
 

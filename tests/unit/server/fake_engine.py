@@ -60,6 +60,9 @@ class FakeEngine:
     def healthy(self) -> bool:
         return self.is_healthy
 
+    def health_detail(self) -> str:
+        return "ok" if self.is_healthy else "engine dead: the test says so"
+
     def _validate(self, request: EngineRequest) -> None:
         ids = request.prompt_token_ids
         if not ids:
