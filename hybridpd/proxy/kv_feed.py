@@ -10,6 +10,9 @@ in sequence order:
   numbering) starts over; no answer (the node is down) drops its index until it answers, so a node that stops
   answering leaves the routing's knowledge at once.
 While a feed has no index the routing knows nothing of that node (a predicted hit of 0).
+A follow that fails (a batch the proxy cannot decode, a replay that does not answer, any error) starts over after a
+backoff that doubles up to `MAX_BACKOFF_S` and starts over once a follow has lasted that long; nothing a node
+answers ends the feed's task.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from hybridpd.proxy.kv_index import NodeIndex
 
 logger = logging.getLogger(__name__)
 
+MAX_BACKOFF_S = 30.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class EventsInfo:
@@ -43,7 +48,10 @@ class EventsInfo:
     groups: tuple[GroupInfo, ...]
 
     @classmethod
-    def from_json(cls, raw: dict) -> EventsInfo:
+    def from_json(cls, raw: object) -> EventsInfo:
+        """Raises ValueError (or KeyError, TypeError) for an answer that is not a node's events info."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("groups"), list):
+            raise ValueError("the /kv_events answer is not an object with a list of groups")
         return cls(
             endpoint=raw.get("endpoint"), replay_endpoint=raw.get("replay_endpoint"), topic=str(raw.get("topic", "")),
             instance_id=str(raw["instance_id"]),
@@ -71,21 +79,29 @@ class NodeFeed:
         self.restarts = 0       # times the feed started over
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self._check_interval
         while True:
             info = await self._info()
             if info is None or info.endpoint is None:
                 self.index = None
                 await asyncio.sleep(self._check_interval)
                 continue
+            started = loop.time()
             try:
                 await self._follow(info)
             except _StartOver as reason:
                 logger.info("KV events of %s:%d: %s; rebuilding its index", *self.address, reason)
-                self.restarts += 1
             except (zmq.ZMQError, msgspec.DecodeError, ValueError) as exc:
-                logger.warning("KV events of %s:%d: %s; rebuilding its index", *self.address, exc)
-                self.restarts += 1
+                logger.warning("KV events of %s:%d: %s; rebuilding its index in %.0f s", *self.address, exc, backoff)
+            except Exception:   # noqa: BLE001 - one bad answer must not end the feed for good
+                logger.exception("KV events of %s:%d failed; rebuilding its index in %.0f s", *self.address, backoff)
+            self.restarts += 1
             self.index = None
+            if loop.time() - started >= MAX_BACKOFF_S:
+                backoff = self._check_interval
+            await asyncio.sleep(backoff)
+            backoff = min(MAX_BACKOFF_S, backoff * 2)
 
     async def _info(self) -> EventsInfo | None:
         try:
@@ -93,7 +109,7 @@ class NodeFeed:
                 if response.status != 200:
                     return None
                 return EventsInfo.from_json(await response.json())
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     async def _follow(self, info: EventsInfo) -> None:
