@@ -15,7 +15,11 @@ whole READ: the heartbeat proves it was live until its answer and for `seconds_l
 the READ started, so a READ that ended within that time is done and its Release goes out in the background; a
 slower one (or a peer that does not say) waits for the Release's answer that the lease was still live. How the pull
 ends (its verdict, and a READ that could not be cancelled) is one state machine per pull, `PullEnd`, the only thing
-that tells the engine.
+that tells the engine. A READ that could not be cancelled is waited for at most `DRAIN_LIMIT_S`; then its peer is
+removed from the transport (which fails what it still has in flight) and the blocks go back unhashed.
+A lease that does not match the request (another prompt, other blocks) is not ours: the pull fails without releasing
+it, so the request that does hold it is not robbed of it. Side-channel clients and transport peers live in a bounded
+LRU with idle expiry (decode_node/peers.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.connector.side_channel_client import SideChannelClient
 from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import BlockRead, RegionLayout, TransferState, Transport
+from hybridpd.decode_node.peers import Address, Peer, PeerCache
 from hybridpd.decode_node.pull_end import PullEnd
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.kv_cache.coordinator import StepBlocks
@@ -46,6 +51,12 @@ _POLL_MAX_S = 2e-3
 _LEASE_MARGIN_S = 0.25     # of a lease's proven lifetime, not relied on
 _RELEASE_TIMEOUT_S = 2.0
 _MIN_RENEW_S = 0.1         # renew at most every 50 ms, whatever a peer says is left
+DRAIN_LIMIT_S = 30.0       # how long a READ we gave up on may take to stop before its peer is removed
+_SWEEP_S = 30.0            # how often idle peers are closed
+
+
+class LeaseMismatchError(KVTransferError):
+    """The lease the heartbeat renewed is not the one the request claims: it belongs to another request."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,11 +98,11 @@ class DecodeRole:
         self.config = config
         self.metrics = metrics
         self._loop = asyncio.get_running_loop()
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
-        self._peers: dict[tuple[str, int], str] = {}   # side channel address -> transport name of its engine
         self._tasks: set[asyncio.Task] = set()
         self._engine_calls = _EngineCalls(engine)
         self._credentials = config.tls.grpc_channel_credentials() if config.tls is not None else None
+        self.peers = PeerCache(self._new_client, transport)
+        self._sweeper = self._loop.create_task(self._sweep())
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
@@ -103,8 +114,7 @@ class DecodeRole:
     def discard(self, seq: Sequence) -> None:
         assert seq.remote_prefill is not None
         params = seq.remote_prefill
-        self._loop.call_soon_threadsafe(lambda: self._release_in_background(self._client(params), params,
-                                                                            aborted=True))
+        self._loop.call_soon_threadsafe(lambda: self._release_in_background(params, aborted=True))
 
     # -- event loop ---------------------------------------------------------------------------------------------
     def _spawn(self, job: PullJob) -> None:
@@ -113,59 +123,64 @@ class DecodeRole:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
+        self._sweeper.cancel()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client in self._clients.values():
-            await client.close()
+        await asyncio.gather(self._sweeper, *self._tasks, return_exceptions=True)
+        await self.peers.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            await self.peers.evict()
+
+    def _new_client(self, address: Address) -> SideChannelClient:
+        host, port = address
+        return SideChannelClient(host, port, cluster_token=self.config.cluster_token,
+                                 timeout_s=min(10.0, self.config.load_timeout_seconds), credentials=self._credentials)
 
     async def _run(self, job: PullJob) -> None:
-        peer = job.params.peer
-        self.metrics.record_decode_hit(peer, job.hit_tokens)
+        params = job.params
+        async with self.peers.use((params.remote_host, params.remote_port)) as peer:
+            await self._run_with(job, peer)
+
+    async def _run_with(self, job: PullJob, peer: Peer) -> None:
+        name = job.params.peer
+        self.metrics.record_decode_hit(name, job.hit_tokens)
         end = PullEnd(job.request_id, self._engine_calls,
                       recompute=self.config.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE)
         try:
-            await asyncio.wait_for(self._pull(job, end), self.config.load_timeout_seconds)
+            await asyncio.wait_for(self._pull(job, end, peer), self.config.load_timeout_seconds)
         except asyncio.TimeoutError:
             timeout = self.config.load_timeout_seconds
-            await self._failed(job, end, KVTransferError(peer, f"timed out after {timeout:g} s"))
+            await self._failed(job, end, peer, KVTransferError(name, f"timed out after {timeout:g} s"))
         except KVTransferError as exc:
-            await self._failed(job, end, exc)
+            await self._failed(job, end, peer, exc)
         except Exception as exc:  # a bug or an unexpected transport error: still the request's failure, not a hang
-            log.exception("pull of %s from %s failed", job.request_id, peer)
-            await self._failed(job, end, KVTransferError(peer, f"{type(exc).__name__}: {exc}"))
+            log.exception("pull of %s from %s failed", job.request_id, name)
+            await self._failed(job, end, peer, KVTransferError(name, f"{type(exc).__name__}: {exc}"))
         else:
             end.succeed()
 
-    async def _failed(self, job: PullJob, end: PullEnd, error: KVTransferError) -> None:
+    async def _failed(self, job: PullJob, end: PullEnd, peer: Peer, error: KVTransferError) -> None:
+        """The pull failed: release the lease (unless it is another request's), then tell the engine."""
         self.metrics.record_failed_load(job.params.peer)
         log.warning("request %s: %s", job.request_id, error)
-        client = self._clients.get((job.params.remote_host, job.params.remote_port))
-        if client is not None:
+        if not isinstance(error, LeaseMismatchError):
             try:
                 secret = job.params.remote_lease_secret or ""
-                await asyncio.wait_for(client.release(job.params.remote_request_id, aborted=True, secret=secret),
-                                       _RELEASE_TIMEOUT_S)
+                await asyncio.wait_for(peer.client.release(job.params.remote_request_id, aborted=True,
+                                                           secret=secret), _RELEASE_TIMEOUT_S)
             except Exception:  # the peer may be gone; its lease then expires by itself
                 pass
         end.fail(error)
 
-    def _client(self, params: RemotePrefillParams) -> SideChannelClient:
-        key = (params.remote_host, params.remote_port)
-        if key not in self._clients:
-            self._clients[key] = SideChannelClient(params.remote_host, params.remote_port,
-                                                   cluster_token=self.config.cluster_token,
-                                                   timeout_s=min(10.0, self.config.load_timeout_seconds),
-                                                   credentials=self._credentials)
-        return self._clients[key]
-
-    async def _peer(self, params: RemotePrefillParams) -> str:
+    async def _peer(self, params: RemotePrefillParams, peer: Peer) -> str:
         """The transport name of the engine behind `params`' side channel, connecting to it on first use."""
-        key = (params.remote_host, params.remote_port)
-        name = self._peers.get(key)
+        name = peer.transport_name
         if name is not None and name == params.remote_engine_id:
             return name
-        meta = await self._client(params).get_metadata(self.engine_id)
+        meta = await peer.client.get_metadata(self.engine_id)
         if meta.compat_hash != self.compat_hash:
             raise KVTransferError(params.peer, "incompatible nodes: " + describe_mismatch(
                 self.compat_fields, dict(meta.compat_fields)))
@@ -175,7 +190,7 @@ class DecodeRole:
         layouts = [RegionLayout(base_addr=g.base_addr, page_size_bytes=g.page_size_bytes, num_blocks=g.num_blocks)
                    for g in meta.groups]
         self.transport.add_peer(meta.transport_name, meta.transport_metadata, layouts)
-        self._peers[key] = meta.transport_name
+        peer.transport_name = meta.transport_name
         return meta.transport_name
 
     def _reads(self, job: PullJob) -> list[BlockRead]:
@@ -189,10 +204,10 @@ class DecodeRole:
                 reads.append(BlockRead(group_id=g, remote_block=leased[g][logical - start], local_block=local))
         return reads
 
-    async def _pull(self, job: PullJob, end: PullEnd) -> None:
+    async def _pull(self, job: PullJob, end: PullEnd, peer: Peer) -> None:
         params = job.params
-        peer_name = await self._peer(params)
-        client = self._client(params)
+        peer_name = await self._peer(params, peer)
+        client = peer.client
         secret = params.remote_lease_secret or ""
         reads = self._reads(job)
         page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
@@ -207,10 +222,10 @@ class DecodeRole:
             live_until = await self._wait_read(handle, client, params, started + lease.seconds_left)
         finally:
             if not self.transport.release(handle):
-                self._keep_blocks_until_stopped(end, handle)
+                self._keep_blocks_until_stopped(end, handle, peer_name)
         seconds = time.perf_counter() - started
         if started + seconds < live_until - _LEASE_MARGIN_S:
-            self._release_in_background(client, params, aborted=False)
+            self._release_in_background(params, aborted=False)
         elif not await client.release(params.remote_request_id, aborted=False, secret=secret):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
         self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
@@ -221,22 +236,24 @@ class DecodeRole:
         blocks (the READ already under way reads those blocks; on any difference its bytes are dropped)."""
         params = job.params
         if lease.num_tokens != params.remote_num_tokens:
-            raise KVTransferError(params.peer, f"the lease covers {lease.num_tokens} tokens, the request claims "
-                                               f"{params.remote_num_tokens}")
+            raise LeaseMismatchError(params.peer, f"the lease covers {lease.num_tokens} tokens, the request claims "
+                                                  f"{params.remote_num_tokens}")
         if lease.prompt_digest != job.prompt_digest:
-            raise KVTransferError(params.peer, f"request {params.remote_request_id} was prefilled for another prompt")
+            raise LeaseMismatchError(params.peer,
+                                     f"request {params.remote_request_id} was prefilled for another prompt")
         if lease.block_ids != params.remote_block_ids:
-            raise KVTransferError(params.peer, "remote_block_ids do not match the blocks leased for request "
-                                               f"{params.remote_request_id}")
+            raise LeaseMismatchError(params.peer, "remote_block_ids do not match the blocks leased for request "
+                                                  f"{params.remote_request_id}")
 
-    def _release_in_background(self, client: SideChannelClient, params: RemotePrefillParams, *,
-                               aborted: bool) -> None:
+    def _release_in_background(self, params: RemotePrefillParams, *, aborted: bool) -> None:
         """Nothing depends on the answer (the READ ended while the lease was surely live, or nothing is read): the
         Release only frees the peer's blocks early (if it is lost, the lease expires by itself)."""
         async def release() -> None:
             try:
-                await asyncio.wait_for(client.release(params.remote_request_id, aborted=aborted,
-                                                      secret=params.remote_lease_secret or ""), _RELEASE_TIMEOUT_S)
+                async with self.peers.use((params.remote_host, params.remote_port)) as peer:
+                    await asyncio.wait_for(peer.client.release(params.remote_request_id, aborted=aborted,
+                                                               secret=params.remote_lease_secret or ""),
+                                           _RELEASE_TIMEOUT_S)
             except Exception as exc:
                 log.debug("release of %s on %s: %s (the lease expires by itself)", params.remote_request_id,
                           params.peer, exc)
@@ -245,13 +262,22 @@ class DecodeRole:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _keep_blocks_until_stopped(self, end: PullEnd, handle: int) -> None:
+    def _keep_blocks_until_stopped(self, end: PullEnd, handle: int, peer_name: str) -> None:
         """A READ we gave up on (timeout, cancel) could not be cancelled: it may still write into the request's
-        blocks, so the pull's end waits until it has stopped (PullEnd keeps the blocks until then)."""
+        blocks, so the pull's end waits until it has stopped (PullEnd keeps the blocks until then, and they are never
+        hashed into the prefix cache). After DRAIN_LIMIT_S the peer is removed from the transport, which ends
+        whatever it still has in flight."""
         end.read_outstanding()
 
         async def drain() -> None:
+            deadline = self._loop.time() + DRAIN_LIMIT_S
             while self.transport.poll(handle) not in (TransferState.DONE, TransferState.FAILED):
+                if self._loop.time() >= deadline:
+                    log.error("a READ from %s did not stop within %g s: removing the peer from the transport",
+                              peer_name, DRAIN_LIMIT_S)
+                    self.peers.forget_transport(peer_name)
+                    self.transport.remove_peer(peer_name)
+                    break
                 await asyncio.sleep(_POLL_MAX_S)
             self.transport.release(handle)
             end.read_stopped()

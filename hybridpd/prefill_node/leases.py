@@ -9,6 +9,10 @@ Only the holder may renew or release a lease: `add` draws a per-lease secret, wh
 its `kv_transfer_params` answer (`remote_lease_secret`) and which every Heartbeat and Release must present. A request
 that carries another request's `remote_request_id` without its secret (tampered or replayed params) can neither
 keep nor end that lease.
+
+Expiry runs on a monotonic clock (`time.monotonic` in a node): a wall-clock step must never end a lease early, or
+its blocks could be reused while a READ runs. What crosses the wire (`remote_lease_expiry`, a heartbeat's answer)
+is converted to unix time by `unix_time`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import enum
 import hmac
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -52,6 +57,10 @@ class LeaseTable:
         self._held: dict[str, Lease] = {}
         self._done: OrderedDict[str, LeaseState] = OrderedDict()
         self.num_expired = 0
+
+    def unix_time(self, expiry: float) -> float:
+        """A lease's `expiry` (on this table's clock) as unix time, for the wire."""
+        return time.time() + (expiry - self.clock())
 
     def add(self, request_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int,
             prompt_digest: bytes = b"") -> Lease:

@@ -38,7 +38,7 @@ class PrefillRole:
         self.engine_id = engine_id
         self.advertised_host = advertised_host
         self.side_channel_port = side_channel_port
-        self.leases = LeaseTable(lease_seconds, clock=time.time)
+        self.leases = LeaseTable(lease_seconds, clock=time.monotonic)
         self._sweeper: asyncio.Task | None = None
         self._progress: asyncio.Task | None = None
         # Requests whose decoder has started reading (its heartbeat, sent beside the READ, arrived); those whose
@@ -67,7 +67,7 @@ class PrefillRole:
             remote_host=self.advertised_host,
             remote_port=self.side_channel_port,
             remote_num_tokens=num_tokens,
-            remote_lease_expiry=lease.expiry,
+            remote_lease_expiry=self.leases.unix_time(lease.expiry),
             remote_lease_secret=lease.secret,
             first_token_id=seq.output_token_ids[0],
             first_token_logprob=first_token_logprob,

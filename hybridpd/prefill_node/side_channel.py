@@ -18,7 +18,7 @@ class PrefillSideChannel:
     def heartbeat(self, request_id: str, secret: str) -> LeaseView:
         """Renews the lease; raises LookupError saying why not (expired, released, never held, not the holder)."""
         lease = self._role.heartbeat(request_id, secret)
-        return LeaseView(expiry=lease.expiry, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
+        return LeaseView(expiry=self._role.leases.unix_time(lease.expiry), block_ids=lease.block_ids, num_tokens=lease.num_tokens,
                          prompt_digest=lease.prompt_digest, seconds_left=lease.expiry - self._role.leases.clock())
 
     def release(self, request_id: str, aborted: bool, secret: str) -> bool:

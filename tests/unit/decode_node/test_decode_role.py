@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from hybridpd.connector.fake_transport import FakeFabric, FakeTransport
 from hybridpd.connector.lease_view import LeaseView, prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.decode_node.loader import DecodeRole, PullJob
+from hybridpd.decode_node.peers import PeerCache
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import KVTransferError
@@ -88,7 +90,15 @@ class FakeClient:
         return self.live
 
     async def close(self):
-        pass
+        self.closed = True
+
+    async def get_metadata(self, requester_engine_id):
+        """The prefill node "P" of the fake fabric, as its side channel describes it."""
+        layouts = self.prefill.local_layouts()
+        groups = [SimpleNamespace(base_addr=g.base_addr, page_size_bytes=g.page_size_bytes, num_blocks=g.num_blocks)
+                  for g in layouts]
+        return SimpleNamespace(compat_hash="h", compat_fields={}, engine_id="P", groups=groups, transport_name="P",
+                               transport_metadata=self.prefill.local_metadata())
 
 
 def _transport(name: str, fabric: FakeFabric) -> FakeTransport:
@@ -106,8 +116,8 @@ async def _role(policy=KVLoadFailurePolicy.FAIL, timeout=0.2):
                       config=KVTransferConfig(load_timeout_seconds=timeout, load_failure_policy=policy),
                       metrics=ConnectorMetrics(CollectorRegistry()))
     client = FakeClient()
-    role._clients[("127.0.0.1", 1)] = client
-    role._peers[("127.0.0.1", 1)] = "P"
+    client.prefill = prefill
+    role.peers = PeerCache(lambda address: client, decode)
     params = RemotePrefillParams(remote_engine_id="P", remote_request_id="p-1", remote_block_ids=((1, 2, 3),),
                                  remote_host="127.0.0.1", remote_port=1, remote_num_tokens=NUM_TOKENS,
                                  first_token_id=3)
@@ -204,12 +214,14 @@ async def test_without_a_proven_lease_the_release_decides(seconds_left, live):
     {"prompt_digest": prompt_digest(PROMPT[1:NUM_TOKENS + 1])},
     {"block_ids": ((1, 2, 4),)},
 ])
-async def test_a_lease_that_contradicts_the_params_drops_the_read(contradiction):
+async def test_a_lease_that_contradicts_the_params_drops_the_read_and_leaves_the_lease_to_its_holder(contradiction):
+    """The lease is another request's (tampered or replayed params): releasing it would fail the request that does
+    hold it ("lease lost ... already released"). It is left alone: its holder releases it, or it expires."""
     role, fabric, core, client, job = await _role()
     client.lease = dataclasses.replace(client.lease, seconds_left=60.0, **contradiction)
     await role._run(job)
     await _settle(role)
-    assert core.calls == ["fail_load"] and client.releases == [True]
+    assert core.calls == ["fail_load"] and client.releases == []
 
 
 @pytest.mark.parametrize("cancellable", [True, False])
@@ -238,3 +250,19 @@ async def test_a_request_that_ends_before_its_pull_releases_the_lease_and_reads_
     await asyncio.sleep(0)          # the release is posted to the loop from the engine thread
     await _settle(role)
     assert client.releases == [True] and core.calls == [] and not role.transport.num_running()
+
+
+async def test_a_read_that_never_stops_is_waited_for_boundedly_then_its_peer_is_removed(monkeypatch):
+    """An uncancellable READ that never ends: after DRAIN_LIMIT_S the peer is removed from the transport (which fails
+    what it has in flight), the blocks go back once, and the next pull from that address connects again."""
+    monkeypatch.setattr("hybridpd.decode_node.loader.DRAIN_LIMIT_S", 0.2)
+    role, fabric, core, client, job = await _role()
+    fabric.set_stalled("P")
+    fabric.set_uncancellable("P")
+    await role._run(job)
+    await _settle(role)
+    assert core.calls == ["fail", "release_load"], core.calls
+    assert not role.transport.num_running()
+    fabric.set_stalled("P", False)
+    await role._run(dataclasses.replace(job, request_id="r2"))
+    assert core.calls[-1] == "complete_load"
