@@ -183,6 +183,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"kv_transfer_params.first_token_id {params.first_token_id} is outside the vocabulary "
                 f"(0..{vocab - 1})", field)
+        top = params.first_token_logprob.top if params.first_token_logprob is not None else ()
+        bad = next((t for t, _ in top if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"kv_transfer_params.first_token_logprob.top holds token id {bad}, outside the vocabulary "
+                f"(0..{vocab - 1})", field)
         if len(params.remote_block_ids) != len(self.groups):
             raise InvalidRequestError(
                 f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} groups, this model has "

@@ -69,14 +69,19 @@ def choose(router: Router, role: Role, prompt: PromptHashes, index_of: Callable[
     return Choice(upstream=upstream, predicted_hit=hit, work_tokens=prompt.num_tokens - (hit or 0))
 
 
+_MAX_TOKEN_ID = 2 ** 63 - 1   # what the nodes' block hashes encode; a larger id is the node's 400, not our prediction
+
+
 def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
-    """A completions prompt given as token ids (or one list of them); None when it must be tokenized."""
+    """A completions prompt given as token ids (or one list of them); None when it must be tokenized, or when an id
+    is out of any vocabulary's range (the node refuses the request; nothing is predicted)."""
     if path != "/v1/completions":
         return None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
         return prompt
     return None
 

@@ -76,8 +76,9 @@ class Handlers:
         constant time."""
         if self._config.cluster_token is None or body.get("kv_transfer_params") is None:
             return
-        sent = request.headers.get(CLUSTER_TOKEN_HEADER, "")
-        if not hmac.compare_digest(sent.encode("utf-8"), self._config.cluster_token.encode("utf-8")):
+        # a header that is not UTF-8 arrives with surrogate escapes: it compares unequal, never raises
+        sent = request.headers.get(CLUSTER_TOKEN_HEADER, "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, self._config.cluster_token.encode("utf-8")):
             raise UnauthorizedError(f"kv_transfer_params need a valid {CLUSTER_TOKEN_HEADER} header")
 
     def _check_peer(self, parsed: ParsedRequest) -> None:

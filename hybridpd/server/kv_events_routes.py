@@ -46,7 +46,7 @@ def kv_events_routes(config: KVEventsConfig, groups: Sequence[GroupInfo], *, hos
     async def reset(request: web.Request) -> web.Response:
         if cluster_token is not None:
             sent = request.headers.get(CLUSTER_TOKEN_HEADER, "")
-            if not hmac.compare_digest(sent.encode("utf-8"), cluster_token.encode("utf-8")):
+            if not hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), cluster_token.encode("utf-8")):
                 raise UnauthorizedError(f"/reset_prefix_cache needs a valid {CLUSTER_TOKEN_HEADER} header")
         reset_prefix_cache()
         return web.Response(status=200)

@@ -228,3 +228,26 @@ def test_fuzzed_bodies_never_5xx_and_leave_the_cluster_healthy_and_correct(fleet
         conn.close()
     assert _greedy_ids(target.port) == before
     assert_clean(fleet.prefill, fleet.decode)
+
+
+def _remote_params(fleet: Fleet, **fields: Any) -> dict[str, Any]:
+    """Well-formed remote-prefill params for a 4-token prompt on the tiny model (each group needs one block)."""
+    return {"do_remote_prefill": True, "remote_engine_id": "hybridpd-000000000000", "remote_request_id": "cmpl-x",
+            "remote_block_ids": [[0]], "remote_host": "127.0.0.1", "remote_port": fleet.prefill.kv_port,
+            "remote_num_tokens": 4, "first_token_id": 5, **fields}
+
+
+@pytest.mark.parametrize("fields, names", [
+    ({"remote_lease_expiry": 10 ** 400}, "remote_lease_expiry"),
+    ({"first_token_logprob": {"token_id": 5, "logprob": -0.1, "top": [[10 ** 6, -0.2]]}}, "first_token_logprob.top"),
+    ({"first_token_logprob": {"token_id": 5, "logprob": -0.1, "top": [[-1, -0.2]]}}, "first_token_logprob.top"),
+    ({"first_token_logprob": {"token_id": 5, "logprob": 10 ** 400}}, "first_token_logprob.logprob"),
+], ids=["huge-expiry", "top-id-above-vocab", "top-id-negative", "huge-logprob"])
+def test_bad_transfer_params_that_once_reached_a_500_are_a_400(fleet, fields, names):
+    """At a decode node (the proxy sends its own params to nodes, never the client's)."""
+    target = fleet.targets()["node"]
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 2, "kv_transfer_params": _remote_params(fleet, **fields)}
+    status, _, raw = _post_raw(target.port, "/v1/completions", json.dumps(body).encode())
+    assert status == 400, raw[:300]
+    assert names.split(".")[0] in json.loads(raw)["error"]["message"], raw[:300]
+    assert_clean(fleet.prefill, fleet.decode)

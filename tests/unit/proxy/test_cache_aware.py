@@ -156,3 +156,16 @@ async def test_a_decode_streams_first_bytes_end_its_queued_work():
     stream = DecodeStream(_node(1), Response(), InFlightCall(work_done=lambda: calls.append("done")))
     assert [c async for c in stream.chunks()] == [b"data: 1\n\n", b"data: 2\n\n"]
     assert calls == ["done"]
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ([1, 2, 3], [1, 2, 3]),
+    ([[1, 2]], [1, 2]),
+    ([1, 2 ** 63], None),        # past what a block hash encodes: no prediction (the node answers 400)
+    ([1, -1], None),
+    ([True, 2], None),
+])
+def test_token_ids_in_a_body_are_taken_only_within_range(prompt, expected):
+    from hybridpd.proxy.cache_aware import token_ids_in_body
+
+    assert token_ids_in_body("/v1/completions", {"prompt": prompt}) == expected

@@ -235,3 +235,21 @@ async def test_overflowing_number_is_400(client, literal):
     resp = await client.post(COMPLETIONS, data=b'{"prompt": "x", "temperature": ' + literal + b"}",
                              headers={"Content-Type": "application/json"})
     assert resp.status == 400 and error_of(await resp.json(), 400)["param"] == "temperature"
+
+
+async def test_a_cluster_token_header_that_is_not_utf8_is_a_401(aiohttp_client_factory):
+    """Sent as raw bytes (no client library sends them): the header arrives with surrogate escapes; once a 500
+    (UnicodeEncodeError)."""
+    import asyncio
+    import json
+
+    client = await aiohttp_client_factory(cluster_token="s3cret")
+    body = json.dumps({"prompt": "x", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).encode()
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"X-HybridPD-Cluster-Token: \xff\xfe\x80\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\nConnection: close\r\n\r\n" + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    assert status_line.split()[1] == b"401", status_line
