@@ -21,6 +21,7 @@ node's report (X-HybridPD-Cached-Tokens) in the metrics.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -49,7 +50,7 @@ from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
-from hybridpd.proxy.upstream import DecodeStream, PrefillAnswer, UpstreamClient, first_byte_trace
+from hybridpd.proxy.upstream import DecodeStream, HeldLease, PrefillAnswer, UpstreamClient, first_byte_trace
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Proxy:
             self.discoveries += (NodesFile(config.nodes_file, self.routers),)
         self._client: UpstreamClient | None = None
         self.feeds: KVFeeds | None = None
+        self._releases: set[asyncio.Task] = set()
 
     @property
     def cache_aware(self) -> bool:
@@ -106,6 +108,8 @@ class Proxy:
             try:
                 yield
             finally:
+                if self._releases:   # lease releases still under way get their short chance
+                    await asyncio.wait(self._releases, timeout=self.config.health_timeout)
                 if self.feeds is not None:
                     await self.feeds.close()
                     self.feeds = None
@@ -134,10 +138,11 @@ class Proxy:
         try:
             answer = await self._prefill_or_fall_back(path, body, request_id, prompt)
             kv_params = answer.kv_transfer_params if answer is not None else None
+            lease = answer.lease if answer is not None else None
             if answer is not None and answer.head and kv_params is not None:
                 return await self._decode_after_head(request, path, decode_body(body, kv_params, answer.stream_head),
-                                                     request_id, prompt, answer.head)
-            return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt)
+                                                     request_id, prompt, answer.head, lease)
+            return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt, lease)
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
         except NoUpstreamError as exc:
@@ -206,10 +211,11 @@ class Proxy:
             return answer
 
     async def _decode(
-        self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None
+        self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None,
+        lease: HeldLease | None = None,
     ) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
-            stream = await self._open_decode(stack, path, body, request_id, prompt)
+            stream = await self._open_decode(stack, path, body, request_id, prompt, lease=lease)
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
@@ -229,17 +235,22 @@ class Proxy:
             await out.write(sse_error_event(exc))
 
     async def _decode_after_head(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
-                                 prompt: PromptHashes | None, head: bytes) -> web.StreamResponse:
+                                 prompt: PromptHashes | None, head: bytes,
+                                 lease: HeldLease | None) -> web.StreamResponse:
         """A stream whose head (the first token) came with the prefill node's answer: the client has it before the
         decode call is even opened; the decode node's events follow. From here a failure is an error event."""
-        first = self._choose(Role.DECODE, prompt)  # no decode node at all: a 503, before anything is sent
+        try:
+            first = self._choose(Role.DECODE, prompt)  # no decode node at all: a 503, before anything is sent
+        except NoUpstreamError:
+            self._release(lease)
+            raise
         out = web.StreamResponse(status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
                                                       "X-Request-Id": request_id})
         await out.prepare(request)
         await out.write(head)
         async with contextlib.AsyncExitStack() as stack:
             try:
-                stream = await self._open_decode(stack, path, body, request_id, prompt, first)
+                stream = await self._open_decode(stack, path, body, request_id, prompt, first, lease)
             except UpstreamRejectedError as exc:
                 logger.warning("request %s: %s refused the decode call: HTTP %d", request_id, exc.upstream.name,
                                exc.status)
@@ -253,8 +264,26 @@ class Proxy:
         return out
 
     async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
-                           request_id: str, prompt: PromptHashes | None, first: Choice | None = None) -> DecodeStream:
-        """The decode call (on `first` when given), opened on a second node if the first could not be connected to."""
+                           request_id: str, prompt: PromptHashes | None, first: Choice | None = None,
+                           lease: HeldLease | None = None) -> DecodeStream:
+        """The decode call (on `first` when given), opened on a second node if the first could not be connected to.
+        When no decode node takes it, the prefill node's lease is released at once (it would pin blocks until it
+        expired)."""
+        try:
+            return await self._open_decode_on(stack, path, body, request_id, prompt, first)
+        except (UpstreamError, UpstreamRejectedError, NoUpstreamError):
+            self._release(lease)
+            raise
+
+    def _release(self, lease: HeldLease | None) -> None:
+        if lease is None:
+            return
+        task = asyncio.create_task(self.client.release_lease(lease))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _open_decode_on(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
+                              request_id: str, prompt: PromptHashes | None, first: Choice | None) -> DecodeStream:
         router = self.routers[Role.DECODE]
         tried: list[Upstream] = []
         while True:

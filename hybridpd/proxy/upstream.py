@@ -19,7 +19,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -31,7 +31,7 @@ from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE, PrefillStreamError, read_prefill_stream
 from hybridpd.proxy.outliers import OutlierDetector
 from hybridpd.proxy.routing import Router
-from hybridpd.server.app import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
+from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER, LEASE_RELEASE_PATH
 from hybridpd.server.stream_head import StreamHead
 
 _ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
@@ -67,6 +67,24 @@ def _cached_tokens(response: aiohttp.ClientResponse) -> int | None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HeldLease:
+    """The lease a prefill node holds for a request until its decode side takes it: which node, and what proves the
+    holder (the answer's `remote_request_id` and `remote_lease_secret`)."""
+
+    upstream: Upstream
+    request_id: str
+    secret: str = field(repr=False)
+
+    @classmethod
+    def of(cls, upstream: Upstream, params: dict[str, Any] | None) -> HeldLease | None:
+        params = params or {}
+        request_id, secret = params.get("remote_request_id"), params.get("remote_lease_secret")
+        if isinstance(request_id, str) and request_id and isinstance(secret, str) and secret:
+            return cls(upstream=upstream, request_id=request_id, secret=secret)
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrefillAnswer:
     kv_transfer_params: dict[str, Any] | None
     cached_tokens: int | None   # the prefill node's prefix hit, when it said
@@ -74,6 +92,7 @@ class PrefillAnswer:
     # empty / None for a JSON answer.
     head: bytes = b""
     stream_head: StreamHead | None = None
+    lease: HeldLease | None = None   # to release when no decode node takes the request
 
 
 class DecodeStream:
@@ -205,7 +224,8 @@ class UpstreamClient:
                     kind = FailureKind.SERVER_ERROR if exc.from_node else FailureKind.BAD_ANSWER
                     raise UpstreamError(upstream, kind, str(exc)) from exc
                 return PrefillAnswer(kv_transfer_params=stream.kv_transfer_params, cached_tokens=cached,
-                                     head=stream.head, stream_head=stream.stream_head)
+                                     head=stream.head, stream_head=stream.stream_head,
+                                     lease=HeldLease.of(upstream, stream.kv_transfer_params))
             try:
                 answer = json.loads(raw)
             except ValueError as exc:
@@ -213,7 +233,7 @@ class UpstreamClient:
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             if params is not None and not isinstance(params, dict):
                 raise UpstreamError(upstream, FailureKind.BAD_ANSWER, "kv_transfer_params is not an object")
-            return PrefillAnswer(kv_transfer_params=params, cached_tokens=cached)
+            return PrefillAnswer(kv_transfer_params=params, cached_tokens=cached, lease=HeldLease.of(upstream, params))
 
     async def _prefill_call(self, upstream: Upstream, path: str, body: dict[str, Any],
                             request_id: str) -> tuple[bytes, int | None, bool]:
@@ -295,6 +315,19 @@ class UpstreamClient:
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
             return None
         return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+
+    async def release_lease(self, lease: HeldLease) -> bool:
+        """Ask the prefill node to end `lease` (no decode node took the request); False when it could not be told
+        (the lease then expires by itself)."""
+        headers = {CLUSTER_TOKEN_HEADER: self._config.cluster_token} if self._config.cluster_token else {}
+        body = {"remote_request_id": lease.request_id, "remote_lease_secret": lease.secret}
+        try:
+            async with self._session.post(self._config.base_url(lease.upstream) + LEASE_RELEASE_PATH, json=body,
+                                          headers=headers, timeout=self._health_timeout) as response:
+                await response.read()
+                return response.status == 202
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def probe(self, upstream: Upstream) -> tuple[int | None, str]:
         """GET /health without counting it as a call: (status or None, a short detail)."""

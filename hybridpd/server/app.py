@@ -40,11 +40,8 @@ from hybridpd.server.protocol import (
 from hybridpd.server.responses import FinalOutput, final_response, models_response, tokenize_response
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
+from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
 
-CLUSTER_TOKEN_HEADER = "X-HybridPD-Cluster-Token"
-# The request's local prefix hit in tokens (usage.prompt_tokens_details.cached_tokens), known at its first output,
-# so also on a stream without usage: the proxy compares it with the hit its cache-aware routing predicted.
-CACHED_TOKENS_HEADER = "X-HybridPD-Cached-Tokens"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
 
 ADMISSION_KEY = web.AppKey("admission", Admission)

@@ -3,7 +3,7 @@
 The front starts the engine process (`hybridpd.server.engine_process`) with one end of a socket pair and sends it
 the node's configs; the engine process answers `EngineStarted` (or `StartFailed`) and from then on:
 
-  front -> engine: Submit, Abort, ResetPrefixCache, ScrapeMetrics, Drain
+  front -> engine: Submit, Abort, ResetPrefixCache, ScrapeMetrics, ReleaseLease, Drain
   engine -> front: Outputs (one per engine step: every output of the step), Rejected, Aborted, EngineFailed,
                    MetricsText, Drained, and a Heartbeat every second from a thread of its own (the front's
                    watchdog: server/watchdog.py)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pickle
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from hybridpd.engine.model.generation_config import GenerationDefaults
@@ -44,6 +44,13 @@ class ResetPrefixCache:
 @dataclass(frozen=True)
 class ScrapeMetrics:
     nonce: int
+
+
+@dataclass(frozen=True)
+class ReleaseLease:
+    """End the lease on `request_id` if `secret` is its holder's (server/lease_routes.py)."""
+    request_id: str
+    secret: str = field(repr=False)
 
 
 @dataclass(frozen=True)

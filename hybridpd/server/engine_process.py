@@ -61,6 +61,7 @@ from hybridpd.server.engine_link import (
     MetricsText,
     Outputs,
     Rejected,
+    ReleaseLease,
     ResetPrefixCache,
     ScrapeMetrics,
     StartFailed,
@@ -230,6 +231,9 @@ class EngineSide:
             self.link.send(MetricsText(message.nonce, generate_latest(self.registry)))
         elif isinstance(message, ResetPrefixCache):
             self.engine.call_soon(self.core.kv.reset_prefix_cache)
+        elif isinstance(message, ReleaseLease):
+            if self.prefill.release(message.request_id, aborted=True, secret=message.secret):
+                log.info("lease on %s released: its decode side never took it", message.request_id)
         elif isinstance(message, Drain):
             if not self._drain.done():
                 self._drain.set_result(message.grace)

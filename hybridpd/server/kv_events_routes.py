@@ -17,7 +17,7 @@ from aiohttp import web
 from hybridpd.errors import NotFoundError, UnauthorizedError
 from hybridpd.kv_events.config import KVEventsConfig, binds
 from hybridpd.kv_events.groups import GroupInfo
-from hybridpd.server.app import CLUSTER_TOKEN_HEADER
+from hybridpd.wire_headers import CLUSTER_TOKEN_HEADER
 
 HASH_SCHEME = "hybridpd-blake2b256-chain-v1"  # engine/kv_cache/hashing.py; cache_salt as UTF-8 bytes
 

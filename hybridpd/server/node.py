@@ -29,6 +29,7 @@ from hybridpd.server.app import ADMISSION_KEY, create_app
 from hybridpd.server.args import NodeConfigs
 from hybridpd.server.engine_link import StartFailed
 from hybridpd.server.kv_events_routes import kv_events_routes
+from hybridpd.server.lease_routes import lease_routes
 from hybridpd.server.remote_engine import EngineProcess, RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class Node:
         events_routes = kv_events_routes(
             cfg.kv_events, info.groups, host=cfg.kv_transfer.kv_host, instance_id=info.engine_id,
             reset_prefix_cache=engine.reset_prefix_cache, cluster_token=cfg.server.cluster_token)
-        app = create_app(engine, cfg.server, CollectorRegistry(), extra_routes=events_routes,
+        routes = [*events_routes, *lease_routes(engine.release_lease, cfg.server.cluster_token)]
+        app = create_app(engine, cfg.server, CollectorRegistry(), extra_routes=routes,
                          engine_metrics=engine.metrics_text)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()

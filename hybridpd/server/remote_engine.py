@@ -40,6 +40,7 @@ from hybridpd.server.engine_link import (
     MetricsText,
     Outputs,
     Rejected,
+    ReleaseLease,
     ResetPrefixCache,
     ScrapeMetrics,
     StartFailed,
@@ -155,6 +156,9 @@ class RemoteEngine:
 
     def reset_prefix_cache(self) -> None:
         self._send(ResetPrefixCache())
+
+    def release_lease(self, request_id: str, secret: str) -> None:
+        self._send(ReleaseLease(request_id, secret))
 
     async def metrics_text(self) -> bytes:
         """The engine process's metric families (engine, connector, KV events), in Prometheus' text format."""

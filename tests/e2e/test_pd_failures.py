@@ -28,6 +28,7 @@ from tests.e2e.pd_calls import (
     start_nodes,
     stop_all,
     wait_for_metric,
+    wait_for_metric_at_most,
 )
 
 LEASE_SECONDS = "2"
@@ -102,6 +103,25 @@ def test_a_late_read_with_policy_recompute_recomputes_instead_of_reading(nodes):
     assert answer["choices"][0]["token_ids"] == expected
     assert metric_total(decode, "hybridpd:kv_bytes_read_total") == bytes_before
     assert_drained(prefill, decode)
+
+
+def test_a_lease_nobody_took_is_released_by_its_holder_only(nodes):
+    """`POST /kv_leases/release` (what the proxy calls when no decode node took a request): without the lease's
+    secret it is refused or changes nothing; with it, the blocks go back to the pool at once, not at expiry."""
+    prefill = nodes["fail"]
+    params = prefill_call(prefill, greedy_body(_prompt(60, seed=200)))
+    assert metric_total(prefill, "hybridpd:kv_leases_held") == 1
+    status, answer = prefill.post_json("/kv_leases/release", {"remote_request_id": params["remote_request_id"]})
+    assert status == 400 and "remote_lease_secret" in answer["error"]["message"], answer
+    wrong = {"remote_request_id": params["remote_request_id"], "remote_lease_secret": "not-the-secret"}
+    assert prefill.post_json("/kv_leases/release", wrong)[0] == 202
+    # the scrape travels the engine link after the release, so it sees the release's outcome: none
+    assert metric_total(prefill, "hybridpd:kv_leases_held") == 1
+    right = {**wrong, "remote_lease_secret": params["remote_lease_secret"]}
+    assert prefill.post_json("/kv_leases/release", right)[0] == 202
+    wait_for_metric_at_most(prefill, "hybridpd:kv_leases_held", 0)
+    assert metric_total(prefill, "hybridpd:kv_leases_expired_total") == 0   # released, not expired
+    assert_drained(prefill)
 
 
 @pytest.fixture(scope="module")

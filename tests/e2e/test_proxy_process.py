@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from hybridpd.launcher.ports import free_port
-from hybridpd.server.app import CLUSTER_TOKEN_HEADER
+from hybridpd.wire_headers import CLUSTER_TOKEN_HEADER
 
 DEADLINE = 60.0
 SSE = b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'

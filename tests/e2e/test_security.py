@@ -36,7 +36,7 @@ from hybridpd.engine.model.presets import write_checkpoint
 from hybridpd.errors import KVTransferError
 from hybridpd.launcher.spec import ClusterSpec
 from hybridpd.proxy.main import add_arguments as add_proxy_arguments
-from hybridpd.server.app import CLUSTER_TOKEN_HEADER
+from hybridpd.wire_headers import CLUSTER_TOKEN_HEADER
 from hybridpd.server.args import add_arguments as add_serve_arguments
 from hybridpd.server.args import configs_from_args
 from tests.e2e.nodes import NodeProcess, assert_blocks_free, free_port, start_node

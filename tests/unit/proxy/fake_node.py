@@ -73,6 +73,7 @@ def remote_params(port: int) -> dict[str, Any]:
         "remote_port": port + 1000,
         "remote_num_tokens": 41,
         "remote_lease_expiry": 1234.5,
+        "remote_lease_secret": f"secret-{port}",
     }
 
 
@@ -106,6 +107,7 @@ class FakeNode:
         self.behavior = behavior
         self.health_status = health_status
         self.received: list[Received] = []
+        self.releases: list[dict[str, Any]] = []   # POST /kv_leases/release bodies
         self.arrived = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.port = 0
@@ -117,6 +119,7 @@ class FakeNode:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/kv_leases/release", self._release)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -173,6 +176,10 @@ class FakeNode:
             await out.write(chunk)
         await out.write_eof()
         return out
+
+    async def _release(self, request: web.Request) -> web.Response:
+        self.releases.append(await request.json())
+        return web.json_response({"status": "accepted"}, status=202)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "node": self.port}]})

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridpd.proxy.bodies import decode_body, prefill_body
-from hybridpd.server.app import CLUSTER_TOKEN_HEADER
+from hybridpd.wire_headers import CLUSTER_TOKEN_HEADER
 
 from .fake_node import SSE_CHUNKS, Behavior, remote_params
 
