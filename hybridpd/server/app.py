@@ -46,6 +46,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before t
 
 ADMISSION_KEY = web.AppKey("admission", Admission)
 METRICS_KEY = web.AppKey("server_metrics", ServerMetrics)
+HEALTH_KEY = web.AppKey("health_handler", Callable[[web.Request], Awaitable[web.StreamResponse]])
 
 Parser = Callable[[dict[str, Any], EngineClient, str], ParsedRequest]
 EngineMetrics = Callable[[], Awaitable[bytes]]
@@ -159,6 +160,15 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def probe_app(app: web.Application) -> web.Application:
+    """A plain-HTTP app with `app`'s `/health` alone (`--health-port`): what a kubelet probes when the node's own
+    listener requires client certificates (mutual TLS), which a probe cannot present. It tells nothing a peer could
+    use: healthy or not, and why."""
+    probes = web.Application()
+    probes.add_routes([web.get("/health", app[HEALTH_KEY])])
+    return probes
+
+
 def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
                extra_routes: Iterable[web.AbstractRouteDef] = (),
                engine_metrics: EngineMetrics | None = None) -> web.Application:
@@ -175,6 +185,7 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
     app[ADMISSION_KEY] = admission
     app[METRICS_KEY] = metrics
     h = Handlers(engine, config, registry, metrics, admission, engine_metrics)
+    app[HEALTH_KEY] = h.health
     app.add_routes([
         web.post("/v1/completions", h.completions),
         web.post("/v1/chat/completions", h.chat_completions),

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--served-model-name", default=None, help="the model name in the API (default: the dir name)")
     http.add_argument("--shutdown-grace", type=float, default=10.0,
                       help="seconds to let running requests finish on SIGTERM before aborting them")
+    http.add_argument("--health-port", type=int, default=None,
+                      help="also answer GET /health in plain HTTP on this port (Kubernetes probes when --tls-ca "
+                           "makes the main port require client certificates)")
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -185,6 +188,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             port=args.port,
             served_model_name=args.served_model_name or Path(model_dir).resolve().name,
             shutdown_grace=args.shutdown_grace,
+            health_port=args.health_port,
             watchdog=WatchdogBounds(silent_after=args.engine_heartbeat_timeout,
                                     stall_after=args.engine_stall_timeout),
             cluster_token=cluster_token,

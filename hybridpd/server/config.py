@@ -17,6 +17,7 @@ class ServerConfig:
     port: int = 8100
     served_model_name: str
     shutdown_grace: float = 10.0
+    health_port: int | None = None   # a plain-HTTP listener for /health alone (probes under mutual TLS)
     watchdog: WatchdogBounds = field(default_factory=WatchdogBounds)   # the engine process's liveness bounds
     # When set, a request that carries `kv_transfer_params` must send it in CLUSTER_TOKEN_HEADER.
     cluster_token: str | None = field(default=None, repr=False)
@@ -32,6 +33,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.health_port is not None and not 0 < self.health_port < 65536:
+            raise ValueError(f"--health-port must be in [1, 65535], got {self.health_port}")
         if not self.served_model_name:
             raise ValueError("--served-model-name must not be empty")
         if self.shutdown_grace < 0:

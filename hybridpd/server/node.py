@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from hybridpd.engine.tokenizer import load_tokenizer
 from hybridpd.errors import EngineDeadError
-from hybridpd.server.app import ADMISSION_KEY, create_app
+from hybridpd.server.app import ADMISSION_KEY, create_app, probe_app
 from hybridpd.server.args import NodeConfigs
 from hybridpd.server.engine_link import StartFailed
 from hybridpd.server.kv_events_routes import kv_events_routes
@@ -46,6 +46,11 @@ def keep_off(cpus: frozenset[int] | None) -> None:
     others = frozenset(os.sched_getaffinity(0)) - cpus
     if others:
         os.sched_setaffinity(0, others)
+
+
+async def _cleanup(runners: list[web.AppRunner]) -> None:
+    for runner in runners:
+        await runner.cleanup()
 
 
 async def _first_of(*events: asyncio.Event) -> None:
@@ -95,6 +100,12 @@ class Node:
         site = web.TCPSite(runner, cfg.server.host, cfg.server.port,
                            ssl_context=tls.server_context() if tls is not None else None)
         await site.start()
+        probes = None
+        if cfg.server.health_port is not None:
+            probes = web.AppRunner(probe_app(app), access_log=None)
+            await probes.setup()
+            await web.TCPSite(probes, cfg.server.host, cfg.server.health_port).start()
+        runners = [runner] if probes is None else [probes, runner]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -109,7 +120,7 @@ class Node:
         if engine.dead.is_set():
             log.error("the engine process died: the node exits so that its supervisor restarts it")
             app[ADMISSION_KEY].close()
-            await runner.cleanup()
+            await _cleanup(runners)
             return 1
         grace = cfg.server.shutdown_grace
         log.info("shutting down (grace %.1f s)", grace)
@@ -122,8 +133,8 @@ class Node:
             released = await engine.drain(max(0.0, deadline - loop.time()))
         except (EngineDeadError, asyncio.TimeoutError) as exc:
             log.error("the engine process did not drain: %s", exc)
-            await runner.cleanup()
+            await _cleanup(runners)
             return 1
         log.info("drained: %d request(s) aborted, %d lease(s) released at shutdown", aborted, released)
-        await runner.cleanup()
+        await _cleanup(runners)
         return 0

@@ -75,12 +75,14 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
         return ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
 
     ports = {name: (free_port(), free_port()) for name in ("prefill", "decode", "rogue")}
+    health_port = free_port()   # the decode node's plain-HTTP /health, for probes that have no certificate
     proxy_port = free_port()
     try:
         for name in ("prefill", "decode", "rogue"):
             http, kv = ports[name]
             log = spawn(name, ["serve", str(model), "--port", str(http), "--kv-port", str(kv), "--threads", "1",
-                               "--kv-cache-memory", "64MiB", *tls(certs[name])])
+                               "--kv-cache-memory", "64MiB", *tls(certs[name]),
+                               *(["--health-port", str(health_port)] if name == "decode" else [])])
             _wait(f"https://127.0.0.1:{http}", _context(certs["client"] if name != "rogue" else certs["rogue"]),
                   procs[-1], log)
         log = spawn("proxy", ["proxy", "--port", str(proxy_port), "--prefiller-hosts", "127.0.0.1",
@@ -96,7 +98,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
                 pass
             assert time.monotonic() < deadline and procs[-1].poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
-        yield {"certs": certs, "ports": ports, "proxy": f"http://127.0.0.1:{proxy_port}"}
+        yield {"certs": certs, "ports": ports, "proxy": f"http://127.0.0.1:{proxy_port}", "health_port": health_port}
     finally:
         for proc in reversed(procs):
             terminate(proc)
@@ -119,6 +121,17 @@ def test_a_client_without_a_certificate_is_refused(cluster):
     url = f"https://127.0.0.1:{cluster['ports']['decode'][0]}/health"
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
         _request(url, no_cert)
+
+
+def test_a_probe_without_a_certificate_reads_health_on_the_plain_health_port_and_nothing_else(cluster):
+    """A kubelet cannot present a client certificate: under mutual TLS it probes `--health-port`."""
+    url = f"http://127.0.0.1:{cluster['health_port']}"
+    assert _request(url + "/health", None) == (200, {"status": "ok"})
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(BODY).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code in (404, 405)
 
 
 def test_a_node_of_another_ca_cannot_pull(cluster):

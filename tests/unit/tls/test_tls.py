@@ -137,3 +137,45 @@ def test_bad_flags_say_what_is_wrong(pki, argv, message):
     args = parser.parse_args([a.format(cert=files.cert, key=files.key, ca=files.ca) for a in argv])
     with pytest.raises(ValueError, match=message):
         TLSConfig.from_args(args)
+
+
+def _no_ca(files: CertFiles, *extra: str) -> TLSConfig:
+    parser = argparse.ArgumentParser()
+    add_tls_arguments(parser)
+    config = TLSConfig.from_args(parser.parse_args(["--tls-cert", str(files.cert), "--tls-key", str(files.key),
+                                                    *extra]))
+    assert config is not None
+    return config
+
+
+@pytest.mark.parametrize("server, insecure, accepted", [
+    ("node", False, True),         # the cluster's shared certificate: verified against itself
+    ("stranger", False, False),    # a man in the middle with a certificate of his own: refused
+    ("stranger", True, True),      # --tls-insecure: encryption only, anyone is accepted
+])
+async def test_without_a_ca_clients_still_verify_the_server_unless_told_not_to(pki, server, insecure, accepted):
+    files = pki[server]
+    runner, url = await _https_server(_no_ca(files))
+    try:
+        client = _no_ca(pki["node"], *(["--tls-insecure"] if insecure else []))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client.client_context())) as session:
+            if accepted:
+                async with session.get(url) as response:
+                    assert response.status == 200
+            else:
+                with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                    async with session.get(url) as response:
+                        await response.read()
+    finally:
+        await runner.cleanup()
+
+
+def test_tls_insecure_with_a_ca_or_without_tls_is_refused(pki):
+    files = pki["node"]
+    parser = argparse.ArgumentParser()
+    add_tls_arguments(parser)
+    with pytest.raises(ValueError, match="contradict"):
+        TLSConfig.from_args(parser.parse_args(["--tls-cert", str(files.cert), "--tls-key", str(files.key),
+                                               "--tls-ca", str(files.ca), "--tls-insecure"]))
+    with pytest.raises(ValueError, match="needs --tls-cert"):
+        TLSConfig.from_args(parser.parse_args(["--tls-insecure"]))
