@@ -94,6 +94,7 @@ class ProxyConfig:
     prefill_first_byte_timeout: float = 5.0   # seconds for a prefill node's first byte (its 100 Continue)
     decode_timeout: float = 120.0    # streamed decode calls: seconds without a byte (idle gap, not total)
     decode_request_timeout: float = 1800.0   # non-streamed decode calls: seconds for the whole generation
+    decode_first_byte_timeout: float = 5.0   # seconds for a decode node's first byte (its 100 Continue)
     probe_interval: float = 1.0      # seconds between active probes of every node
     outliers: OutlierPolicy = field(default_factory=OutlierPolicy)
     connect_timeout: float = 5.0     # seconds to open a connection to any node
@@ -135,7 +136,7 @@ class ProxyConfig:
         if any(u.role is not Role.DECODE for u in self.decoders):
             raise ValueError("decoders must all have Role.DECODE")
         for name in ("prefill_timeout", "prefill_first_byte_timeout", "decode_timeout", "decode_request_timeout",
-                     "connect_timeout", "health_timeout", "probe_interval"):
+                     "decode_first_byte_timeout", "connect_timeout", "health_timeout", "probe_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.cluster_token is not None and not self.cluster_token:

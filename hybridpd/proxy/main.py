@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="streamed decode calls: seconds between two chunks before the call fails")
     parser.add_argument("--decode-request-timeout", type=float, default=1800.0,
                         help="non-streamed decode calls: seconds for the whole generation")
+    parser.add_argument("--decode-first-byte-timeout", type=float, default=5.0,
+                        help="seconds for a decode node's first byte (its 100 Continue); a node silent that long "
+                             "never read the call, which goes to another decode node")
     parser.add_argument("--probe-interval", type=float, default=1.0,
                         help="seconds between active probes (GET /health) of every node")
     parser.add_argument("--eject-after", type=int, default=3, metavar="N",
@@ -141,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_first_byte_timeout=args.prefill_first_byte_timeout,
         decode_timeout=args.decode_timeout,
         decode_request_timeout=args.decode_request_timeout,
+        decode_first_byte_timeout=args.decode_first_byte_timeout,
         probe_interval=args.probe_interval,
         outliers=OutlierPolicy(threshold=args.eject_after, base_ejection_s=args.ejection_time,
                                max_ejection_s=args.max_ejection_time),

@@ -5,11 +5,12 @@ Every failure leaves as a typed error: `UpstreamRejectedError` for a 4xx (passes
 Every call is counted as outstanding on its router while it runs, timed in the metrics, and its outcome goes to the
 router's outlier detector (proxy/outliers.py): a 4xx is the client's fault and counts as the node answering.
 
-Timeouts: a prefill call sends `Expect: 100-continue` and must see the node's first byte (the `100 Continue` its
-HTTP front sends as soon as it reads the call) within `prefill_first_byte_timeout`, so a node that accepts
-connections but never answers (a stopped process, a stuck event loop) costs seconds, not the whole prefill timeout,
-and the call is retried elsewhere (nothing was computed for it). A streamed decode call's read timeout is the gap
-between two chunks; a non-streamed one's covers the whole generation (`decode_request_timeout`).
+Timeouts: every generation call sends `Expect: 100-continue` and must see the node's first byte (the `100 Continue`
+its HTTP front sends as soon as it reads the call) within `prefill_first_byte_timeout` / `decode_first_byte_timeout`,
+so a node that accepts connections but never answers (a stopped process, a stuck event loop) costs seconds, not the
+whole timeout, and the call is retried elsewhere (the node never read its body). A prefill call whose node is
+ejected while it runs is given up and retried too. A streamed decode call's read timeout is the gap between two
+chunks; a non-streamed one's covers the whole generation (`decode_request_timeout`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER, LE
 from hybridpd.server.stream_head import StreamHead
 
 _ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
+_EJECTION_CHECK_S = 0.5  # how often a prefill call under way looks whether its node was ejected
 
 
 def _failure(upstream: Upstream, exc: BaseException) -> UpstreamError:
@@ -59,6 +61,19 @@ def first_byte_trace() -> aiohttp.TraceConfig:
     trace = aiohttp.TraceConfig()
     trace.on_request_chunk_sent.append(body_sent)
     return trace
+
+
+async def _first_byte(upstream: Upstream, task: asyncio.Future, first_byte: asyncio.Event, timeout: float) -> None:
+    """Returns once the node sent its first byte (or the call ended); raises a TIMEOUT that sent nothing (the body
+    goes out only after the node's 100 Continue) when neither came within `timeout` seconds."""
+    waiter = asyncio.ensure_future(first_byte.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not first_byte.is_set() and not task.done():
+        task.cancel()
+        raise UpstreamError(upstream, FailureKind.TIMEOUT, f"no first byte within {timeout:g} s", nothing_sent=True)
 
 
 def _cached_tokens(response: aiohttp.ClientResponse) -> int | None:
@@ -216,7 +231,7 @@ class UpstreamClient:
         """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent) and, for a
         streamed call, the head of the client's stream."""
         async with self._call(router, upstream, work_tokens):
-            raw, cached, streamed = await self._prefill_call(upstream, path, body, request_id)
+            raw, cached, streamed = await self._prefill_call(router, upstream, path, body, request_id)
             if streamed:
                 try:
                     stream = read_prefill_stream(raw)
@@ -235,10 +250,11 @@ class UpstreamClient:
                 raise UpstreamError(upstream, FailureKind.BAD_ANSWER, "kv_transfer_params is not an object")
             return PrefillAnswer(kv_transfer_params=params, cached_tokens=cached, lease=HeldLease.of(upstream, params))
 
-    async def _prefill_call(self, upstream: Upstream, path: str, body: dict[str, Any],
+    async def _prefill_call(self, router: Router, upstream: Upstream, path: str, body: dict[str, Any],
                             request_id: str) -> tuple[bytes, int | None, bool]:
-        """The answer's bytes, the node's reported hit and whether it streamed; the first byte within
-        `prefill_first_byte_timeout` (see the module docstring)."""
+        """The answer's bytes, the node's reported hit and whether it streamed. The node's first byte must come within
+        `prefill_first_byte_timeout`; a call still under way when its node is ejected (its probes failed: a wedged
+        or stopped engine) is given up, to be retried elsewhere (a prefill is idempotent until it answers)."""
         first_byte = asyncio.Event()
 
         async def call() -> tuple[bytes, int | None, bool]:
@@ -253,19 +269,15 @@ class UpstreamClient:
                     SSE_CONTENT_TYPE)
 
         task = asyncio.ensure_future(call())
-        waiter = asyncio.ensure_future(first_byte.wait())
         try:
-            await asyncio.wait({task, waiter}, timeout=self._config.prefill_first_byte_timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not first_byte.is_set() and not task.done():
-                raise UpstreamError(upstream, FailureKind.TIMEOUT,
-                                    f"no first byte within {self._config.prefill_first_byte_timeout:g} s",
-                                    nothing_sent=True)
-            return await task
+            await _first_byte(upstream, task, first_byte, self._config.prefill_first_byte_timeout)
+            while not (await asyncio.wait({task}, timeout=_EJECTION_CHECK_S))[0]:
+                if not router.outliers.available(upstream):
+                    raise UpstreamError(upstream, FailureKind.TIMEOUT, "ejected from rotation while the call ran")
+            return task.result()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _failure(upstream, exc) from exc
         finally:
-            waiter.cancel()
             task.cancel()
 
     @contextlib.asynccontextmanager
@@ -276,17 +288,27 @@ class UpstreamClient:
         """Opens the decode call; the connection closes (and the node sees it) when the block exits.
 
         Only opening the call is guarded here: an error raised by the block itself (the client went
-        away while we wrote to it) is not the node's failure and passes through untouched.
+        away while we wrote to it) is not the node's failure and passes through untouched. A node that sends no
+        first byte (its 100 Continue) within `decode_first_byte_timeout` never read the call's body: that is a
+        failure with nothing sent, which the caller may retry on another decode node.
         """
         async with self._call(router, upstream, work_tokens) as call, contextlib.AsyncExitStack() as stack:
+            first_byte = asyncio.Event()
+            opening = self._session.post(
+                self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
+                timeout=self._stream_timeout if wants_stream(body) else self._whole_call_timeout,
+                expect100=True, trace_request_ctx=first_byte,
+            )
+            task = asyncio.ensure_future(opening.__aenter__())
             try:
-                response = await stack.enter_async_context(self._session.post(
-                    self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
-                    timeout=self._stream_timeout if wants_stream(body) else self._whole_call_timeout,
-                ))
-                await self._raise_for_status(upstream, response)
+                await _first_byte(upstream, task, first_byte, self._config.decode_first_byte_timeout)
+                response = await task
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _failure(upstream, exc) from exc
+            finally:
+                task.cancel()
+            stack.push_async_exit(opening)
+            await self._raise_for_status(upstream, response)
             yield DecodeStream(upstream, response, call, router.outliers)
 
     async def get(self, router: Router, upstream: Upstream, path: str) -> tuple[int, bytes, str]:

@@ -86,3 +86,24 @@ async def test_a_non_streamed_decode_call_is_bounded_by_its_own_timeout_not_the_
     async with h.session.post(h.url + "/v1/completions", json=BODY) as resp:
         assert resp.status == 504
         assert (await resp.json())["error"]["type"] == "gateway_timeout"
+
+
+async def test_a_silent_decode_node_never_reads_the_call_which_goes_to_the_other_node(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.SILENT, Behavior.OK], decode_first_byte_timeout=0.2,
+                           probe_interval=NO_PROBES)
+    assert await statuses(h, STREAM_BODY) == [200] * REQUESTS
+    assert await statuses(h, BODY) == [200] * REQUESTS
+    router = h.proxy.routers[Role.DECODE]
+    assert router.down == frozenset({router.upstreams[0]})
+    assert len(h.decode[1].received) == 2 * REQUESTS
+
+
+async def test_a_prefill_call_under_way_on_a_node_that_gets_ejected_is_retried_elsewhere(make_harness):
+    """The front answers (100 Continue) but its engine never does: its /health says so, the probes eject it, and
+    the call waiting on it goes to the other prefill node (a prefill is idempotent until it answers)."""
+    h = await make_harness([Behavior.HANG, Behavior.OK], [Behavior.OK], probe_interval=0.05, health_timeout=0.5,
+                           prefill_timeout=60.0, fallback_colocated=False)
+    h.prefill[0].health_status = 503
+    assert await statuses(h, BODY, count=3) == [200] * 3
+    assert len(h.prefill[1].received) == 3
+    assert h.prefill[0].cancelled.is_set()     # the abandoned call was closed, so the node aborts it
