@@ -91,7 +91,7 @@ def mamba_hit_counts(metrics_url: str) -> tuple[float, float]:
     counts = {"queries": 0.0, "hits": 0.0}
     for line in text.splitlines():
         for name in counts:
-            if line.startswith(f"hybridpd:prefix_cache_{name}_total{{") and 'kind="mamba"' in line:
+            if line.startswith(f"hybridpd:group_prefix_cache_{name}_total{{") and 'kind="mamba"' in line:
                 counts[name] += float(line.rsplit(" ", 1)[1])
     return counts["queries"], counts["hits"]
 

@@ -11,12 +11,17 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from hybridpd import vllm_metrics as vm
 from hybridpd.engine.engine import LLMEngine
 
 
 class EngineCollector:
-    def __init__(self, engine: LLMEngine) -> None:
+    """vLLM's scheduler gauges (hybridpd/vllm_metrics.py) and our per-group figures, which vLLM has no name for: a
+    hybrid operator wants hits per full-attention, sliding-window and Mamba group."""
+
+    def __init__(self, engine: LLMEngine, model_name: str = "model") -> None:
         self.engine = engine
+        self._labels = list(vm.label_values(model_name).values())
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(self)
@@ -26,24 +31,26 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
-        yield GaugeMetricFamily("hybridpd:num_requests_running", "Requests in the running batch",
-                                value=stats.num_running)
-        yield GaugeMetricFamily("hybridpd:num_requests_waiting", "Requests waiting to be scheduled",
-                                value=stats.num_waiting)
+        for name, doc, value in (
+            (vm.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", stats.num_running),
+            (vm.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
+            (vm.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=vm.LABELS)
+            gauge.add_metric(self._labels, value)
+            yield gauge
         yield GaugeMetricFamily("hybridpd:num_requests_waiting_for_remote_kv",
                                 "Requests whose prompt KV is being pulled from a prefill node",
                                 value=stats.num_loading)
-        yield GaugeMetricFamily("hybridpd:kv_cache_usage_perc", "Fraction of KV blocks in use (max over groups)",
-                                value=stats.kv_usage)
         labels = ["group", "kind"]
         free = GaugeMetricFamily("hybridpd:kv_free_blocks", "Free blocks per KV group (cached ones included)",
                                  labels=labels)
         total = GaugeMetricFamily("hybridpd:kv_total_blocks", "Usable blocks per KV group", labels=labels)
         cached = GaugeMetricFamily("hybridpd:kv_cached_blocks", "Blocks holding a prefix hash per KV group",
                                    labels=labels)
-        queries = CounterMetricFamily("hybridpd:prefix_cache_queries", "Prompt tokens looked up per KV group",
+        queries = CounterMetricFamily("hybridpd:group_prefix_cache_queries", "Prompt tokens looked up per KV group",
                                       labels=labels)
-        hits = CounterMetricFamily("hybridpd:prefix_cache_hits", "Prompt tokens served from the prefix cache per "
+        hits = CounterMetricFamily("hybridpd:group_prefix_cache_hits", "Prompt tokens served from the prefix cache per "
                                    "KV group", labels=labels)
         for group in stats.groups:
             key = [str(group.group_id), group.kind]

@@ -178,7 +178,7 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
     Run it with `web.AppRunner(app, handler_cancellation=True)` so that a non-streaming request whose client
     disconnects is aborted at once, not at its next output.
     """
-    metrics = ServerMetrics(registry)
+    metrics = ServerMetrics(registry, config.served_model_name, engine.max_model_len)
     admission = Admission()
     app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware],
                           client_max_size=config.client_max_size)

@@ -145,7 +145,7 @@ class EngineSide:
     async def _start(self) -> None:
         cfg = self.configs
         core = await asyncio.to_thread(LLMEngine, cfg.engine)
-        EngineCollector(core).register(self.registry)
+        EngineCollector(core, cfg.server.served_model_name).register(self.registry)
         groups = tuple(GroupInfo.of(i, g) for i, g in enumerate(core.groups))
         publisher = ZmqEventPublisher(cfg.kv_events, groups) if cfg.kv_events.publishes else None
         engine = AsyncEngine(core, cfg.server.served_model_name, sink=PipeSink(self.link),
@@ -161,7 +161,7 @@ class EngineSide:
         transport.register(core.storage.tensors)
         fields = compat_fields(model=model_identity(cfg.engine.model_dir), dtype=cfg.engine.dtype, groups=core.groups)
         hash_ = compat_hash(fields)
-        metrics = ConnectorMetrics(self.registry)
+        metrics = ConnectorMetrics(self.registry, cfg.server.served_model_name)
         prefill = PrefillRole(engine, transport, engine_id=self.engine_id, advertised_host=cfg.kv_transfer.kv_host,
                               side_channel_port=cfg.kv_transfer.kv_port, lease_seconds=cfg.kv_transfer.lease_seconds,
                               metrics=metrics)

@@ -1,6 +1,6 @@
-"""The server's HTTP-level Prometheus metrics, registered in the registry it is given (never the global one).
-
-Names follow vLLM's `vllm:*` with our prefix. The engine registers its own gauges in the same registry.
+"""The node front's request-level Prometheus metrics, registered in the registry it is given (never the global one):
+vLLM's names, labels and buckets (hybridpd/vllm_metrics.py), plus our HTTP counter. The engine process exports its
+own families (scheduler gauges, per-group cache figures, the connector's) through the same `/metrics`.
 """
 
 from __future__ import annotations
@@ -11,40 +11,48 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from hybridpd import vllm_metrics as vm
 from hybridpd.engine.request import RequestOutput
-
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "model", max_model_len: int = 4096) -> None:
+        labels = vm.label_values(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, vm.LABELS, registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, vm.LABELS, buckets=buckets, registry=registry).labels(**labels)
+
         self.http_requests = Counter(
             "hybridpd:http_requests", "HTTP requests by route and status", ["endpoint", "status"], registry=registry
         )
-        self.prompt_tokens = Counter("hybridpd:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
-        self.generation_tokens = Counter("hybridpd:generation_tokens", "Generated tokens", registry=registry)
-        self.request_success = Counter(
-            "hybridpd:request_success", "Finished requests by finish reason", ["finished_reason"], registry=registry
-        )
-        self.time_to_first_token = Histogram(
-            "hybridpd:time_to_first_token_seconds", "Time from arrival to the first output token",
-            buckets=TTFT_BUCKETS, registry=registry,
-        )
-        self.inter_token_latency = Histogram(
-            "hybridpd:inter_token_latency_seconds", "Time between consecutive outputs of a request",
-            buckets=ITL_BUCKETS, registry=registry,
-        )
-        self.e2e_request_latency = Histogram(
-            "hybridpd:e2e_request_latency_seconds", "Time from arrival to the last output",
-            buckets=E2E_BUCKETS, registry=registry,
-        )
+        self.prompt_tokens = counter(vm.PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self.generation_tokens = counter(vm.GENERATION_TOKENS, "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter(vm.PREFIX_CACHE_QUERIES,
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(vm.PREFIX_CACHE_HITS,
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self._request_success = Counter(vm.REQUEST_SUCCESS, "Count of successfully processed requests.",
+                                        [*vm.LABELS, "finished_reason"], registry=registry)
+        self._labels = labels
+        self.request_prompt_tokens = histogram(vm.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.",
+                                               vm.buckets_1_2_5(max_model_len))
+        self.request_generation_tokens = histogram(vm.REQUEST_GENERATION_TOKENS,
+                                                   "Number of generation tokens processed.",
+                                                   vm.buckets_1_2_5(max_model_len))
+        self.time_to_first_token = histogram(vm.TIME_TO_FIRST_TOKEN, "Histogram of time to first token in seconds.",
+                                             vm.TTFT_BUCKETS)
+        self.inter_token_latency = histogram(vm.INTER_TOKEN_LATENCY, "Histogram of inter-token latency in seconds.",
+                                             vm.ITL_BUCKETS)
+        self.e2e_request_latency = histogram(vm.E2E_REQUEST_LATENCY, "Histogram of e2e request latency in seconds.",
+                                             vm.REQUEST_LATENCY_BUCKETS)
+
+    def request_success(self, finished_reason: str) -> Counter:
+        return self._request_success.labels(**self._labels, finished_reason=finished_reason)
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self, time.monotonic)
@@ -59,11 +67,18 @@ class RequestTracker:
         self._clock = clock
         self._arrival = clock()
         self._last_token_time: float | None = None
+        self._seen = False
+        self._generated = 0
 
     def observe(self, output: RequestOutput) -> None:
         now = self._clock()
+        if not self._seen:   # the request's first output: its prompt and its local prefix hit are known
+            self._seen = True
+            self._metrics.prefix_cache_queries.inc(output.num_prompt_tokens)
+            self._metrics.prefix_cache_hits.inc(output.num_cached_tokens)
         if output.new_token_ids:
             self._metrics.generation_tokens.inc(len(output.new_token_ids))
+            self._generated += len(output.new_token_ids)
             if self._last_token_time is None:
                 self._metrics.time_to_first_token.observe(now - self._arrival)
             else:
@@ -71,9 +86,11 @@ class RequestTracker:
             self._last_token_time = now
         if output.finished:
             self._metrics.prompt_tokens.inc(output.num_prompt_tokens)
+            self._metrics.request_prompt_tokens.observe(output.num_prompt_tokens)
+            self._metrics.request_generation_tokens.observe(self._generated)
             self._metrics.e2e_request_latency.observe(now - self._arrival)
             reason = output.finish_reason.value if output.finish_reason is not None else "unknown"
-            self._metrics.request_success.labels(finished_reason=reason).inc()
+            self._metrics.request_success(reason).inc()
 
 
 def _endpoint_label(request: web.Request) -> str:

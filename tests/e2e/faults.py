@@ -65,7 +65,7 @@ def assert_clean(*nodes: NodeProcess, timeout: float = WAIT_S) -> None:
     for node in nodes:
         wait_for(lambda n=node: metric(n, LEASE_LABEL) == 0, f"no lease held on {node.url}", timeout)
         assert_blocks_free(node, timeout=timeout)
-        for gauge in ("hybridpd:num_requests_running", "hybridpd:num_requests_waiting",
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                       "hybridpd:num_requests_waiting_for_remote_kv"):
             wait_for(lambda n=node, g=gauge: metric(n, g) == 0, f"{gauge} == 0 on {node.url}", timeout)
 

@@ -107,7 +107,7 @@ def test_a_dead_engine_process_fails_requests_in_flight_and_the_front_exits_for_
             "/v1/completions", {"prompt": "once upon a time", "max_tokens": 4000, "ignore_eos": True},
             timeout=WAIT_S * 4)))
         long_request.start()
-        wait_for(lambda: "hybridpd:num_requests_running 1.0" in node.metrics(), "the request to run")
+        wait_for(lambda: sum(node.metric_values("vllm:num_requests_running").values()) == 1, "the request to run")
         os.kill(engine, signal.SIGKILL)
         long_request.join(WAIT_S * 4)
         assert not long_request.is_alive()

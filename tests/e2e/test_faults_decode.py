@@ -96,7 +96,7 @@ def test_lease_expiring_while_the_decode_request_is_queued_fails_it_clearly(slot
         future = pool.submit(decode.post_json, "/v1/completions", {**body, "kv_transfer_params": params},
                              REQUEST_TIMEOUT_S)
         try:
-            wait_for(lambda: metric(decode, "hybridpd:num_requests_waiting") == 1, "the decode request to queue")
+            wait_for(lambda: metric(decode, "vllm:num_requests_waiting") == 1, "the decode request to queue")
             wait_for(lambda: metric(prefill, EXPIRED) == expired + 1, "the queued request's lease to expire")
         finally:
             hog.disconnect()  # the hog is aborted: the queued request runs, and finds its lease gone

@@ -89,7 +89,7 @@ def test_client_leaves_mid_stream_through_the_proxy(cluster):
     client = _stream(cluster, "mid-stream")
     client.send()
     client.read_events(3)
-    assert metric(cluster.decode, "hybridpd:num_requests_running") == 1
+    assert metric(cluster.decode, "vllm:num_requests_running") == 1
     client.disconnect()
     assert_clean(cluster.prefill, cluster.decode)
 

@@ -131,7 +131,7 @@ def test_disconnect_mid_stream_frees_blocks_and_node_stays_healthy(node):
 
 def test_metrics_and_drained_pool(node):
     text = node.metrics()
-    for name in ("hybridpd:num_requests_running", "hybridpd:kv_free_blocks", "hybridpd:prefix_cache_hits",
-                 "hybridpd:time_to_first_token_seconds", "hybridpd:kv_cache_usage_perc"):
+    for name in ("vllm:num_requests_running", "hybridpd:kv_free_blocks", "hybridpd:group_prefix_cache_hits",
+                 "vllm:time_to_first_token_seconds", "vllm:kv_cache_usage_perc"):
         assert name in text
     assert_blocks_free(node)

@@ -233,13 +233,13 @@ def test_metrics_collector_reads_the_snapshot(engine):
     engine.add_request(greedy("a", PROMPT, max_tokens=3))
     engine.step()
     engine.refresh_stats()
-    assert registry.get_sample_value("hybridpd:num_requests_running") == 1
+    assert registry.get_sample_value("vllm:num_requests_running", {"model_name": "model", "engine": "0"}) == 1
     assert registry.get_sample_value("hybridpd:engine_prompt_tokens_total") == len(PROMPT)
     total = registry.get_sample_value("hybridpd:kv_total_blocks", {"group": "1", "kind": "full_attention"})
     free = registry.get_sample_value("hybridpd:kv_free_blocks", {"group": "1", "kind": "full_attention"})
     assert total == 63 and free == 63 - 8             # 31 tokens in the cache: 8 blocks of 4
     run(engine)
     engine.refresh_stats()
-    assert registry.get_sample_value("hybridpd:num_requests_running") == 0
+    assert registry.get_sample_value("vllm:num_requests_running", {"model_name": "model", "engine": "0"}) == 0
     assert registry.get_sample_value("hybridpd:engine_generation_tokens_total") == 3
     assert all_free(engine)

@@ -143,9 +143,10 @@ async def test_metrics(client):
     text = await resp.text()
     assert 'hybridpd:http_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert 'hybridpd:http_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
-    assert "hybridpd:generation_tokens_total 3.0" in text
-    assert "hybridpd:prompt_tokens_total 1.0" in text
-    assert "hybridpd:time_to_first_token_seconds_count 1.0" in text
-    assert "hybridpd:inter_token_latency_seconds_count 2.0" in text
-    assert "hybridpd:e2e_request_latency_seconds_count 1.0" in text
-    assert 'hybridpd:request_success_total{finished_reason="length"} 1.0' in text
+    labels = f'engine="0",model_name="{MODEL}"'
+    assert f"vllm:generation_tokens_total{{{labels}}} 3.0" in text
+    assert f"vllm:prompt_tokens_total{{{labels}}} 1.0" in text
+    assert f"vllm:time_to_first_token_seconds_count{{{labels}}} 1.0" in text
+    assert f"vllm:inter_token_latency_seconds_count{{{labels}}} 2.0" in text
+    assert f"vllm:e2e_request_latency_seconds_count{{{labels}}} 1.0" in text
+    assert f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL}"}} 1.0' in text

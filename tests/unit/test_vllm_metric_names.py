@@ -1,0 +1,74 @@
+"""Our nodes' vLLM metrics against vLLM's own definitions (vllm/v1/metrics/loggers.py and the NIXL connector's
+metrics, as vLLM 0.11-0.33 define them: name, type, buckets), written down here so that a rename on our side fails a
+test. Collected from every family a node registers: the front's (server/metrics.py), the engine's
+(engine/metrics.py) and the connector's (connector/metrics.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from hybridpd.connector.metrics import ConnectorMetrics
+from hybridpd.engine.metrics import EngineCollector
+from hybridpd.server.metrics import ServerMetrics
+
+MAX_MODEL_LEN = 512
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500]   # vLLM's build_1_2_5_buckets(max_model_len)
+VLLM = [  # (name, type, buckets or None)
+    ("vllm:num_requests_running", "gauge", None),
+    ("vllm:num_requests_waiting", "gauge", None),
+    ("vllm:kv_cache_usage_perc", "gauge", None),
+    ("vllm:prefix_cache_queries", "counter", None),
+    ("vllm:prefix_cache_hits", "counter", None),
+    ("vllm:prompt_tokens", "counter", None),
+    ("vllm:generation_tokens", "counter", None),
+    ("vllm:request_success", "counter", None),
+    ("vllm:request_prompt_tokens", "histogram", TOKEN_BUCKETS),
+    ("vllm:request_generation_tokens", "histogram", TOKEN_BUCKETS),
+    ("vllm:time_to_first_token_seconds", "histogram",
+     [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+      160.0, 640.0, 2560.0]),
+    ("vllm:inter_token_latency_seconds", "histogram",
+     [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]),
+    ("vllm:e2e_request_latency_seconds", "histogram",
+     [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+      1920.0, 7680.0]),
+    ("vllm:nixl_xfer_time_seconds", "histogram",
+     [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]),
+    ("vllm:nixl_bytes_transferred", "histogram", [2 ** (10 + i) for i in range(1, 25, 2)]),
+    ("vllm:nixl_num_failed_transfers", "counter", None),
+    ("vllm:nixl_num_kv_expired_reqs", "counter", None),
+]
+LABELS = {"model_name": "m", "engine": "0"}
+
+
+@pytest.fixture(scope="module")
+def families():
+    registry = CollectorRegistry()
+    server = ServerMetrics(registry, "m", MAX_MODEL_LEN)
+    server.request_success("length").inc()
+    ConnectorMetrics(registry, "m")
+    stats = SimpleNamespace(num_running=1, num_waiting=2, num_loading=0, kv_usage=0.5, groups=[], prompt_tokens=0,
+                            generation_tokens=0)
+    EngineCollector(SimpleNamespace(stats=stats), "m").register(registry)
+    return {family.name: family for family in registry.collect()}
+
+
+@pytest.mark.parametrize("name, kind, buckets", VLLM, ids=[row[0] for row in VLLM])
+def test_a_vllm_metric_has_vllms_name_type_labels_and_buckets(families, name, kind, buckets):
+    family = families.get(name)
+    assert family is not None, f"{name} is not exported"
+    assert family.type == kind
+    for sample in family.samples:
+        assert {k: sample.labels[k] for k in LABELS} == LABELS, sample
+    if buckets is not None:
+        bounds = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
+        assert bounds == [*map(float, buckets), float("inf")]
+
+
+def test_no_figure_vllm_names_is_also_exported_under_our_prefix(families):
+    ours = {name.removeprefix("hybridpd:") for name in families if name.startswith("hybridpd:")}
+    theirs = {name.removeprefix("vllm:") for name, _, _ in VLLM}
+    assert not ours & theirs, ours & theirs
