@@ -5,7 +5,7 @@ the same torch thread count. Ours: every request is added to one `LLMEngine`, th
 work (continuous batching: one batched prefill, then batched decode steps). Theirs: `GraniteMoeHybridForCausalLM`
 (transformers' default attention implementation, KV/Mamba cache on) runs `generate` greedy, exactly `output_len`
 new tokens: batched (the headline baseline, the best transformers does here: every prompt in one batch — they have
-equal lengths, so no padding), and one prompt after the other (`ratio_sequential`, what the round-1 goal measured). It is loaded by tests/oracle/reference.py (the oracle tests'
+equal lengths, so no padding), and one prompt after the other (`ratio_sequential`). It is loaded by tests/oracle/reference.py (the oracle tests'
 reference, with the two extension keys patched in; its window mask also works with `generate`'s cache).
 
 The process keeps the memory it frees (glibc's trim and mmap thresholds raised, hybridpd/engine/host_memory.py),

@@ -1,8 +1,8 @@
-"""KV capacity per GiB and the prefix hit rate under memory pressure: the first round's cache policy against the
+"""KV capacity per GiB and the prefix hit rate under memory pressure: the every-interval cache policy (`--mamba-cache-retention every`) against the
 bounded, demand-driven one (engine/kv_cache/memory.py, retention.py).
 
 Policies:
-- `every_interval` (round 1): a Mamba group gets one cached-state slot per interval of the attention tokens, and a
+- `every_interval` (`--mamba-cache-retention every`): a Mamba group gets one cached-state slot per interval of the attention tokens, and a
   request saves a state at every interval boundary it crosses;
 - `budgeted_sparse` (now): running Mamba slots first, cached states under `--mamba-cache-budget` (default 10% of
   what is left), attention gets the rest; a request saves its prompt's end, the boundary of the prefix it shared,
@@ -15,8 +15,8 @@ aside and no cached state): `attention_tokens_per_gib_ratio`, goal >= 0.9.
 Hit rate: the default preset's real block sizes, a KVCacheManager driven like the engine drives it (admit, prefill
 in one step, generate `--output` tokens, free), a prefix-repetition workload (`--prefixes` shared prefixes of
 `--prefix-len` tokens, each asked `--repeats` times in shuffled order with a fresh suffix), the memory sized so
-that the first round's policy holds about a third of the prefixes; the hit rate is hit tokens over prompt tokens
-(the hybrid hit, every group agreeing). Goal: the new policy's rate >= 0.9x the first round's.
+that the every-interval policy holds about a third of the prefixes; the hit rate is hit tokens over prompt tokens
+(the hybrid hit, every group agreeing). Goal: the new policy's rate >= 0.9x the every-interval policy's.
 
 Last line: JSON with per preset `attention_tokens_per_gib_ratio` (both policies) and `hit_rate` (both policies and
 their ratio).
@@ -57,7 +57,7 @@ def preset_groups(preset: str) -> tuple[KVCacheGroup, ...]:
 
 
 def first_round_blocks(groups: tuple[KVCacheGroup, ...], memory: int) -> tuple[int, ...]:
-    """The first round's rule: one cached Mamba slot per interval of the attention tokens."""
+    """The every-interval rule: one cached Mamba slot per interval of the attention tokens."""
     pages = [g.page_size_bytes for g in groups]
     mamba = [isinstance(g.spec, MambaSpec) for g in groups]
     mamba_pages = sum(p for p, m in zip(pages, mamba) if m)
@@ -131,7 +131,7 @@ def main() -> int:
     order = [p for p in prefixes for _ in range(args.repeats)]
     rng.shuffle(order)
     prompts = [p + [rng.randrange(1, 500) for _ in range(args.suffix_len)] for p in order]
-    # memory: the first round's policy holds about a third of the prefixes (with their Mamba states)
+    # memory: the every-interval policy holds about a third of the prefixes (with their Mamba states)
     per_request = args.prefix_len + args.suffix_len + args.output
     memory = 1 << 20
     while attention_tokens(groups, first_round_blocks(groups, memory)) < args.prefixes * per_request / 3:

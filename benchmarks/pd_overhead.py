@@ -15,7 +15,7 @@ length the parts: `colocated_ttft_ms`, `pd_ttft_ms`, `colocated_second_ms`, `pd_
 prefill-role request, streamed, until its answer ended), `decode_role_first_ms` (the decode-role request continuing
 that stream, called directly: until its first chunk, the second token), `proxy_ms` (P/D TTFT minus the prefill
 role: what the proxy adds to the first token, with the run-to-run noise of the two), and `pull_ms` (the mean READ,
-from the decode node's `hybridpd:kv_read_seconds`). Goals (issue 16): at most 5 ms added at 128 tokens, at most 5%
+from the decode node's `hybridpd:kv_read_seconds`). Goals: at most 5 ms added at 128 tokens, at most 5%
 at 4,096.
 """
 

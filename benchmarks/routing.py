@@ -154,7 +154,7 @@ def memory_for_attention_tokens(tokens: int, budget: float) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefixes", type=int, default=24)
-    # 1,024 (512 until session 10): on the tiny default model a 512-token prompt computes in ~33 ms, of the order of
+    # 1,024 rather than 512: on the tiny default model a 512-token prompt computes in ~33 ms, of the order of
     # what every request pays in HTTP, IPC and the proxy whatever its hit (~6-11 ms), which no real model's prefill
     # is near; benchmarks/README.md has both lengths' figures.
     parser.add_argument("--prefix-len", type=int, default=1024)

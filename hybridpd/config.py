@@ -20,7 +20,7 @@ class MambaCacheMode(enum.Enum):
 
 class MambaRetentionPolicy(enum.Enum):
     SPARSE = "sparse"   # a few chosen boundaries per request (engine/kv_cache/retention.py)
-    EVERY = "every"     # every interval boundary a request crosses (the first round's policy)
+    EVERY = "every"     # every interval boundary a request crosses (the policy that saves the most states)
 
 
 class KVLoadFailurePolicy(enum.Enum):

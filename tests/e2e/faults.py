@@ -1,4 +1,4 @@
-"""Helpers shared by the fault, tampered-params and fuzz e2e files (issue 7); it holds no tests itself.
+"""Helpers shared by the fault, tampered-params and fuzz e2e files; it holds no tests itself.
 
 Determinism without sleeps: a node is frozen with SIGSTOP (the kernel still accepts connections into its
 backlog, so a peer's call to it is in flight but unanswered), the test waits on a metric of the *other* node

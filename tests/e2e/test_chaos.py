@@ -1,4 +1,4 @@
-"""Chaos under load (issue 15): `hybridpd up` with 2 prefill + 2 decode nodes serves a bounded stream of mixed
+"""Chaos under load: `hybridpd up` with 2 prefill + 2 decode nodes serves a bounded stream of mixed
 requests (token-id prompts of 20-200 tokens, 2-12 output tokens, streamed or not) at concurrency 16 while a
 prefill node is SIGKILLed (and restarted by `up`), then a decode node, and then the other prefill node is paused
 (SIGSTOP) past its lease and resumed. Every request either completes with the tokens the same request gets on a

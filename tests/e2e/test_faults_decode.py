@@ -1,4 +1,4 @@
-"""Fault matrix (issue 7, item 1), decode side: the decode node dies while pulling and while decoding, and a
+"""Fault matrix, decode side: the decode node dies while pulling and while decoding, and a
 lease expires while the decode request is still queued. The prefill node (2 s leases) stays up; the decode node
 (`--max-num-seqs 1`, policy `fail`) is restarted after each kill.
 

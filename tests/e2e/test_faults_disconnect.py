@@ -1,4 +1,4 @@
-"""Fault matrix (issue 7, item 1): the client goes away during the prefill, during the pull and mid-stream, and
+"""Fault matrix: the client goes away during the prefill, during the pull and mid-stream, and
 the proxy is restarted while the nodes keep serving. 1 prefill + 1 decode node behind a real proxy process; after
 each case both nodes have every block back and no lease left.
 

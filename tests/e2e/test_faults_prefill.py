@@ -1,4 +1,4 @@
-"""Fault matrix (issue 7, item 1), prefill side: the prefill node dies before, during or after the decode node's
+"""Fault matrix, prefill side: the prefill node dies before, during or after the decode node's
 pull; its side channel is a closed port; it serves another checkpoint. Two decode nodes stay up the whole module,
 one with `--kv-load-failure-policy fail` (a 502 naming the prefill node and what failed) and one with `recompute`
 (the greedy answer of a colocated run); the prefill node is restarted after each kill.

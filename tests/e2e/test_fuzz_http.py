@@ -1,4 +1,4 @@
-"""Fuzzed HTTP input (issue 7, item 3) against real processes: a node, and a proxy in front of 1P+1D.
+"""Fuzzed HTTP input against real processes: a node, and a proxy in front of 1P+1D.
 
 Hypothesis draws JSON bodies for /v1/completions and /v1/chat/completions: mostly-valid bodies with one field
 replaced by anything, bodies of arbitrary optional fields, arbitrary JSON and raw bytes. Each answer must be
@@ -176,7 +176,7 @@ def _steers_a_pull(sent: bytes) -> bool:
 
 def _check_answer(status: int, content_type: str, raw: bytes, sent: bytes) -> None:
     """Below 500, except one case: well-formed remote-prefill params that name no live lease make the pull fail,
-    which item 2 of issue 7 allows as "a failed request with a message" (a 502 naming the peer)."""
+    which is a failed request with a message (a 502 naming the peer), not a server error."""
     if status == 502 and _steers_a_pull(sent):
         error = json.loads(raw)["error"]
         assert error["type"] == "kv_transfer_error" and "127.0.0.1:" in error["message"], raw[:300]

@@ -1,4 +1,4 @@
-"""Tampered `kv_transfer_params` (issue 7, item 2) against a real prefill node and a real decode node.
+"""Tampered `kv_transfer_params` against a real prefill node and a real decode node.
 
 Every tampered variant is refused: malformed values with a 400 before anything is read, well-formed lies with a
 502 that names the prefill node and what did not match. The decode node trusts only the blocks that the prefill

@@ -23,7 +23,7 @@ class MambaRetention:
     num_prompt_tokens: int
     shared_tokens: int      # the prefix full attention found cached at admission (0: none)
     interval: int
-    every: bool = False     # MambaRetentionPolicy.EVERY: keep every boundary (the first round's policy)
+    every: bool = False     # MambaRetentionPolicy.EVERY: keep every boundary (the densest policy)
 
     def keeps(self, boundary: int) -> bool:
         """Should the state after `boundary` intervals (boundary * interval tokens) be saved?"""

@@ -1,7 +1,7 @@
 """DecodeRole over the fake transport: a pull that succeeds, whose READ fails, and one that times out on a stalled
 READ NIXL refuses to cancel, with the READ finishing before, during or after the lease release. In each the engine
 hears exactly one final verdict, never while the READ may still write into the request's blocks, and the request
-is never left without one (defect 2 of issue 15: a drain that finished during the release left it hanging).
+is never left without one (a drain that finished during the release once left it hanging).
 Then the heartbeat that runs beside the READ: a lease it contradicts drops the READ, a READ inside the lease's proven
 lifetime does not wait for the Release, and without that proof the Release's answer decides."""
 

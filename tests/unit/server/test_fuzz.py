@@ -1,4 +1,4 @@
-"""Fuzzed JSON bodies (issue 7, item 3): never a 5xx, and the node answers /health 200 afterwards."""
+"""Fuzzed JSON bodies: never a 5xx, and the node answers /health 200 afterwards."""
 
 from __future__ import annotations
 
