@@ -1,6 +1,6 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN.
 
-Measured on an AMD EPYC guest with AVX-512 (one thread), MKL, which `F.linear` calls, runs the model's projections
+Measured on an AMD EPYC guest with AVX-512 (one thread): MKL, which `F.linear` calls, runs the model's projections
 (128-256 inputs, 128-580 outputs) at 75-85 GFLOP/s over 2,048-4,096 rows, where oneDNN's matmul
 (`torch.ops.mkldnn._linear_pointwise`, the weight taken as it is) runs them at 90-100; from a few hundred rows down
 both reach the same ~100 GFLOP/s. A step of a whole multiple of 1,024 rows (prompts whose lengths add up to it, such
