@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass, fields
 
 
@@ -65,6 +66,20 @@ def _fits(annotation: str, value: object) -> bool:
     if annotation == "str":
         return isinstance(value, str)
     return value is None or isinstance(value, str)  # "str | None"
+
+
+def listen_endpoint(endpoint: str, host: str) -> str:
+    """Where a node started with `--host host` binds a wildcard endpoint: on that host (a name resolved to its IPv4
+    address), never on every interface unless `host` is itself a wildcard. A node told to listen on loopback keeps
+    its KV events there too: they carry every block's token ids."""
+    if not endpoint.startswith("tcp://*:") or host in ("0.0.0.0", "", "::", "*"):
+        return endpoint
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        raise ValueError(f"--host {host!r} does not resolve to an IPv4 address for the KV event sockets: {exc}") \
+            from exc
+    return endpoint.replace("*", address, 1)
 
 
 def binds(endpoint: str) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import zmq
 
 from hybridpd.engine.kv_cache.events import KVCacheEvent
-from hybridpd.kv_events.config import KVEventsConfig, binds
+from hybridpd.kv_events.config import KVEventsConfig, binds, listen_endpoint
 from hybridpd.kv_events.wire import END_OF_REPLAY, GroupInfo, encode_batch, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ _STOP = None
 
 
 class ZmqEventPublisher:
-    def __init__(self, config: KVEventsConfig, groups: Sequence[GroupInfo]) -> None:
+    def __init__(self, config: KVEventsConfig, groups: Sequence[GroupInfo], host: str = "0.0.0.0") -> None:
+        """`host`: the node's `--host`, where wildcard endpoints are bound (kv_events/config.py: listen_endpoint)."""
         self._config = config
         self._groups = tuple(groups)
         self._queue: queue.Queue[tuple[float, list[KVCacheEvent]] | None] = queue.Queue(config.max_queue_size)
@@ -41,12 +42,12 @@ class ZmqEventPublisher:
         try:
             self._pub.set_hwm(config.hwm)
             if binds(config.endpoint):
-                self._pub.bind(config.endpoint)
+                self._pub.bind(listen_endpoint(config.endpoint, host))
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(listen_endpoint(config.replay_endpoint, host))
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise OSError(f"KV events: cannot open {config.endpoint} / {config.replay_endpoint}: {exc}") from exc

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -34,18 +33,6 @@ _PROBE_TIMEOUT = 2.0
 def _connect_host(host: str) -> str:
     """Where to reach a server that listens on `host` (a wildcard address is reached on loopback)."""
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-
-
-def _zmq_bind_host(host: str) -> str:
-    """Where the KV event sockets of a node started with `--host host` listen: that address (a name resolved to its
-    IPv4 address), never every interface unless `host` itself is a wildcard."""
-    if host in ("0.0.0.0", "", "::"):
-        return "*"
-    try:
-        return socket.gethostbyname(host)
-    except OSError as exc:
-        raise ValueError(f"--host {host!r} does not resolve to an IPv4 address for the KV event sockets: {exc}") \
-            from exc
 
 
 def _url(host: str, port: int) -> str:
@@ -90,11 +77,11 @@ class LocalCluster:
                  "--threads", str(self.spec.threads)]
         if self.spec.kv_events:
             offset = port - self.spec.base_port
-            bind = _zmq_bind_host(self.spec.host)
+            # the node binds these wildcards on its own --host (hybridpd/kv_events/config.py: listen_endpoint)
             argv += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://{bind}:{self.spec.base_port + EVENTS_PORT_OFFSET + offset}",
-                "replay_endpoint": f"tcp://{bind}:{self.spec.base_port + REPLAY_PORT_OFFSET + offset}",
+                "endpoint": f"tcp://*:{self.spec.base_port + EVENTS_PORT_OFFSET + offset}",
+                "replay_endpoint": f"tcp://*:{self.spec.base_port + REPLAY_PORT_OFFSET + offset}",
                 "topic": "kv-events",
             })]
         return argv + list(self.spec.serve_args)

@@ -147,7 +147,8 @@ class EngineSide:
         core = await asyncio.to_thread(LLMEngine, cfg.engine)
         EngineCollector(core, cfg.server.served_model_name).register(self.registry)
         groups = tuple(GroupInfo.of(i, g) for i, g in enumerate(core.groups))
-        publisher = ZmqEventPublisher(cfg.kv_events, groups) if cfg.kv_events.publishes else None
+        publisher = (ZmqEventPublisher(cfg.kv_events, groups, cfg.server.host) if cfg.kv_events.publishes
+                     else None)
         engine = AsyncEngine(core, cfg.server.served_model_name, sink=PipeSink(self.link),
                              kv_event_sink=publisher.publish if publisher is not None else None)
         if publisher is not None:

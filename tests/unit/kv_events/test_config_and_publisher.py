@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import zmq
 
 from hybridpd.engine.kv_cache.events import BlockRemoved
 from hybridpd.kv_events.config import KVEventsConfig
@@ -51,4 +52,24 @@ def test_publish_never_blocks_and_counts_what_it_drops():
         assert publisher.dropped >= 47   # at most 2 queued and 1 taken by the stalled thread
     finally:
         stalled.set()
+        publisher.close()
+
+
+@pytest.mark.parametrize("endpoint, host, listens", [
+    ("tcp://*:{port}", "127.0.0.1", "tcp://127.0.0.1:{port}"),   # `hybridpd up --host 127.0.0.1`
+    ("tcp://*:{port}", "localhost", "tcp://127.0.0.1:{port}"),
+    ("tcp://*:{port}", "0.0.0.0", "tcp://0.0.0.0:{port}"),       # a node told to listen everywhere
+])
+def test_a_wildcard_endpoint_listens_on_the_nodes_host_only(endpoint, host, listens):
+    """The events carry every block's token ids: a node on loopback must not publish them to the network."""
+    import socket as sockets
+
+    with sockets.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint.format(port=port))
+    publisher = ZmqEventPublisher(config, [], host)
+    try:
+        assert publisher._pub.getsockopt_string(zmq.LAST_ENDPOINT) == listens.format(port=port)
+    finally:
         publisher.close()

@@ -53,15 +53,3 @@ def test_describe_lists_every_endpoint_and_metrics_url():
     assert ("hybridpd bench --base-url http://127.0.0.1:8000 --metrics-url http://127.0.0.1:8101/metrics"
             in text.splitlines()[-1])
 
-
-@pytest.mark.parametrize("host, bind", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"), ("0.0.0.0", "*")])
-def test_the_kv_event_sockets_listen_on_the_cluster_host_only(host, bind):
-    """`hybridpd up --routing cache_aware --host 127.0.0.1` must not publish every block's token ids to the network."""
-    import json
-
-    from hybridpd.launcher.cluster import LocalCluster
-
-    cluster = LocalCluster(ClusterSpec(num_prefill=1, num_decode=1, host=host, kv_events=True))
-    argv = cluster._serve_argv(8100, 9100)
-    config = json.loads(argv[argv.index("--kv-events-config") + 1])
-    assert config["endpoint"].startswith(f"tcp://{bind}:") and config["replay_endpoint"].startswith(f"tcp://{bind}:")
