@@ -39,6 +39,7 @@ WORKERS = 4
 CLIENT_TIMEOUT_S = 60.0
 STARTUP_S = 240.0
 NUM_BODIES = 24
+LEASE_S = 5            # a lease whose decode node died with it ends this soon, so the pools drain in the test
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def test_gray_failures_cost_a_few_requests_and_every_node_returns(tiny, tmp_path
     up = subprocess.Popen(
         [sys.executable, "-m", "hybridpd", "up", "--prefill", "2", "--decode", "2", "--model", str(tiny),
          "--port", str(proxy_port), "--base-port", str(base), "--run-dir", str(tmp_path / "run"),
-         "--", "--kv-cache-memory", "64MiB", "--kv-load-timeout", "5", "--engine-heartbeat-timeout", "3"],
+         "--", "--kv-cache-memory", "64MiB", "--kv-load-timeout", "5", "--engine-heartbeat-timeout", "3",
+         "--kv-lease-seconds", str(LEASE_S)],
         stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT,
     )
     proxy = f"http://127.0.0.1:{proxy_port}"
@@ -184,7 +186,7 @@ def test_gray_failures_cost_a_few_requests_and_every_node_returns(tiny, tmp_path
         assert load.completed_since(0) >= 40
         for port in nodes.values():
             view = NodeProcess(None, port, port + 1000, tmp_path / "unused.log")  # type: ignore[arg-type]
-            assert_blocks_free(view, timeout=30)
+            assert_blocks_free(view, timeout=LEASE_S + 30)
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)

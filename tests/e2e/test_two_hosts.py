@@ -214,7 +214,7 @@ def test_pd_across_the_link_equals_colocated(hosts, prompt):
     status, local = decode.request("/v1/completions", body)
     assert status == 200, local
     assert json.loads(remote)["choices"][0]["token_ids"] == json.loads(local)["choices"][0]["token_ids"]
-    assert decode.metric_values("hybridpd:kv_bytes_read_total").get(f'{{peer="{PREFILL_ADDR}:{KV_PORT}"}}', 0) > 0
+    assert decode.metric_values("hybridpd:kv_bytes_read_total").get("", 0) > 0   # no label: peers are unbounded
 
 
 def test_link_down_mid_read_fails_cleanly_and_the_lease_frees_the_blocks(hosts):
@@ -244,4 +244,4 @@ def test_link_down_mid_read_fails_cleanly_and_the_lease_frees_the_blocks(hosts):
     _wait_pool_full(decode, timeout=30.0)
     _wait_pool_full(prefill, timeout=LEASE_S + MARGIN_S)
     assert prefill.metric_values("hybridpd:kv_leases_expired_total") == {"": 1.0}
-    assert decode.metric_values("hybridpd:kv_failed_loads_total") == {f'{{peer="{PREFILL_ADDR}:{KV_PORT}"}}': 1.0}
+    assert decode.metric_values("hybridpd:kv_failed_loads_total") == {"": 1.0}   # the peer is in the message
