@@ -23,7 +23,8 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
 def _add_datasets(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", default="random", choices=[d.value for d in DatasetName])
-    group.add_argument("--dataset-path", default=None, help="custom: a JSONL file, one {\"prompt\", \"output_tokens\"?} a line")
+    group.add_argument("--dataset-path", default=None,
+                       help="custom: a JSONL file, one {\"prompt\", \"output_tokens\"?} a line; mooncake_trace: the trace")
     group.add_argument("--num-prompts", type=int, default=1000)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--random-input-len", type=int, default=1024)
@@ -39,6 +40,15 @@ def _add_datasets(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     group.add_argument("--prefix-repetition-output-len", type=int, default=128)
     group.add_argument("--custom-output-len", type=int, default=256, help="custom: for lines without output_tokens")
+    trace = parser.add_argument_group("mooncake_trace (a Mooncake trace: arrival times and shared prefix blocks)")
+    trace.add_argument("--trace-tokens-per-hash", type=int, default=512,
+                       help="tokens per hash id (512 as published; fewer scale every length down)")
+    trace.add_argument("--trace-time-scale", type=float, default=1.0,
+                       help="the replay's times are the trace's times this many times (0.1: ten times faster)")
+    trace.add_argument("--trace-start", type=float, default=0.0, help="seconds into the trace where the slice starts")
+    trace.add_argument("--trace-duration", type=float, default=None, help="seconds of trace in the slice")
+    trace.add_argument("--trace-max-requests", type=int, default=None, help="at most this many requests of the slice")
+    trace.add_argument("--trace-max-output-len", type=int, default=None, help="cap every request's output length")
 
 
 def _add_traffic(parser: argparse.ArgumentParser) -> None:

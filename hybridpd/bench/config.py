@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridpd.bench.mooncake import TraceSlice
+
 PERCENTILE_METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRIC_NAMES = ("ttft", "tpot", "e2el")
 DEFAULT_RANDOM_VOCAB_SIZE = 250  # below 256 so every id is a byte of the byte tokenizer
@@ -17,6 +19,7 @@ class DatasetName(enum.Enum):
     RANDOM = "random"
     PREFIX_REPETITION = "prefix_repetition"
     CUSTOM = "custom"
+    MOONCAKE_TRACE = "mooncake_trace"   # bench/mooncake.py
 
     @property
     def synthetic(self) -> bool:
@@ -95,6 +98,8 @@ class BenchConfig:
     random: RandomDatasetConfig = field(default_factory=RandomDatasetConfig)
     prefix_repetition: PrefixRepetitionConfig = field(default_factory=PrefixRepetitionConfig)
     custom: CustomDatasetConfig = field(default_factory=CustomDatasetConfig)
+    trace: TraceSlice = field(default_factory=TraceSlice)
+    dataset_path: Path | None = None   # custom and mooncake_trace
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -128,6 +133,8 @@ class BenchConfig:
             raise ValueError(f"--metric-percentiles must be in [0, 100], got {self.metric_percentiles}")
         if self.dataset is DatasetName.CUSTOM and self.custom.path is None:
             raise ValueError("--dataset-name custom needs --dataset-path FILE.jsonl")
+        if self.dataset is DatasetName.MOONCAKE_TRACE and self.dataset_path is None:
+            raise ValueError("--dataset-name mooncake_trace needs --dataset-path TRACE.jsonl")
         if self.dataset is DatasetName.PREFIX_REPETITION and self.num_prompts < self.prefix_repetition.num_prefixes:
             raise ValueError(
                 f"--num-prompts ({self.num_prompts}) must be >= "
@@ -205,6 +212,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             path=Path(args.dataset_path) if args.dataset_path else None,
             output_len=args.custom_output_len,
         ),
+        trace=TraceSlice(
+            tokens_per_hash=args.trace_tokens_per_hash, time_scale=args.trace_time_scale, start_s=args.trace_start,
+            duration_s=args.trace_duration, max_requests=args.trace_max_requests,
+            max_output_len=args.trace_max_output_len,
+        ),
+        dataset_path=Path(args.dataset_path) if args.dataset_path else None,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,

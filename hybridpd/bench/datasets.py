@@ -1,4 +1,4 @@
-"""Benchmark prompts: random token ids, shared prefixes with random suffixes, or a JSONL file.
+"""Benchmark prompts: random token ids, shared prefixes with random suffixes, a JSONL file, or a Mooncake trace.
 
 Every generator takes its own `numpy.random.Generator` seeded from `--seed`, so a seed fixes the
 prompts (and nothing else in the process is touched). Token ids are always in `[0, vocab_size)`.
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridpd.bench import mooncake
+from hybridpd.bench.arrivals import arrival_offsets
 from hybridpd.bench.config import (
     BenchConfig,
     CustomDatasetConfig,
@@ -122,6 +124,41 @@ def load_custom(config: CustomDatasetConfig, *, num_prompts: int, rng: np.random
     return (shuffled + extra)[:num_prompts]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    samples: tuple[SampleRequest, ...]
+    offsets_s: tuple[float, ...]               # when each is sent, seconds after the start
+    ideal_hit_rate: float | None = None        # a trace slice's, with an unbounded cache (bench/mooncake.py)
+
+
+def load_trace(config: BenchConfig, *, vocab_size: int, rng: np.random.Generator) -> Workload:
+    assert config.dataset_path is not None
+    trace = config.trace
+    records = mooncake.select(mooncake.read_trace(config.dataset_path), trace)
+    if not records:
+        raise ValueError(f"{config.dataset_path}: no request in the slice (--trace-start {trace.start_s}, "
+                         f"--trace-duration {trace.duration_s})")
+    cap = trace.max_output_len
+    samples = []
+    for record in records:
+        tokens = mooncake.prompt_tokens(record, trace.tokens_per_hash, vocab_size, rng)
+        output = min(record.output_length, cap) if cap is not None else record.output_length
+        samples.append(SampleRequest(prompt=tokens, prompt_len=len(tokens), expected_output_len=output))
+    hits, total = mooncake.ideal_hit_tokens(records, trace.tokens_per_hash)
+    return Workload(samples=tuple(samples), offsets_s=tuple(mooncake.arrival_offsets(records, trace)),
+                    ideal_hit_rate=hits / total)
+
+
+def build_workload(config: BenchConfig, *, vocab_size: int) -> Workload:
+    """The run's prompts and their send times: a trace's own, or `--request-rate` with `--burstiness`."""
+    if config.dataset is DatasetName.MOONCAKE_TRACE:
+        return load_trace(config, vocab_size=vocab_size, rng=np.random.default_rng(config.seed))
+    samples = build_samples(config, vocab_size=vocab_size)
+    offsets = arrival_offsets(len(samples), request_rate=config.request_rate, burstiness=config.burstiness,
+                              rng=np.random.default_rng([config.seed, 1]))
+    return Workload(samples=tuple(samples), offsets_s=tuple(offsets))
+
+
 def build_samples(config: BenchConfig, *, vocab_size: int) -> list[SampleRequest]:
     """The run's prompts, from one generator seeded with `--seed`."""
     rng = np.random.default_rng(config.seed)
@@ -134,3 +171,5 @@ def build_samples(config: BenchConfig, *, vocab_size: int) -> list[SampleRequest
             )
         case DatasetName.CUSTOM:
             return load_custom(config.custom, num_prompts=config.num_prompts, rng=rng)
+        case DatasetName.MOONCAKE_TRACE:
+            return list(build_workload(config, vocab_size=vocab_size).samples)

@@ -13,10 +13,8 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from hybridpd.bench import plot
-from hybridpd.bench.arrivals import arrival_offsets
 from hybridpd.bench.cli_args import add_benchmark_arguments
 from hybridpd.bench.client import EndpointTarget
 from hybridpd.bench.config import (
@@ -26,7 +24,7 @@ from hybridpd.bench.config import (
     EndpointKind,
     config_from_args,
 )
-from hybridpd.bench.datasets import build_samples
+from hybridpd.bench.datasets import build_workload
 from hybridpd.bench.metrics import compute_metrics
 from hybridpd.bench.prometheus import counter_delta, scrape_counters
 from hybridpd.bench.report import RunInfo, build_result, format_errors, format_table, result_path, save_result
@@ -93,17 +91,15 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=SESSION_TIMEOUT) as session:
         card = await _model_card(session, config)
         model_id = config.model or (card.model_id if card else "")
-        samples = build_samples(config, vocab_size=_vocab_size(config, card))
+        workload = build_workload(config, vocab_size=_vocab_size(config, card))
+        samples = workload.samples
         if config.endpoint_kind is EndpointKind.CHAT and not all(isinstance(s.prompt, str) for s in samples):
             raise ValueError(f"{config.endpoint} needs text prompts: use --dataset-name custom with text prompts")
         target = EndpointTarget(
             api_url=config.api_url, kind=config.endpoint_kind, model=model_id,
             ignore_eos=config.ignore_eos, sampling=config.sampling,
         )
-        offsets = arrival_offsets(
-            len(samples), request_rate=config.request_rate, burstiness=config.burstiness,
-            rng=np.random.default_rng([config.seed, 1]),
-        )
+        offsets = workload.offsets_s
         distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
         print(f"Model: {model_id}  endpoint: {config.api_url}  dataset: {config.dataset.value}")
         print(f"Traffic request rate: {config.request_rate}")
@@ -118,6 +114,7 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
     metrics = compute_metrics(
         outcome.outputs, duration_s=outcome.duration_s, percentiles=config.metric_percentiles,
         goodput_slos_ms=config.goodput, kv_bytes_read=counter_delta(before, after),
+        ideal_hit_rate=workload.ideal_hit_rate,
     )
     for line in format_errors(outcome.outputs) + format_table(metrics, config, outcome.duration_s):
         print(line)

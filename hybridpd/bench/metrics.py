@@ -51,6 +51,7 @@ class BenchmarkMetrics:
     prefix_cache_hit_rate: float | None
     kv_bytes_read: int | None
     output_lens: tuple[int, ...]           # per request, 0 for a failed one
+    ideal_prefix_cache_hit_rate: float | None = None   # a trace slice's with an unbounded cache; None otherwise
 
     def stats(self, metric: str) -> LatencyStats:
         return {"ttft": self.ttft, "tpot": self.tpot, "itl": self.itl, "e2el": self.e2el}[metric]
@@ -124,6 +125,7 @@ def compute_metrics(
     percentiles: Sequence[float],
     goodput_slos_ms: Sequence[tuple[str, float]] = (),
     kv_bytes_read: float | None = None,
+    ideal_hit_rate: float | None = None,
 ) -> BenchmarkMetrics:
     if not duration_s > 0:
         raise ValueError(f"benchmark duration must be positive, got {duration_s}")
@@ -150,4 +152,5 @@ def compute_metrics(
         prefix_cache_hit_rate=hit_rate(good),
         kv_bytes_read=None if kv_bytes_read is None else int(round(kv_bytes_read)),
         output_lens=output_lens,
+        ideal_prefix_cache_hit_rate=ideal_hit_rate,
     )

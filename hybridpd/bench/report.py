@@ -1,4 +1,5 @@
-"""vLLM's printed result table and JSON result, plus our two lines (hit rate, KV bytes read)."""
+"""vLLM's printed result table and JSON result, plus our lines (hit rate, a trace slice's ideal hit rate, KV bytes
+read)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def format_table(metrics: BenchmarkMetrics, config: BenchConfig, duration_s: flo
     lines.append(_row("Peak concurrent requests:", float(metrics.max_concurrent_requests), ".2f"))
     lines.append(_row("Total token throughput (tok/s):", metrics.total_token_throughput, ".2f"))
     lines.append(_row("Prefix cache hit rate:", metrics.prefix_cache_hit_rate, ".4f"))
+    if metrics.ideal_prefix_cache_hit_rate is not None:
+        lines.append(_row("Ideal prefix cache hit rate (trace):", metrics.ideal_prefix_cache_hit_rate, ".4f"))
     lines.append(_row("KV bytes read:", metrics.kv_bytes_read))
     for key, name, header in SECTIONS:
         if key not in config.percentile_metrics:
@@ -113,6 +116,7 @@ def build_result(
         "max_output_tokens_per_s": metrics.max_output_tokens_per_s,
         "max_concurrent_requests": metrics.max_concurrent_requests,
         "prefix_cache_hit_rate": metrics.prefix_cache_hit_rate,
+        "ideal_prefix_cache_hit_rate": metrics.ideal_prefix_cache_hit_rate,
         "kv_bytes_read": metrics.kv_bytes_read,
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": list(metrics.output_lens),
