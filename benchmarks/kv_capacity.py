@@ -56,7 +56,7 @@ def preset_groups(preset: str) -> tuple[KVCacheGroup, ...]:
     return group_layers(model.kv_cache_specs(BLOCK, interval))
 
 
-def first_round_blocks(groups: tuple[KVCacheGroup, ...], memory: int) -> tuple[int, ...]:
+def every_interval_blocks(groups: tuple[KVCacheGroup, ...], memory: int) -> tuple[int, ...]:
     """The every-interval rule: one cached Mamba slot per interval of the attention tokens."""
     pages = [g.page_size_bytes for g in groups]
     mamba = [isinstance(g.spec, MambaSpec) for g in groups]
@@ -116,12 +116,12 @@ def main() -> int:
     for preset in PRESETS:
         groups = preset_groups(preset)
         limit = attention_token_limit(groups, GIB, max_num_seqs=MAX_NUM_SEQS)
-        old = attention_tokens(groups, first_round_blocks(groups, GIB))
+        old = attention_tokens(groups, every_interval_blocks(groups, GIB))
         new = attention_tokens(groups, blocks_for_memory(groups, GIB, max_num_seqs=MAX_NUM_SEQS))
         out["presets"][preset] = {
             "physical_limit_tokens": limit, "every_interval_tokens": old, "budgeted_sparse_tokens": new,
             "attention_tokens_per_gib_ratio": round(new / limit, 4),
-            "first_round_ratio": round(old / limit, 4),
+            "every_interval_ratio": round(old / limit, 4),
         }
         print(f"{preset}: {out['presets'][preset]}", file=sys.stderr, flush=True)
 
@@ -134,9 +134,9 @@ def main() -> int:
     # memory: the every-interval policy holds about a third of the prefixes (with their Mamba states)
     per_request = args.prefix_len + args.suffix_len + args.output
     memory = 1 << 20
-    while attention_tokens(groups, first_round_blocks(groups, memory)) < args.prefixes * per_request / 3:
+    while attention_tokens(groups, every_interval_blocks(groups, memory)) < args.prefixes * per_request / 3:
         memory = int(memory * 1.25)
-    old_rate = hit_rate(groups, first_round_blocks(groups, memory), MambaRetentionPolicy.EVERY, prompts, args.output)
+    old_rate = hit_rate(groups, every_interval_blocks(groups, memory), MambaRetentionPolicy.EVERY, prompts, args.output)
     new_counts = blocks_for_memory(groups, memory, max_num_seqs=MAX_NUM_SEQS, mamba_cache_mode=MambaCacheMode.ALIGN)
     new_rate = hit_rate(groups, new_counts, MambaRetentionPolicy.SPARSE, prompts, args.output)
     ceiling = (args.repeats - 1) / args.repeats * args.prefix_len / (args.prefix_len + args.suffix_len)
