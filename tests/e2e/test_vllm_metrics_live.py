@@ -1,38 +1,64 @@
 """A live node's `/metrics` after a few requests: every vLLM metric an operator's tools read is there, under vLLM's
 name and labels, with a value these requests explain (counts equal to the requests sent, histograms with as many
-observations, token totals equal to what the answers say)."""
+observations, token totals equal to what the answers say). And the P/D dashboard (deploy/k8s/overlays/monitoring):
+it has the fields Grafana's dashboard model requires, and every query names a metric a live node or proxy exports."""
 
 from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridpd.engine.model.presets import write_checkpoint
+from tests.e2e.faults import start_proxy
 from tests.e2e.nodes import assert_blocks_free, start_node
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "overlays" / "monitoring" / "hybridpd-pd.json"
 
 REQUESTS = 5
 MAX_TOKENS = 4
 
 
+def families(text: str) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+        out.setdefault(family.name, [])
+    return out
+
+
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory):
+def cluster(tmp_path_factory):
+    """One node, and a proxy in front of it in both roles (its metric families are what the dashboard reads)."""
     model = write_checkpoint("tiny", tmp_path_factory.mktemp("m") / "tiny")
-    node = start_node(model, tmp_path_factory.mktemp("logs"), ["--num-blocks", "256", "--max-model-len", "512"])
+    logs = tmp_path_factory.mktemp("logs")
+    node = start_node(model, logs, ["--num-blocks", "256", "--max-model-len", "512"])
+    proxy = None
     try:
-        prompt_tokens = 0
-        for i in range(REQUESTS):
-            status, body = node.post_json("/v1/completions", {"prompt": [7, 8, 9, 10 + i] * (i + 1),
-                                                              "max_tokens": MAX_TOKENS, "ignore_eos": True})
-            assert status == 200, body
-            prompt_tokens += body["usage"]["prompt_tokens"]
-        assert_blocks_free(node)
-        samples = {}
-        for family in text_string_to_metric_families(node.metrics()):
-            for sample in family.samples:
-                samples.setdefault(sample.name, []).append(sample)
-        yield samples, prompt_tokens
+        proxy = start_proxy(node, node, logs)
+        yield node, proxy
     finally:
+        if proxy is not None:
+            proxy.kill()
         node.kill()
+
+
+@pytest.fixture(scope="module")
+def scraped(cluster):
+    node, _ = cluster
+    prompt_tokens = 0
+    for i in range(REQUESTS):
+        status, body = node.post_json("/v1/completions", {"prompt": [7, 8, 9, 10 + i] * (i + 1),
+                                                          "max_tokens": MAX_TOKENS, "ignore_eos": True})
+        assert status == 200, body
+        prompt_tokens += body["usage"]["prompt_tokens"]
+    assert_blocks_free(node)
+    return families(node.metrics()), prompt_tokens
 
 
 def total(samples, name: str) -> float:
@@ -67,3 +93,23 @@ def test_token_totals_and_cache_figures_are_plausible(scraped):
     assert total(samples, "vllm:nixl_num_failed_transfers_total") == 0   # no pull was made
     reasons = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}
     assert reasons == {"length": REQUESTS}
+
+
+def test_the_dashboard_has_grafanas_fields_and_queries_only_exported_metrics(cluster, scraped):
+    node, proxy = cluster
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
+        exported = {**families(resp.read().decode()), **families(node.metrics())}
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert {"uid", "title", "panels", "schemaVersion", "time", "templating"} <= dashboard.keys()
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(set(ids)) == len(ids) and dashboard["panels"]
+    for panel in dashboard["panels"]:
+        assert {"type", "title", "gridPos", "targets", "datasource"} <= panel.keys(), panel.get("title")
+        assert {"h", "w", "x", "y"} <= panel["gridPos"].keys()
+        for target in panel["targets"]:
+            names = re.findall(r"\b(?:vllm:|hybridpd:|hybridpd_proxy_)[a-zA-Z0-9_:]+", target["expr"])
+            assert names, target["expr"]
+            for name in names:
+                family = re.sub(r"_(bucket|sum|count|total)$", "", name)
+                assert name in exported or family in exported, \
+                    f"panel {panel['title']!r} queries {name}, which nothing exports"
