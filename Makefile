@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q -e '.[test,plot,otel]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,6 +6,8 @@ no answer within the timeout, token rejected, no live lease.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 
 from hybridpd.connector.side_channel_auth import bearer_metadata
@@ -58,13 +60,13 @@ class SideChannelClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
 
-    async def heartbeat(self, request_id: str, secret: str) -> LeaseView:
+    async def heartbeat(self, request_id: str, secret: str, trace: Mapping[str, str] = {}) -> LeaseView:
         """Renew the lease (`secret`: the lease's own); raises KVTransferError when it is unknown, expired or
-        another request's."""
+        another request's. `trace`: W3C trace headers sent as metadata, so the prefill node's span nests."""
         try:
             reply = await self._kv().Heartbeat(
                 pb.HeartbeatRequest(request_id=request_id, lease_secret=secret), timeout=self._timeout_s,
-                metadata=self._metadata,
+                metadata=tuple(self._metadata or ()) + tuple(trace.items()),
             )
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None

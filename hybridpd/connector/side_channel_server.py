@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
+from collections.abc import Mapping
 from typing import Protocol
 
 import grpc
@@ -20,6 +21,7 @@ from hybridpd.connector.side_channel_auth import is_authorized
 from hybridpd.connector.trusted_peers import TrustedPeers
 from hybridpd.proto import kv_transfer_pb2 as pb
 from hybridpd.proto import kv_transfer_pb2_grpc as pb_grpc
+from hybridpd.tracing import carrier_of
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +33,11 @@ class SideChannelHandler(Protocol):
 
     def metadata(self) -> pb.NodeMetadata: ...
 
-    def heartbeat(self, request_id: str, secret: str) -> LeaseView | None:
+    def heartbeat(self, request_id: str, secret: str, trace: Mapping[str, str] = {}) -> LeaseView | None:
         """Extends the lease and returns it (new expiry, leased blocks); None if unknown or already expired, or
         raises LookupError whose message says why (expired, already released, never held, another holder's): the
-        reader sees it. `secret` is the lease's own (only its holder may renew or release it)."""
+        reader sees it. `secret` is the lease's own (only its holder may renew or release it). `trace`: the caller's
+        W3C trace headers (hybridpd/tracing.py), empty when it traces nothing."""
         ...
 
     def release(self, request_id: str, aborted: bool, secret: str) -> bool:
@@ -75,7 +78,8 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
-            lease = self._handler.heartbeat(request.request_id, request.lease_secret)
+            lease = self._handler.heartbeat(request.request_id, request.lease_secret,
+                                            carrier_of(dict(context.invocation_metadata() or ())))
         except LookupError as exc:
             return pb.HeartbeatResponse(ok=False, reason=str(exc))
         if lease is None:

@@ -43,6 +43,7 @@ from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.kv_cache.coordinator import StepBlocks
 from hybridpd.engine.sequence import Sequence
 from hybridpd.errors import KVTransferError
+from hybridpd.tracing import NoTracer, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class PullJob:
     hit_tokens: int
     load: tuple[tuple[tuple[int, int], ...], ...]   # per group: (logical block, local block)
     prompt_digest: bytes                            # of this request's prompt
+    trace_context: tuple[tuple[str, str], ...] = ()  # the request's span (hybridpd/tracing.py)
 
 
 class _EngineCalls:
@@ -89,7 +91,8 @@ class _EngineCalls:
 
 class DecodeRole:
     def __init__(self, engine: AsyncEngine, transport: Transport, *, engine_id: str, compat_hash: str,
-                 compat_fields: dict[str, str], config: KVTransferConfig, metrics: ConnectorMetrics) -> None:
+                 compat_fields: dict[str, str], config: KVTransferConfig, metrics: ConnectorMetrics,
+                 tracer: Tracer | None = None) -> None:
         self.engine = engine
         self.transport = transport
         self.engine_id = engine_id
@@ -97,6 +100,7 @@ class DecodeRole:
         self.compat_fields = compat_fields
         self.config = config
         self.metrics = metrics
+        self.tracer = tracer or NoTracer()
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
         self._engine_calls = _EngineCalls(engine)
@@ -108,7 +112,7 @@ class DecodeRole:
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
         assert seq.remote_prefill is not None
         job = PullJob(request_id=seq.request_id, params=seq.remote_prefill, hit_tokens=hit_tokens, load=blocks.load,
-                      prompt_digest=prompt_digest(seq.prompt_token_ids))
+                      prompt_digest=prompt_digest(seq.prompt_token_ids), trace_context=seq.trace_context)
         self._loop.call_soon_threadsafe(self._spawn, job)
 
     def discard(self, seq: Sequence) -> None:
@@ -141,16 +145,19 @@ class DecodeRole:
 
     async def _run(self, job: PullJob) -> None:
         params = job.params
-        async with self.peers.use((params.remote_host, params.remote_port)) as peer:
-            await self._run_with(job, peer)
+        attributes = {"gen_ai.request.id": job.request_id, "hybridpd.peer": params.peer,
+                      "hybridpd.hit_tokens": job.hit_tokens, "hybridpd.remote_num_tokens": params.remote_num_tokens}
+        with self.tracer.span("kv pull", dict(job.trace_context), attributes) as span:
+            async with self.peers.use((params.remote_host, params.remote_port)) as peer:
+                await self._run_with(job, peer, span.carrier())
 
-    async def _run_with(self, job: PullJob, peer: Peer) -> None:
+    async def _run_with(self, job: PullJob, peer: Peer, trace: dict[str, str]) -> None:
         name = job.params.peer
         self.metrics.record_decode_hit(name, job.hit_tokens)
         end = PullEnd(job.request_id, self._engine_calls,
                       recompute=self.config.load_failure_policy is KVLoadFailurePolicy.RECOMPUTE)
         try:
-            await asyncio.wait_for(self._pull(job, end, peer), self.config.load_timeout_seconds)
+            await asyncio.wait_for(self._pull(job, end, peer, trace), self.config.load_timeout_seconds)
         except asyncio.TimeoutError:
             timeout = self.config.load_timeout_seconds
             await self._failed(job, end, peer, KVTransferError(name, f"timed out after {timeout:g} s"))
@@ -204,22 +211,22 @@ class DecodeRole:
                 reads.append(BlockRead(group_id=g, remote_block=leased[g][logical - start], local_block=local))
         return reads
 
-    async def _pull(self, job: PullJob, end: PullEnd, peer: Peer) -> None:
+    async def _pull(self, job: PullJob, end: PullEnd, peer: Peer, trace: dict[str, str]) -> None:
         params = job.params
         peer_name = await self._peer(params, peer)
         client = peer.client
         secret = params.remote_lease_secret or ""
         reads = self._reads(job)
         page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
-        started = time.perf_counter()
+        started, started_mono = time.perf_counter(), time.monotonic()
         try:
             handle = self.transport.start_read(peer_name, reads, params.remote_request_id.encode())
         except KVTransferError as exc:   # e.g. a block id outside the peer's pool: nothing was read
             raise KVTransferError(params.peer, exc.reason) from exc
         try:
-            lease = await client.heartbeat(params.remote_request_id, secret)
+            lease = await client.heartbeat(params.remote_request_id, secret, trace)
             self._check_lease(job, lease)
-            live_until = await self._wait_read(handle, client, params, started + lease.seconds_left)
+            live_until = await self._wait_read(handle, client, params, started + lease.seconds_left, trace)
         finally:
             if not self.transport.release(handle):
                 self._keep_blocks_until_stopped(end, handle, peer_name)
@@ -228,7 +235,11 @@ class DecodeRole:
             self._release_in_background(params, aborted=False)
         elif not await client.release(params.remote_request_id, aborted=False, secret=secret):
             raise KVTransferError(params.peer, "the lease ended before the read finished (expired or released)")
-        self.metrics.record_read(params.peer, sum(page_bytes[r.group_id] for r in reads), seconds)
+        num_bytes = sum(page_bytes[r.group_id] for r in reads)
+        self.metrics.record_read(params.peer, num_bytes, seconds)
+        self.tracer.record("read", trace, started_mono, started_mono + seconds, {
+            "hybridpd.read.bytes": num_bytes, "hybridpd.read.blocks": len(reads),
+            "hybridpd.read.groups": len({r.group_id for r in reads})})
 
     @staticmethod
     def _check_lease(job: PullJob, lease: LeaseView) -> None:
@@ -287,7 +298,7 @@ class DecodeRole:
         task.add_done_callback(self._tasks.discard)
 
     async def _wait_read(self, handle: int, client: SideChannelClient, params: RemotePrefillParams,
-                         live_until: float) -> float:
+                         live_until: float, trace: dict[str, str]) -> float:
         """Poll the READ to its end, renewing the lease whenever half of its proven remaining time has passed;
         returns until when (perf_counter) the lease is proven live. If the pull's deadline cancels this wait,
         `_pull` cancels the READ or, failing that, keeps the blocks until it stops (`_keep_blocks_until_stopped`)."""
@@ -301,7 +312,7 @@ class DecodeRole:
                 raise KVTransferError(params.peer, "the READ failed (peer gone or link down)")
             if time.perf_counter() >= renew_at:
                 sent = time.perf_counter()
-                lease = await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "")
+                lease = await client.heartbeat(params.remote_request_id, params.remote_lease_secret or "", trace)
                 live_until = sent + lease.seconds_left
                 renew_at = _renew_at(live_until)
             await asyncio.sleep(delay)

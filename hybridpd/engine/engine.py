@@ -324,6 +324,7 @@ class LLMEngine:
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_tokens - seq.num_prompt_tokens,
+            scheduled_at=seq.scheduled_at,
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             stop_reason=seq.stop_reason,

@@ -33,6 +33,9 @@ class EngineRequest:
     # The parsed `kv_transfer_params` of the HTTP body (a connector dataclass), None for a colocated request.
     kv_transfer: Any = None
     cache_salt: bytes | None = None
+    # W3C trace headers of the request's span (hybridpd/tracing.py), opaque to the engine: the connector's spans
+    # of this request (lease grant, pull, READ) nest under it. () when tracing is off.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,4 +61,5 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     # For a request prefilled here for a remote decode node: the top-level `kv_transfer_params` to answer.
     kv_transfer_params: dict[str, Any] | None = None
+    scheduled_at: float | None = None   # time.monotonic() when the engine first took the request from its queue
     error: Exception | None = field(default=None, compare=False)

@@ -13,6 +13,7 @@ A prefill-role request is an ordinary one that ends at its first token with its 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -228,7 +229,7 @@ class Scheduler:
         blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external, remote=True)
         if blocks is None:
             return False
-        self.waiting.popleft()
+        self._leave_queue(self.waiting.popleft())
         seq.num_cached_tokens = hit.num_tokens
         seq.num_computed_tokens = hit.num_tokens
         seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -236,6 +237,11 @@ class Scheduler:
         assert self.loader is not None
         self.loader.start_load(seq, hit.num_tokens, blocks)
         return True
+
+    @staticmethod
+    def _leave_queue(seq: Sequence) -> None:
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
 
     def _admit_local(self, seq: Sequence, hit: CacheHit, budget: int) -> ScheduledSeq | None:
         """Start prefilling `seq` after its hit."""
@@ -245,7 +251,7 @@ class Scheduler:
         if blocks is None:
             seq.num_computed_tokens = 0
             return None
-        self.waiting.popleft()
+        self._leave_queue(self.waiting.popleft())
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = hit.num_tokens
         seq.status = RequestStatus.RUNNING

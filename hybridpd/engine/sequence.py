@@ -35,6 +35,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     num_preemptions: int = 0
+    trace_context: tuple[tuple[str, str], ...] = ()   # EngineRequest.trace_context
+    scheduled_at: float | None = None         # time.monotonic() when it first left the waiting queue
 
     @classmethod
     def from_request(
@@ -65,6 +67,7 @@ class Sequence:
             generator=generator,
             arrival_order=arrival_order,
             all_token_ids=all_token_ids,
+            trace_context=request.trace_context,
         )
 
     @property

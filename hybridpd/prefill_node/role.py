@@ -22,6 +22,7 @@ from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.sequence import Sequence
 from hybridpd.prefill_node.leases import Lease, LeaseTable
+from hybridpd.tracing import NoTracer, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,12 @@ IDLE_POLL_S = 0.05
 
 class PrefillRole:
     def __init__(self, engine: AsyncEngine, transport: Transport, *, engine_id: str, advertised_host: str,
-                 side_channel_port: int, lease_seconds: float, metrics: ConnectorMetrics) -> None:
+                 side_channel_port: int, lease_seconds: float, metrics: ConnectorMetrics,
+                 tracer: Tracer | None = None) -> None:
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
+        self.tracer = tracer or NoTracer()
         self.engine_id = engine_id
         self.advertised_host = advertised_host
         self.side_channel_port = side_channel_port
@@ -58,8 +61,12 @@ class PrefillRole:
         block_ids = tuple(
             tuple(table[g][slice(*needed_span(group.spec, num_tokens))]) for g, group in enumerate(core.groups)
         )
+        granted = time.monotonic()
         lease = self.leases.add(seq.request_id, block_ids, num_tokens, prompt_digest(seq.prompt_token_ids))
         self.metrics.lease_acquired()
+        self.tracer.record("lease grant", dict(seq.trace_context), granted, time.monotonic(), {
+            "gen_ai.request.id": seq.request_id, "hybridpd.lease.tokens": num_tokens,
+            "hybridpd.lease.blocks": sum(map(len, block_ids)), "hybridpd.lease.seconds": self.leases.lease_seconds})
         return RemotePrefillParams(
             remote_engine_id=self.engine_id,
             remote_request_id=seq.request_id,

@@ -51,6 +51,7 @@ from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import DecodeStream, HeldLease, PrefillAnswer, UpstreamClient, first_byte_trace
+from hybridpd.tracing import Carrier, Span, carrier_of, start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Proxy:
         self._client: UpstreamClient | None = None
         self.feeds: KVFeeds | None = None
         self._releases: set[asyncio.Task] = set()
+        self.tracer = start_tracing("hybridpd-proxy", config.otlp_traces_endpoint)
 
     @property
     def cache_aware(self) -> bool:
@@ -114,6 +116,7 @@ class Proxy:
                     await self.feeds.close()
                     self.feeds = None
                 self._client = None
+                await asyncio.to_thread(self.tracer.shutdown)   # the spans still batched go out
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/completions")
@@ -123,26 +126,34 @@ class Proxy:
 
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        response = await self._answer(request, path, request_id)
+        with self.tracer.span("proxy request", carrier_of(request.headers),
+                              {"gen_ai.request.id": request_id, "http.route": path}) as span:
+            response = await self._answer(request, path, request_id, span)
+            span.set({"http.response.status_code": response.status})
         self.metrics.count_request(path, response.status)
         return response
 
-    async def _answer(self, request: web.Request, path: str, request_id: str) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, path: str, request_id: str, span: Span) -> web.StreamResponse:
         try:
             body = await request.json()
         except ValueError as exc:
             return invalid_request(f"request body is not valid JSON: {exc}", request_id)
         if not isinstance(body, dict):
             return invalid_request("request body must be a JSON object", request_id)
-        prompt = await self._prompt(path, body) if self.cache_aware else None
+        with self.tracer.span("routing", span.carrier(), {"hybridpd.routing": self.config.routing.value}):
+            prompt = await self._prompt(path, body) if self.cache_aware else None
         try:
-            answer = await self._prefill_or_fall_back(path, body, request_id, prompt)
+            with self.tracer.span("prefill call", span.carrier()) as call:
+                answer = await self._prefill_or_fall_back(path, body, request_id, prompt, call.carrier())
             kv_params = answer.kv_transfer_params if answer is not None else None
             lease = answer.lease if answer is not None else None
-            if answer is not None and answer.head and kv_params is not None:
-                return await self._decode_after_head(request, path, decode_body(body, kv_params, answer.stream_head),
-                                                     request_id, prompt, answer.head, lease)
-            return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt, lease)
+            with self.tracer.span("decode call", span.carrier()) as call:
+                if answer is not None and answer.head and kv_params is not None:
+                    return await self._decode_after_head(
+                        request, path, decode_body(body, kv_params, answer.stream_head), request_id, prompt,
+                        answer.head, lease, call.carrier())
+                return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt, lease,
+                                          call.carrier())
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
         except NoUpstreamError as exc:
@@ -173,11 +184,11 @@ class Proxy:
             self.metrics.count_prediction(choice.upstream, choice.predicted_hit, reported)
 
     async def _prefill_or_fall_back(self, path: str, body: dict[str, Any], request_id: str,
-                                    prompt: PromptHashes | None) -> PrefillAnswer | None:
+                                    prompt: PromptHashes | None, trace: Carrier) -> PrefillAnswer | None:
         """The prefill node's answer; None (the decode node prefills) when no prefill node could take the request
         and the colocated fallback is on. A 4xx (the client's own error) is never retried elsewhere."""
         try:
-            return await self._prefill(path, body, request_id, prompt)
+            return await self._prefill(path, body, request_id, prompt, trace)
         except (UpstreamError, NoUpstreamError) as exc:
             if not self.config.fallback_colocated:
                 raise
@@ -186,7 +197,7 @@ class Proxy:
             return None
 
     async def _prefill(self, path: str, body: dict[str, Any], request_id: str,
-                       prompt: PromptHashes | None) -> PrefillAnswer:
+                       prompt: PromptHashes | None, trace: Carrier) -> PrefillAnswer:
         router = self.routers[Role.PREFILL]
         attempts = min(_MAX_PREFILL_ATTEMPTS, len(router.upstreams))
         failed: list[UpstreamError] = []
@@ -196,7 +207,7 @@ class Proxy:
             try:
                 answer = await self.client.prefill(
                     router, upstream, path, prefill_body(body, self.config.first_token_from_prefill),
-                    f"{request_id}-prefill", choice.work_tokens,
+                    f"{request_id}-prefill", choice.work_tokens, trace,
                 )
             except UpstreamError as exc:
                 failed.append(exc)
@@ -212,10 +223,10 @@ class Proxy:
 
     async def _decode(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None,
-        lease: HeldLease | None = None,
+        lease: HeldLease | None, trace: Carrier,
     ) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
-            stream = await self._open_decode(stack, path, body, request_id, prompt, lease=lease)
+            stream = await self._open_decode(stack, path, body, request_id, prompt, lease=lease, trace=trace)
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
@@ -236,7 +247,7 @@ class Proxy:
 
     async def _decode_after_head(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
                                  prompt: PromptHashes | None, head: bytes,
-                                 lease: HeldLease | None) -> web.StreamResponse:
+                                 lease: HeldLease | None, trace: Carrier) -> web.StreamResponse:
         """A stream whose head (the first token) came with the prefill node's answer: the client has it before the
         decode call is even opened; the decode node's events follow. From here a failure is an error event."""
         try:
@@ -250,7 +261,7 @@ class Proxy:
         await out.write(head)
         async with contextlib.AsyncExitStack() as stack:
             try:
-                stream = await self._open_decode(stack, path, body, request_id, prompt, first, lease)
+                stream = await self._open_decode(stack, path, body, request_id, prompt, first, lease, trace)
             except UpstreamRejectedError as exc:
                 logger.warning("request %s: %s refused the decode call: HTTP %d", request_id, exc.upstream.name,
                                exc.status)
@@ -265,12 +276,12 @@ class Proxy:
 
     async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
                            request_id: str, prompt: PromptHashes | None, first: Choice | None = None,
-                           lease: HeldLease | None = None) -> DecodeStream:
+                           lease: HeldLease | None = None, trace: Carrier | None = None) -> DecodeStream:
         """The decode call (on `first` when given), opened on a second node if the first could not be connected to.
         When no decode node takes it, the prefill node's lease is released at once (it would pin blocks until it
         expired)."""
         try:
-            return await self._open_decode_on(stack, path, body, request_id, prompt, first)
+            return await self._open_decode_on(stack, path, body, request_id, prompt, first, trace or {})
         except (UpstreamError, UpstreamRejectedError, NoUpstreamError):
             self._release(lease)
             raise
@@ -283,14 +294,15 @@ class Proxy:
         task.add_done_callback(self._releases.discard)
 
     async def _open_decode_on(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
-                              request_id: str, prompt: PromptHashes | None, first: Choice | None) -> DecodeStream:
+                              request_id: str, prompt: PromptHashes | None, first: Choice | None,
+                              trace: Carrier) -> DecodeStream:
         router = self.routers[Role.DECODE]
         tried: list[Upstream] = []
         while True:
             choice = first if first is not None and not tried else self._choose(Role.DECODE, prompt, tuple(tried))
             try:
                 stream = await stack.enter_async_context(
-                    self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens))
+                    self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens, trace))
             except UpstreamError as exc:
                 tried.append(choice.upstream)
                 if not exc.nothing_sent or len(tried) >= min(2, len(router.upstreams)):

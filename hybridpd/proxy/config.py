@@ -114,6 +114,7 @@ class ProxyConfig:
     # cache_aware: the weights of the cost rule (proxy/cache_aware.py)
     cost_rule: CostRule = field(default_factory=CostRule)
     tls: TLSConfig | None = None     # proxy -> node calls over HTTPS, with this certificate (hybridpd/tls.py)
+    otlp_traces_endpoint: str | None = None   # OpenTelemetry traces (hybridpd/tracing.py); None: off
 
     @property
     def scheme(self) -> str:

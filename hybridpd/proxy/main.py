@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_token_arguments(parser, "sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry "
                                 "kv_transfer_params")
     add_tls_arguments(parser)
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry traces there (vLLM's flag): http(s)://HOST:4318/v1/traces or "
+                             "grpc://HOST:4317; the proxy's spans and the traceparent it passes on to the nodes")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -152,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         health_timeout=args.health_timeout,
         cluster_token=read_token(args),
         tls=TLSConfig.from_args(args),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

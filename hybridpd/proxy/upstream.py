@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,9 +178,10 @@ class UpstreamClient:
             total=config.health_timeout, sock_connect=min(config.connect_timeout, config.health_timeout)
         )
 
-    def _headers(self, request_id: str, body: dict[str, Any]) -> dict[str, str]:
-        """The node checks the cluster token only on calls that carry kv_transfer_params; only those get it."""
-        headers = {"X-Request-Id": request_id}
+    def _headers(self, request_id: str, body: dict[str, Any], trace: Mapping[str, str] = {}) -> dict[str, str]:
+        """The node checks the cluster token only on calls that carry kv_transfer_params; only those get it. `trace`:
+        the W3C headers of the call's span (hybridpd/tracing.py)."""
+        headers = {"X-Request-Id": request_id, **trace}
         if self._config.cluster_token is not None and "kv_transfer_params" in body:
             headers[CLUSTER_TOKEN_HEADER] = self._config.cluster_token
         return headers
@@ -226,12 +227,12 @@ class UpstreamClient:
 
     async def prefill(
         self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str,
-        work_tokens: int = 0,
+        work_tokens: int = 0, trace: Mapping[str, str] = {},
     ) -> PrefillAnswer:
         """Runs the prefill call; returns the answer's top-level `kv_transfer_params` (None when absent) and, for a
         streamed call, the head of the client's stream."""
         async with self._call(router, upstream, work_tokens):
-            raw, cached, streamed = await self._prefill_call(router, upstream, path, body, request_id)
+            raw, cached, streamed = await self._prefill_call(router, upstream, path, body, request_id, trace)
             if streamed:
                 try:
                     stream = read_prefill_stream(raw)
@@ -251,7 +252,7 @@ class UpstreamClient:
             return PrefillAnswer(kv_transfer_params=params, cached_tokens=cached, lease=HeldLease.of(upstream, params))
 
     async def _prefill_call(self, router: Router, upstream: Upstream, path: str, body: dict[str, Any],
-                            request_id: str) -> tuple[bytes, int | None, bool]:
+                            request_id: str, trace: Mapping[str, str]) -> tuple[bytes, int | None, bool]:
         """The answer's bytes, the node's reported hit and whether it streamed. The node's first byte must come within
         `prefill_first_byte_timeout`; a call still under way when its node is ejected (its probes failed: a wedged
         or stopped engine) is given up, to be retried elsewhere (a prefill is idempotent until it answers)."""
@@ -259,7 +260,7 @@ class UpstreamClient:
 
         async def call() -> tuple[bytes, int | None, bool]:
             async with self._session.post(
-                self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
+                self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body, trace),
                 timeout=self._prefill_timeout, expect100=True, trace_request_ctx=first_byte,
             ) as response:
                 first_byte.set()
@@ -283,7 +284,7 @@ class UpstreamClient:
     @contextlib.asynccontextmanager
     async def decode(
         self, router: Router, upstream: Upstream, path: str, body: dict[str, Any], request_id: str,
-        work_tokens: int = 0,
+        work_tokens: int = 0, trace: Mapping[str, str] = {},
     ) -> AsyncIterator[DecodeStream]:
         """Opens the decode call; the connection closes (and the node sees it) when the block exits.
 
@@ -295,7 +296,7 @@ class UpstreamClient:
         async with self._call(router, upstream, work_tokens) as call, contextlib.AsyncExitStack() as stack:
             first_byte = asyncio.Event()
             opening = self._session.post(
-                self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body),
+                self._config.base_url(upstream) + path, json=body, headers=self._headers(request_id, body, trace),
                 timeout=self._stream_timeout if wants_stream(body) else self._whole_call_timeout,
                 expect100=True, trace_request_ctx=first_byte,
             )

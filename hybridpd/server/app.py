@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +41,8 @@ from hybridpd.server.protocol import (
 from hybridpd.server.responses import FinalOutput, final_response, models_response, tokenize_response
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
+from hybridpd.server.request_trace import record_request
+from hybridpd.tracing import NoTracer, Tracer, carrier_of
 from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
@@ -60,8 +63,10 @@ def _client_gone(request: web.Request) -> bool:
 
 class Handlers:
     def __init__(self, engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
-                 metrics: ServerMetrics, admission: Admission, engine_metrics: EngineMetrics | None) -> None:
+                 metrics: ServerMetrics, admission: Admission, engine_metrics: EngineMetrics | None,
+                 tracer: Tracer) -> None:
         self._engine = engine
+        self._tracer = tracer
         self._engine_metrics = engine_metrics
         self._config = config
         self._registry = registry
@@ -96,26 +101,35 @@ class Handlers:
         return await self._generate(request, parse_chat_request)
 
     async def _generate(self, request: web.Request, parse: Parser) -> web.StreamResponse:
-        with self._admission.admit():
+        with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
             parsed = parse(body, self._engine, self._config.served_model_name)
             self._check_peer(parsed)
             tracker = self._metrics.tracker()
-            outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
+            parsed = replace(parsed, engine_request=replace(parsed.engine_request,
+                                                            trace_context=tuple(span.carrier().items())))
             try:
-                first = await outputs.next()
-                error = failure(first)
-                if error is not None:
-                    tracker.observe(first)
-                    raise error
-                headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
-                if parsed.stream:
-                    builder = ChunkBuilder(parsed, self._config.served_model_name, self._engine.tokenizer)
-                    return await stream_outputs(request, parsed, first, outputs, builder, tracker, headers)
-                return await self._answer(request, parsed, first, outputs, tracker, headers)
+                return await self._run(request, parsed, tracker)
             finally:
-                await outputs.close()
+                record_request(self._tracer, span, parsed, tracker)
+
+    async def _run(self, request: web.Request, parsed: ParsedRequest,
+                   tracker: RequestTracker) -> web.StreamResponse:
+        outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
+        try:
+            first = await outputs.next()
+            error = failure(first)
+            if error is not None:
+                tracker.observe(first)
+                raise error
+            headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
+            if parsed.stream:
+                builder = ChunkBuilder(parsed, self._config.served_model_name, self._engine.tokenizer)
+                return await stream_outputs(request, parsed, first, outputs, builder, tracker, headers)
+            return await self._answer(request, parsed, first, outputs, tracker, headers)
+        finally:
+            await outputs.close()
 
     async def _answer(self, request: web.Request, parsed: ParsedRequest, first: RequestOutput,
                       outputs: EngineOutputs, tracker: RequestTracker,
@@ -171,7 +185,7 @@ def probe_app(app: web.Application) -> web.Application:
 
 def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
                extra_routes: Iterable[web.AbstractRouteDef] = (),
-               engine_metrics: EngineMetrics | None = None) -> web.Application:
+               engine_metrics: EngineMetrics | None = None, tracer: Tracer | None = None) -> web.Application:
     """The app; `app[ADMISSION_KEY]` is its admission gate (close it to drain before shutdown). `/metrics` serves
     `registry` and, when given, the text `engine_metrics()` returns (an engine in another process).
 
@@ -184,7 +198,7 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
                           client_max_size=config.client_max_size)
     app[ADMISSION_KEY] = admission
     app[METRICS_KEY] = metrics
-    h = Handlers(engine, config, registry, metrics, admission, engine_metrics)
+    h = Handlers(engine, config, registry, metrics, admission, engine_metrics, tracer or NoTracer())
     app[HEALTH_KEY] = h.health
     app.add_routes([
         web.post("/v1/completions", h.completions),

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--served-model-name", default=None, help="the model name in the API (default: the dir name)")
     http.add_argument("--shutdown-grace", type=float, default=10.0,
                       help="seconds to let running requests finish on SIGTERM before aborting them")
+    http.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                      help="send OpenTelemetry traces there (vLLM's flag): http(s)://HOST:4318/v1/traces over "
+                           "OTLP/HTTP, grpc://HOST:4317 over OTLP/gRPC; off by default (needs hybridpd[otel])")
     http.add_argument("--health-port", type=int, default=None,
                       help="also answer GET /health in plain HTTP on this port (Kubernetes probes when --tls-ca "
                            "makes the main port require client certificates)")
@@ -189,6 +192,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             served_model_name=args.served_model_name or Path(model_dir).resolve().name,
             shutdown_grace=args.shutdown_grace,
             health_port=args.health_port,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
             watchdog=WatchdogBounds(silent_after=args.engine_heartbeat_timeout,
                                     stall_after=args.engine_stall_timeout),
             cluster_token=cluster_token,

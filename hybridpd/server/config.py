@@ -18,6 +18,7 @@ class ServerConfig:
     served_model_name: str
     shutdown_grace: float = 10.0
     health_port: int | None = None   # a plain-HTTP listener for /health alone (probes under mutual TLS)
+    otlp_traces_endpoint: str | None = None   # OpenTelemetry traces (hybridpd/tracing.py); None: off
     watchdog: WatchdogBounds = field(default_factory=WatchdogBounds)   # the engine process's liveness bounds
     # When set, a request that carries `kv_transfer_params` must send it in CLUSTER_TOKEN_HEADER.
     cluster_token: str | None = field(default=None, repr=False)

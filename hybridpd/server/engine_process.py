@@ -48,6 +48,7 @@ from hybridpd.prefill_node.side_channel import PrefillSideChannel
 from hybridpd.server.args import NodeConfigs
 from hybridpd.server.config import LOOPBACK
 from hybridpd.server.watchdog import BEAT_INTERVAL_S
+from hybridpd.tracing import start_tracing
 from hybridpd.server.engine_link import (
     Abort,
     Aborted,
@@ -144,6 +145,7 @@ class EngineSide:
 
     async def _start(self) -> None:
         cfg = self.configs
+        self.tracer = start_tracing("hybridpd-node-engine", cfg.server.otlp_traces_endpoint)
         core = await asyncio.to_thread(LLMEngine, cfg.engine)
         EngineCollector(core, cfg.server.served_model_name).register(self.registry)
         groups = tuple(GroupInfo.of(i, g) for i, g in enumerate(core.groups))
@@ -165,15 +167,15 @@ class EngineSide:
         metrics = ConnectorMetrics(self.registry, cfg.server.served_model_name)
         prefill = PrefillRole(engine, transport, engine_id=self.engine_id, advertised_host=cfg.kv_transfer.kv_host,
                               side_channel_port=cfg.kv_transfer.kv_port, lease_seconds=cfg.kv_transfer.lease_seconds,
-                              metrics=metrics)
+                              metrics=metrics, tracer=self.tracer)
         decode = DecodeRole(engine, transport, engine_id=self.engine_id, compat_hash=hash_, compat_fields=fields,
-                            config=cfg.kv_transfer, metrics=metrics)
+                            config=cfg.kv_transfer, metrics=metrics, tracer=self.tracer)
         core.set_remote(decode, prefill.hold, cfg.kv_transfer.decode_skip_mamba_align)
         metadata = node_metadata(engine_id=self.engine_id, model_name=cfg.server.served_model_name,
                                  fields=fields, compat_hash=hash_, transport=transport, groups=core.groups,
                                  transport_address=cfg.kv_transfer.kv_host)
         tls = cfg.server.tls
-        side = SideChannelServer(PrefillSideChannel(prefill, metadata), cfg.kv_transfer.kv_host,
+        side = SideChannelServer(PrefillSideChannel(prefill, metadata, self.tracer), cfg.kv_transfer.kv_host,
                                  cfg.kv_transfer.kv_port, cfg.kv_transfer.cluster_token, cfg.server.trusted_peers,
                                  credentials=tls.grpc_server_credentials() if tls is not None else None)
         await side.start()
@@ -194,6 +196,7 @@ class EngineSide:
         self.transport.close()
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.close)
+        await asyncio.to_thread(self.tracer.shutdown)
         log.info("engine stopped: %d lease(s) released at shutdown", released)
         return released
 

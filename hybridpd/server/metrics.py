@@ -69,6 +69,20 @@ class RequestTracker:
         self._last_token_time: float | None = None
         self._seen = False
         self._generated = 0
+        # what the request's trace records afterwards (server/app.py)
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.scheduled_at: float | None = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    @property
+    def arrival(self) -> float:
+        return self._arrival
+
+    @property
+    def generated(self) -> int:
+        return self._generated
 
     def observe(self, output: RequestOutput) -> None:
         now = self._clock()
@@ -76,15 +90,19 @@ class RequestTracker:
             self._seen = True
             self._metrics.prefix_cache_queries.inc(output.num_prompt_tokens)
             self._metrics.prefix_cache_hits.inc(output.num_cached_tokens)
+            self.scheduled_at = output.scheduled_at
+            self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
         if output.new_token_ids:
             self._metrics.generation_tokens.inc(len(output.new_token_ids))
             self._generated += len(output.new_token_ids)
             if self._last_token_time is None:
                 self._metrics.time_to_first_token.observe(now - self._arrival)
+                self.first_token_at = now
             else:
                 self._metrics.inter_token_latency.observe(now - self._last_token_time)
             self._last_token_time = now
         if output.finished:
+            self.finished_at = now
             self._metrics.prompt_tokens.inc(output.num_prompt_tokens)
             self._metrics.request_prompt_tokens.observe(output.num_prompt_tokens)
             self._metrics.request_generation_tokens.observe(self._generated)

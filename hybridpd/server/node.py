@@ -31,6 +31,7 @@ from hybridpd.server.engine_link import StartFailed
 from hybridpd.server.kv_events_routes import kv_events_routes
 from hybridpd.server.lease_routes import lease_routes
 from hybridpd.server.remote_engine import EngineProcess, RemoteEngine
+from hybridpd.tracing import Tracer, start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ def keep_off(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, others)
 
 
-async def _cleanup(runners: list[web.AppRunner]) -> None:
+async def _cleanup(runners: list[web.AppRunner], tracer: Tracer) -> None:
     for runner in runners:
         await runner.cleanup()
+    await asyncio.to_thread(tracer.shutdown)   # the spans still batched go out
 
 
 async def _first_of(*events: asyncio.Event) -> None:
@@ -92,8 +94,9 @@ class Node:
             cfg.kv_events, info.groups, host=cfg.kv_transfer.kv_host, instance_id=info.engine_id,
             reset_prefix_cache=engine.reset_prefix_cache, cluster_token=cfg.server.cluster_token)
         routes = [*events_routes, *lease_routes(engine.release_lease, cfg.server.cluster_token)]
+        tracer = start_tracing("hybridpd-node", cfg.server.otlp_traces_endpoint)
         app = create_app(engine, cfg.server, CollectorRegistry(), extra_routes=routes,
-                         engine_metrics=engine.metrics_text)
+                         engine_metrics=engine.metrics_text, tracer=tracer)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         tls = cfg.server.tls
@@ -120,7 +123,7 @@ class Node:
         if engine.dead.is_set():
             log.error("the engine process died: the node exits so that its supervisor restarts it")
             app[ADMISSION_KEY].close()
-            await _cleanup(runners)
+            await _cleanup(runners, tracer)
             return 1
         grace = cfg.server.shutdown_grace
         log.info("shutting down (grace %.1f s)", grace)
@@ -133,8 +136,8 @@ class Node:
             released = await engine.drain(max(0.0, deadline - loop.time()))
         except (EngineDeadError, asyncio.TimeoutError) as exc:
             log.error("the engine process did not drain: %s", exc)
-            await _cleanup(runners)
+            await _cleanup(runners, tracer)
             return 1
         log.info("drained: %d request(s) aborted, %d lease(s) released at shutdown", aborted, released)
-        await _cleanup(runners)
+        await _cleanup(runners, tracer)
         return 0

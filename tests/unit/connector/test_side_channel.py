@@ -35,7 +35,7 @@ class FakeHandler:
                                    block_size=16)],
         )
 
-    def heartbeat(self, request_id: str, secret: str) -> LeaseView | None:
+    def heartbeat(self, request_id: str, secret: str, trace=None) -> LeaseView | None:
         self.secrets_seen.append(secret)
         if request_id not in self.leases:
             return None

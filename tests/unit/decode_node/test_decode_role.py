@@ -78,7 +78,7 @@ class FakeClient:
         self.lost: str | None = None
         self.live = True
 
-    async def heartbeat(self, request_id, secret):
+    async def heartbeat(self, request_id, secret, trace=None):
         if self.lost is not None:
             raise KVTransferError("127.0.0.1:1", f"lease lost: {self.lost}")
         return self.lease
