@@ -131,7 +131,7 @@ class LLMEngine:
                                     mamba_budget=cache.mamba_cache_budget)
         memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         return blocks_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode,
-                                 mamba_budget=cache.mamba_cache_budget)
+                                 mamba_budget=cache.mamba_cache_budget, max_model_len=self.max_model_len)
 
     def set_remote(self, loader: RemoteKVLoader, hold_handler: HoldHandler, decode_skip_mamba_align: bool) -> None:
         self.scheduler.loader = loader

@@ -1,7 +1,10 @@
 """How many blocks each group gets, from one `--kv-cache-memory` budget or an explicit attention block count.
 
-Every count includes the null block. Running requests come first: a Mamba group gets 1 + max_num_seqs slots for
-running states (fewer if the memory is tight, never fewer than 1). Of what is left, `mamba_budget` (a share, by
+Every count includes the null block. One request of the max model length comes first: its attention blocks (a
+window's only, for a sliding-window group) and one Mamba slot are set aside before anything else, and a budget that
+cannot hold them is refused with a message naming `--kv-cache-memory` and `--max-model-len` (vLLM refuses the same
+way at start-up). Running requests come next: a Mamba group gets 1 + max_num_seqs slots for running states, fewer
+when the memory is tight (concurrency follows from memory, never the other way round), never fewer than 1. Of what is left, `mamba_budget` (a share, by
 default 10%) buys cached Mamba states, the same number in every Mamba group (a cached prefix needs a state in
 each), in `align` mode only; the attention groups share the rest so that each can hold the same number of tokens
 (a token costs page/block_size bytes in each attention group). Which states fill those slots is the retention
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridpd.config import DEFAULT_MAMBA_CACHE_BUDGET, MambaCacheMode
-from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
+from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec, SlidingWindowSpec
 
 
 def _is_mamba(group: KVCacheGroup) -> bool:
@@ -28,6 +31,18 @@ def attention_bytes_per_token(groups: tuple[KVCacheGroup, ...]) -> float:
     return sum(g.page_size_bytes / g.spec.block_size for g in groups if not _is_mamba(g))
 
 
+def blocks_per_request(spec, max_model_len: int) -> int:
+    """Blocks one request of `max_model_len` tokens holds in an attention group at once (a window: only its own)."""
+    tokens = max_model_len
+    if isinstance(spec, SlidingWindowSpec):
+        tokens = min(spec.sliding_window + spec.block_size, max_model_len)
+    return -(-tokens // spec.block_size)
+
+
+def request_attention_bytes(groups: tuple[KVCacheGroup, ...], max_model_len: int) -> int:
+    return sum(blocks_per_request(g.spec, max_model_len) * g.page_size_bytes for g in groups if not _is_mamba(g))
+
+
 @dataclass(frozen=True)
 class _Split:
     running: int          # Mamba running slots per Mamba group
@@ -36,7 +51,8 @@ class _Split:
     attention_pages: int  # bytes of one block in every attention group together
 
 
-def _split(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: int) -> _Split:
+def _split(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: int, reserve: int = 0) -> _Split:
+    """`reserve`: attention bytes set aside before the running slots (one max-length request's)."""
     if not groups:
         raise ValueError("no KV cache groups to give memory to")
     if max_num_seqs < 1:
@@ -54,7 +70,7 @@ def _split(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: in
     running = max_num_seqs
     if mamba_pages:
         # null + running slots for Mamba, null + one block for attention, must fit
-        affordable = (memory_bytes - mamba_pages - 2 * attention_pages) // mamba_pages
+        affordable = (memory_bytes - mamba_pages - 2 * attention_pages - reserve) // mamba_pages
         running = max(1, min(max_num_seqs, affordable))
     fixed = (1 + running) * mamba_pages + attention_pages
     return _Split(running=running, rest=memory_bytes - fixed, mamba_pages=mamba_pages, attention_pages=attention_pages)
@@ -66,16 +82,44 @@ def attention_token_limit(groups: tuple[KVCacheGroup, ...], memory_bytes: int, *
     return int(_split(groups, memory_bytes, max_num_seqs).rest / per_token) if per_token else 0
 
 
+def _check_fits(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_model_len: int) -> int:
+    """The attention bytes one request of `max_model_len` needs; raises ValueError when the budget cannot hold it
+    with one Mamba slot beside (naming the flags, the memory it would need and the longest length that fits)."""
+    pages = [g.page_size_bytes for g in groups]
+    mamba_pages = sum(p for g, p in zip(groups, pages) if _is_mamba(g))
+    fixed = 2 * mamba_pages + sum(p for g, p in zip(groups, pages) if not _is_mamba(g))   # nulls + one slot
+    need = request_attention_bytes(groups, max_model_len)
+    if fixed + need <= memory_bytes:
+        return need
+    fits = 0
+    low, high = 1, max_model_len
+    while low <= high:   # the longest length whose request fits: the need only grows with the length
+        middle = (low + high) // 2
+        if fixed + request_attention_bytes(groups, middle) <= memory_bytes:
+            fits, low = middle, middle + 1
+        else:
+            high = middle - 1
+    raise ValueError(
+        f"--kv-cache-memory {memory_bytes / 2**20:.4g}MiB cannot hold one request of --max-model-len {max_model_len}: "
+        f"it needs {need / 2**20:.1f} MiB of attention KV beside {fixed / 2**20:.1f} MiB for one Mamba state and the "
+        f"null blocks, so give --kv-cache-memory at least {-(-(fixed + need) // 2**20)}MiB"
+        + (f", or --max-model-len at most {fits}" if fits else ""))
+
+
 def blocks_for_memory(groups: tuple[KVCacheGroup, ...], memory_bytes: int, *, max_num_seqs: int,
                       mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
-                      mamba_budget: float = DEFAULT_MAMBA_CACHE_BUDGET) -> tuple[int, ...]:
-    split = _split(groups, memory_bytes, max_num_seqs)
+                      mamba_budget: float = DEFAULT_MAMBA_CACHE_BUDGET,
+                      max_model_len: int | None = None) -> tuple[int, ...]:
+    """With `max_model_len`, one request of that length is guaranteed to fit (or ValueError says why not)."""
+    reserve = _check_fits(groups, memory_bytes, max_model_len) if max_model_len is not None else 0
+    split = _split(groups, memory_bytes, max_num_seqs, reserve)
     caching = mamba_cache_mode is MambaCacheMode.ALIGN and split.mamba_pages > 0
     if not split.attention_pages:  # Mamba only: every byte left holds cached states
         cached = split.rest // split.mamba_pages if caching else 0
         return tuple(1 + split.running + cached for _ in groups)
     cached = int(split.rest * mamba_budget) // split.mamba_pages if caching else 0
-    cached = min(cached, max(0, (split.rest - split.attention_pages) // split.mamba_pages) if caching else 0)
+    room = split.rest - max(split.attention_pages, reserve)   # the cached states never take the reserved request's
+    cached = min(cached, max(0, room // split.mamba_pages) if caching else 0)
     tokens = int((split.rest - cached * split.mamba_pages) / attention_bytes_per_token(groups))
     return tuple(
         1 + split.running + cached if _is_mamba(g) else 1 + max(1, tokens // g.spec.block_size) for g in groups
