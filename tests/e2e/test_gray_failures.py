@@ -39,7 +39,8 @@ WORKERS = 4
 CLIENT_TIMEOUT_S = 60.0
 STARTUP_S = 240.0
 NUM_BODIES = 24
-LEASE_S = 5            # a lease whose decode node died with it ends this soon, so the pools drain in the test
+LEASE_S = 15           # a lease whose decode node died ends this soon (the pools drain in the test), yet outlives
+                       # a decode call retried after a first-byte timeout (5 s)
 
 
 @dataclass(frozen=True)
