@@ -8,6 +8,7 @@ exiting with status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -28,11 +29,15 @@ from hybridpd.config import (
 )
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.engine.cpu_set import parse_cpu_list
+from hybridpd.engine.dtype_choice import DTYPES, choose_dtype, this_cpus_flags
+from hybridpd.engine.model.config import checkpoint_dtype
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
-from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.server.config import ServerConfig
+from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.tls import TLSConfig, add_tls_arguments
+
+log = logging.getLogger(__name__)
 
 KV_PORT_OFFSET = 1000  # --kv-port 0: the side channel listens on the HTTP port + this
 
@@ -115,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prefill tokens a step may carry while some request decodes, so that arriving prompts "
                             "do not stall the decodes for long (0: up to --max-num-batched-tokens)")
     sched.add_argument("--max-model-len", type=int, default=None)
-    sched.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    sched.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                       help="auto: the checkpoint's dtype where the CPU has bfloat16 units (AMX, AVX512-BF16), "
+                            "float32 elsewhere")
     sched.add_argument("--threads", type=int, default=1, help="torch threads for this node")
     sched.add_argument("--engine-cpus", default=None,
                        help="CPUs the engine thread runs on, a Linux CPU list (0, 0-3, 0,2); default: unpinned")
@@ -160,9 +167,11 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
     try:
         kv_events = KVEventsConfig.parse(args.kv_events_config)
         tls = TLSConfig.from_args(args)
+        dtype, why = choose_dtype(args.dtype, checkpoint_dtype(model_dir), this_cpus_flags())
+        log.info("computing in %s (%s)", dtype, why)
         engine = EngineConfig(
             model_dir=model_dir,
-            dtype=args.dtype,
+            dtype=dtype,
             threads=args.threads,
             cpus=parse_cpu_list(args.engine_cpus) if args.engine_cpus is not None else None,
             seed=args.seed,

@@ -211,6 +211,16 @@ def parse_eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype a checkpoint's weights were saved in, from its config.json (float32 when it cannot say: the
+    engine's own reading of the checkpoint reports what is wrong with it)."""
+    try:
+        raw = read_config_json(Path(model_dir) / "config.json")
+        return parse_dtype(raw) if isinstance(raw, dict) else "float32"
+    except (OSError, ValueError):
+        return "float32"
+
+
 def parse_dtype(raw: dict[str, Any]) -> str:
     value = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     value = value.removeprefix("torch.") if isinstance(value, str) else value
