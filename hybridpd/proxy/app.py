@@ -332,6 +332,7 @@ class Proxy:
         return web.json_response(body, status=status)
 
     async def prometheus(self, request: web.Request) -> web.StreamResponse:
+        self.metrics.retain({u.address for u in self.all_upstreams()})
         for router in self.routers.values():
             self.metrics.set_node_states(router.upstreams, router.outliers)
         for feed in self.feeds.feeds() if self.feeds is not None else ():

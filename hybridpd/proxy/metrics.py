@@ -1,6 +1,12 @@
-"""The proxy's Prometheus metrics, in a registry of its own (one per app, so tests can run many apps)."""
+"""The proxy's Prometheus metrics, in a registry of its own (one per app, so tests can run many apps).
+
+Series labelled by node are forgotten once the node has left the node lists (`retain`), so that nodes coming and
+going under DNS discovery cannot grow the scrape without bound.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -13,6 +19,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._by_address: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}   # the series each node has
         self.requests = Counter(
             "hybridpd_proxy_requests", "Client requests answered by the proxy",
             ["endpoint", "status"], registry=self.registry,
@@ -73,21 +80,21 @@ class ProxyMetrics:
         for upstream in upstreams:
             now = outliers.state(upstream)
             for state in NodeState:
-                self.node_state.labels(role=upstream.role.value, upstream=upstream.address,
-                                       state=state.value).set(1 if state is now else 0)
+                self._child(self.node_state, upstream.address, role=upstream.role.value, upstream=upstream.address,
+                            state=state.value).set(1 if state is now else 0)
         if upstreams:
             self.ejections.labels(role=upstreams[0].role.value).set(outliers.num_ejections)
 
     def set_index(self, address: str, num_hashes: int | None, batches: int) -> None:
-        self.kv_index_hashes.labels(upstream=address).set(-1 if num_hashes is None else num_hashes)
-        self.kv_event_batches.labels(upstream=address).set(batches)
+        self._child(self.kv_index_hashes, address, upstream=address).set(-1 if num_hashes is None else num_hashes)
+        self._child(self.kv_event_batches, address, upstream=address).set(batches)
 
     def count_prediction(self, upstream: Upstream, predicted: int, reported: int) -> None:
         labels = {"role": upstream.role.value, "upstream": upstream.address}
-        self.predicted_hit_tokens.labels(**labels).inc(predicted)
-        self.reported_hit_tokens.labels(**labels).inc(reported)
+        self._child(self.predicted_hit_tokens, upstream.address, **labels).inc(predicted)
+        self._child(self.reported_hit_tokens, upstream.address, **labels).inc(reported)
         outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
-        self.hit_predictions.labels(**labels, outcome=outcome).inc()
+        self._child(self.hit_predictions, upstream.address, **labels, outcome=outcome).inc()
 
     def count_fallback(self) -> None:
         self.fallback_colocated.inc()
@@ -96,16 +103,33 @@ class ProxyMetrics:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def count_call(self, upstream: Upstream) -> None:
-        self.upstream_requests.labels(role=upstream.role.value, upstream=upstream.address).inc()
+        self._child(self.upstream_requests, upstream.address, role=upstream.role.value,
+                    upstream=upstream.address).inc()
 
     def count_error(self, upstream: Upstream, kind: str) -> None:
-        self.upstream_errors.labels(role=upstream.role.value, upstream=upstream.address, kind=kind).inc()
+        self._child(self.upstream_errors, upstream.address, role=upstream.role.value, upstream=upstream.address,
+                    kind=kind).inc()
 
     def observe_latency(self, upstream: Upstream, seconds: float) -> None:
-        self.upstream_latency.labels(role=upstream.role.value, upstream=upstream.address).observe(seconds)
+        self._child(self.upstream_latency, upstream.address, role=upstream.role.value,
+                    upstream=upstream.address).observe(seconds)
 
     def set_outstanding(self, upstream: Upstream, count: int) -> None:
-        self.upstream_outstanding.labels(role=upstream.role.value, upstream=upstream.address).set(count)
+        self._child(self.upstream_outstanding, upstream.address, role=upstream.role.value,
+                    upstream=upstream.address).set(count)
+
+    def _child(self, metric: Any, address: str, **labels: str) -> Any:
+        self._by_address.setdefault(address, set()).add((metric, tuple(labels.values())))
+        return metric.labels(**labels)
+
+    def retain(self, addresses: set[str]) -> None:
+        """Forget the series of every node not in `addresses` (it left the node lists)."""
+        for address in [a for a in self._by_address if a not in addresses]:
+            for metric, values in self._by_address.pop(address):
+                try:
+                    metric.remove(*values)
+                except KeyError:
+                    pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -63,3 +63,23 @@ async def test_metrics_count_requests_errors_and_latency_per_upstream(make_harne
     ]
     for line in expected:
         assert line in text, line
+
+
+def test_the_series_of_a_node_that_left_are_forgotten():
+    """Nodes come and go under DNS discovery: the scrape must not grow with every node ever seen."""
+    from hybridpd.proxy.config import Role, Upstream
+    from hybridpd.proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics()
+    stay, leave = (Upstream(role=Role.DECODE, host="10.0.0.1", port=p) for p in (8100, 8101))
+    for node in (stay, leave):
+        metrics.count_call(node)
+        metrics.count_error(node, "timeout")
+        metrics.observe_latency(node, 0.1)
+        metrics.count_prediction(node, 16, 16)
+        metrics.set_index(node.address, 3, 1)
+    metrics.retain({stay.address})
+    text = metrics.render().decode()
+    assert stay.address in text and leave.address not in text
+    metrics.retain(set())
+    assert "10.0.0.1" not in metrics.render().decode()
