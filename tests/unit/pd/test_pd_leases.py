@@ -193,3 +193,26 @@ def test_only_the_holder_renews_or_releases(table, clock, presented):
 def test_every_lease_has_its_own_secret(table):
     secrets = {table.add(rid, BLOCKS, 1).secret for rid in ("a", "b", "c")}
     assert len(secrets) == 3
+
+
+def test_leases_expire_on_the_monotonic_clock_and_the_wire_gets_unix_time():
+    """A wall-clock step (NTP, a suspended guest) must not end a lease early: a node's table runs on
+    time.monotonic(), and `remote_lease_expiry` / a heartbeat's expiry are converted to unix time for the wire."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from hybridpd.connector.metrics import ConnectorMetrics
+    from hybridpd.prefill_node.role import PrefillRole
+
+    role = PrefillRole(None, None, engine_id="p", advertised_host="127.0.0.1", side_channel_port=1,
+                       lease_seconds=30.0, metrics=ConnectorMetrics(CollectorRegistry()))
+    assert role.leases.clock is time.monotonic
+    now = [1000.0]   # a monotonic clock far from unix time
+    table = LeaseTable(30.0, clock=lambda: now[0])
+    lease = table.add("r", ((1,),), 16)
+    assert abs(table.unix_time(lease.expiry) - (time.time() + 30.0)) < 1.0
+    now[0] += 29.0
+    assert table.expire_due() == []
+    now[0] += 2.0
+    assert [ended.request_id for ended in table.expire_due()] == ["r"]
