@@ -174,6 +174,21 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def expect_continue(request: web.Request) -> None:
+    """`Expect: 100-continue` as aiohttp answers it, for a caller that may have left meanwhile: the proxy waits a few
+    seconds for this first byte, so a front that was stopped and resumes finds callers gone. Their calls end here,
+    quietly (aiohttp's own handler logs a traceback for each)."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect')}")
+    if request.transport is None or request.transport.is_closing():
+        raise web.HTTPRequestTimeout()
+    try:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    except ConnectionResetError:
+        raise web.HTTPRequestTimeout() from None
+    request.writer.output_size = 0
+
+
 def probe_app(app: web.Application) -> web.Application:
     """A plain-HTTP app with `app`'s `/health` alone (`--health-port`): what a kubelet probes when the node's own
     listener requires client certificates (mutual TLS), which a probe cannot present. It tells nothing a peer could
@@ -201,8 +216,8 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
     h = Handlers(engine, config, registry, metrics, admission, engine_metrics, tracer or NoTracer())
     app[HEALTH_KEY] = h.health
     app.add_routes([
-        web.post("/v1/completions", h.completions),
-        web.post("/v1/chat/completions", h.chat_completions),
+        web.post("/v1/completions", h.completions, expect_handler=expect_continue),
+        web.post("/v1/chat/completions", h.chat_completions, expect_handler=expect_continue),
         web.get("/v1/models", h.models),
         web.post("/tokenize", h.tokenize),
         web.get("/health", h.health),

@@ -150,3 +150,34 @@ async def test_metrics(client):
     assert f"vllm:inter_token_latency_seconds_count{{{labels}}} 2.0" in text
     assert f"vllm:e2e_request_latency_seconds_count{{{labels}}} 1.0" in text
     assert f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL}"}} 1.0' in text
+
+
+async def test_a_caller_that_left_before_its_100_continue_ends_quietly():
+    """A stopped front resumes to find callers that gave up waiting for their first byte: no answer, no traceback."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+
+    from hybridpd.server.app import expect_continue
+
+    class Writer:
+        output_size = 5
+
+        async def write(self, data: bytes) -> None:
+            raise ConnectionResetError("Cannot write to closing transport")
+
+    closing = SimpleNamespace(is_closing=lambda: True)
+    open_ = SimpleNamespace(is_closing=lambda: False)
+    headers = {"Expect": "100-continue"}
+    for request in (SimpleNamespace(headers=headers, transport=closing, writer=Writer()),
+                    SimpleNamespace(headers=headers, transport=open_, writer=Writer()),
+                    SimpleNamespace(headers=headers, transport=None, writer=Writer())):
+        with pytest.raises(web.HTTPRequestTimeout):
+            await expect_continue(request)
+    with pytest.raises(web.HTTPExpectationFailed):
+        await expect_continue(SimpleNamespace(headers={"Expect": "something"}, transport=open_, writer=Writer()))
+
+
+async def test_a_call_with_expect_100_continue_is_answered(client):
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, expect100=True)
+    assert resp.status == 200
