@@ -167,7 +167,7 @@ def main() -> None:
             print(json.dumps({dtype: results[dtype]}), flush=True)
     main_dtype = default if default in results else args.dtypes[0]
     print(json.dumps({
-        "preset": args.preset, "default_dtype": main_dtype, "why": why,
+        "preset": args.preset, "dtype": main_dtype, "default_dtype": default, "why": why,
         "decode_roofline_fraction": results[main_dtype]["decode"][str(args.batches[0])]["roofline_fraction"],
         "prefill_roofline_fraction": results[main_dtype]["prefill"]["roofline_fraction"],
         "by_dtype": results,
