@@ -162,10 +162,10 @@ def engine_processes_of(front_pid: int) -> list[int]:
     return found
 
 
-def serve_until_exit(model: Path, port: int) -> tuple[int, str]:
+def serve_until_exit(model: Path, port: int, args: list[str] = SERVE_ARGS) -> tuple[int, str]:
     """`hybridpd serve` that is expected to fail: its exit code and stderr, once no engine process of it is left."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridpd", "serve", str(model), "--port", str(port), "--kv-port", "0", *SERVE_ARGS],
+        [sys.executable, "-m", "hybridpd", "serve", str(model), "--port", str(port), "--kv-port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = proc.communicate(timeout=120)
@@ -198,16 +198,7 @@ def test_an_http_port_already_taken_is_a_cli_error_and_stops_the_engine_process(
 
 def test_a_cache_that_cannot_hold_one_max_length_request_is_a_cli_error_naming_the_flags(model_dir, tmp_path):
     """As vLLM refuses at start-up: the node never starts in a state where every long prompt would get a 400."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--port", "0", "--kv-port", "0",
-         "--kv-cache-memory", "1MiB", "--max-model-len", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 2, stderr[-2000:]
+    code, stderr = serve_until_exit(model_dir, 0, ["--kv-cache-memory", "1MiB", "--max-model-len", "4096"])
+    assert code == 2, stderr[-2000:]
     assert "hybridpd serve: error:" in stderr and "--kv-cache-memory" in stderr and "--max-model-len" in stderr, \
         stderr[-2000:]
-    assert engine_processes_of(proc.pid) == []

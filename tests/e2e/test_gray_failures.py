@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,8 @@ import pytest
 from hybridpd.launcher.ports import free_cluster_ports
 from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint, process_tree
 from tests.e2e.test_chaos import _get_json, _node_pid, _token_ids, _wait_until
+from tests.e2e.test_chaos import CLIENT_TIMEOUT_S
+from tests.e2e.test_chaos import _post as chaos_post
 from tests.e2e.test_up import _children, _kill_leftovers, _stop
 
 FAULT_S = 25.0
@@ -36,7 +37,6 @@ SLOW_S = 10.0
 # calls that meet the failing node before it is ejected (the proxy's --eject-after, 3).
 A_FEW = 4 + 3
 WORKERS = 4
-CLIENT_TIMEOUT_S = 60.0
 STARTUP_S = 240.0
 NUM_BODIES = 24
 LEASE_S = 15           # a lease whose decode node died ends this soon (the pools drain in the test), yet outlives
@@ -52,13 +52,9 @@ class Outcome:
 
 
 def _post(url: str, body: dict) -> tuple[int, bytes]:
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    """The chaos test's call, with a connection that fails or times out as status 0 (a failed request here)."""
     try:
-        with urllib.request.urlopen(request, timeout=CLIENT_TIMEOUT_S) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        return chaos_post(url, body)
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         return 0, str(exc).encode()
 
