@@ -89,17 +89,26 @@ def tiny(tmp_path_factory) -> Path:
     return model
 
 
-def test_chaos_under_load(tiny, tmp_path):
+def start_2p2d(model: Path, tmp_path: Path, up_args: list[str],
+               serve_args: list[str]) -> tuple[subprocess.Popen, int, dict[str, int], list[int]]:
+    """`hybridpd up --prefill 2 --decode 2` on free ports, its output in tmp_path/up.log: (the process, the proxy's
+    port, each node's HTTP port by name, every port to clean up after)."""
     proxy_port, base = free_cluster_ports(4)
     nodes = {"prefill-0": base, "prefill-1": base + 1, "decode-0": base + 2, "decode-1": base + 3}
-    ports = [proxy_port, *nodes.values()]
     up = subprocess.Popen(
-        [sys.executable, "-m", "hybridpd", "up", "--prefill", "2", "--decode", "2", "--model", str(tiny),
-         "--port", str(proxy_port), "--base-port", str(base), "--run-dir", str(tmp_path / "run"),
-         "--proxy-arg=--prefill-timeout=20", "--proxy-arg=--decode-timeout=60", "--proxy-arg=--connect-timeout=2",
-         "--", "--kv-cache-memory", "64MiB", "--kv-lease-seconds", str(LEASE_S), "--kv-load-timeout", "20"],
+        [sys.executable, "-m", "hybridpd", "up", "--prefill", "2", "--decode", "2", "--model", str(model),
+         "--port", str(proxy_port), "--base-port", str(base), "--run-dir", str(tmp_path / "run"), *up_args,
+         "--", "--kv-cache-memory", "64MiB", *serve_args],
         stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT,
     )
+    return up, proxy_port, nodes, [proxy_port, *nodes.values()]
+
+
+def test_chaos_under_load(tiny, tmp_path):
+    up, proxy_port, nodes, ports = start_2p2d(
+        tiny, tmp_path,
+        ["--proxy-arg=--prefill-timeout=20", "--proxy-arg=--decode-timeout=60", "--proxy-arg=--connect-timeout=2"],
+        ["--kv-lease-seconds", str(LEASE_S), "--kv-load-timeout", "20"])
     proxy = f"http://127.0.0.1:{proxy_port}"
     paused: list[int] = []
     try:

@@ -13,8 +13,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,10 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.launcher.ports import free_cluster_ports
 from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint, process_tree
-from tests.e2e.test_chaos import _get_json, _node_pid, _token_ids, _wait_until
-from tests.e2e.test_chaos import CLIENT_TIMEOUT_S
+from tests.e2e.test_chaos import CLIENT_TIMEOUT_S, _get_json, _node_pid, _token_ids, _wait_until, start_2p2d
 from tests.e2e.test_chaos import _post as chaos_post
 from tests.e2e.test_up import _children, _kill_leftovers, _stop
 
@@ -126,16 +122,9 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_gray_failures_cost_a_few_requests_and_every_node_returns(tiny, tmp_path):
-    proxy_port, base = free_cluster_ports(4)
-    nodes = {"prefill-0": base, "prefill-1": base + 1, "decode-0": base + 2, "decode-1": base + 3}
-    ports = [proxy_port, *nodes.values()]
-    up = subprocess.Popen(
-        [sys.executable, "-m", "hybridpd", "up", "--prefill", "2", "--decode", "2", "--model", str(tiny),
-         "--port", str(proxy_port), "--base-port", str(base), "--run-dir", str(tmp_path / "run"),
-         "--", "--kv-cache-memory", "64MiB", "--kv-load-timeout", "5", "--engine-heartbeat-timeout", "3",
-         "--kv-lease-seconds", str(LEASE_S)],
-        stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT,
-    )
+    up, proxy_port, nodes, ports = start_2p2d(
+        tiny, tmp_path, [],
+        ["--kv-load-timeout", "5", "--engine-heartbeat-timeout", "3", "--kv-lease-seconds", str(LEASE_S)])
     proxy = f"http://127.0.0.1:{proxy_port}"
     stopped: list[int] = []
     try:
