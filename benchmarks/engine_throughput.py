@@ -36,7 +36,7 @@ import torch
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.host_memory import keep_freed_memory
-from hybridpd.engine.model.presets import DEFAULT_PRESET, write_checkpoint
+from hybridpd.presets.checkpoints import DEFAULT_PRESET, write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
 

@@ -37,7 +37,7 @@ from hybridpd.config import CacheConfig, MambaCacheMode, MambaRetentionPolicy
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
 from hybridpd.engine.kv_cache.memory import attention_token_limit, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec, group_layers
-from hybridpd.engine.model.preset_shapes import SHAPES
+from hybridpd.presets.shapes import SHAPES
 from hybridpd.engine.model.registry import family_for
 
 GIB = 2**30

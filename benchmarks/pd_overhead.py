@@ -31,7 +31,7 @@ import urllib.request
 from typing import Any
 
 from hybridpd.bench.prometheus import counter_sum
-from hybridpd.engine.model.presets import default_model_dir
+from hybridpd.presets.checkpoints import default_model_dir
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec

@@ -53,7 +53,7 @@ from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports, free_port
 from hybridpd.launcher.process import ChildProcess
 from hybridpd.launcher.spec import ClusterSpec
-from hybridpd.engine.model.presets import default_model_dir
+from hybridpd.presets.checkpoints import default_model_dir
 
 VOCAB = 250           # token ids below the byte tokenizer's special ids
 HEALTH_DEADLINE = 60.0

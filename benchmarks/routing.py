@@ -33,7 +33,7 @@ import torch
 from hybridpd.engine.kv_cache.memory import attention_bytes_per_token
 from hybridpd.engine.kv_cache.spec import MambaSpec, group_layers
 from hybridpd.engine.model.loader import read_model_config
-from hybridpd.engine.model.presets import default_model_dir
+from hybridpd.presets.checkpoints import default_model_dir
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec

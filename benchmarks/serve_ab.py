@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--serve-args", default="", help="more `hybridpd serve` flags for both sides, one string")
     args = parser.parse_args()
     if args.model is None:
-        from hybridpd.engine.model.presets import default_model_dir
+        from hybridpd.presets.checkpoints import default_model_dir
         args.model = default_model_dir(VLLM_PRESET)
     base = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.base}^{{commit}}"],
                           capture_output=True, text=True)

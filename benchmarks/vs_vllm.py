@@ -168,7 +168,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.model is None:
-        from hybridpd.engine.model.presets import default_model_dir
+        from hybridpd.presets.checkpoints import default_model_dir
         args.model = default_model_dir(VLLM_PRESET)
     python = vllm_python(args.venv)
     vllm_port, our_port = free_port(), free_port()

@@ -12,7 +12,7 @@ COMMANDS = {
     "proxy": ("hybridpd.proxy.main", "route each request to a prefill node, then a decode node"),
     "up": ("hybridpd.up", "start a local cluster: N prefill + M decode nodes and a proxy"),
     "bench": ("hybridpd.bench.main", "benchmark a server like `vllm bench serve`"),
-    "make-checkpoint": ("hybridpd.engine.model.presets", "write a tiny random checkpoint"),
+    "make-checkpoint": ("hybridpd.presets.checkpoints", "write a tiny random checkpoint"),
 }
 
 

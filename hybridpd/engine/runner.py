@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
-from hybridpd.engine.model.hybrid_lm import HybridLM
+from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry, int64_tensor
+from hybridpd.engine.model.granite.model import HybridLM
 from hybridpd.engine.sampling import SampledToken, sample
 from hybridpd.engine.scheduler import SchedulerPlan
 

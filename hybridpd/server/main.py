@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from hybridpd.engine.model.presets import default_model_dir
+from hybridpd.presets.checkpoints import default_model_dir
 from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
 from hybridpd.server.config import LOOPBACK
 from hybridpd.server.node import EngineStartError, Node

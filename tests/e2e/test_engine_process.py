@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.nodes import NodeProcess, process_tree, start_node
 
 SERVE_ARGS = ["--num-blocks", "256", "--max-model-len", "512"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.nodes import NodeProcess, free_port
 from tests.e2e.faults import (
     NODE_ARGS,

@@ -10,7 +10,7 @@ import json
 import aiohttp
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.nodes import assert_blocks_free, start_node, stream_completion
 
 

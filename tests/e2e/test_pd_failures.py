@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.pd_calls import (
     assert_drained,
     colocated_token_ids,

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.nodes import assert_blocks_free, process_tree, start_node
 from tests.e2e.pd_calls import greedy_body, prefill_call
 

@@ -32,7 +32,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridpd.connector.side_channel_client import SideChannelClient
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from hybridpd.errors import KVTransferError
 from hybridpd.launcher.spec import ClusterSpec
 from hybridpd.proxy.main import add_arguments as add_proxy_arguments

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.nodes import NodeProcess, start_node
 
 GRACE_S = 2.0

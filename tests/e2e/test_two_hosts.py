@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 
 PREFILL_ADDR, DECODE_ADDR = "10.77.0.1", "10.77.0.2"
 HTTP_PORT, KV_PORT = 8100, 9100  # fresh namespaces: nothing else can hold these ports there

@@ -12,8 +12,8 @@ import torch
 
 from hybridpd.engine.kv_cache.spec import MambaSpec, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry
-from hybridpd.engine.model.hybrid_lm import HybridLM
+from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry
+from hybridpd.engine.model.granite.model import HybridLM
 
 
 @dataclass

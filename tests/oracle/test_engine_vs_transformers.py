@@ -15,7 +15,7 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import SchedulerPlan

@@ -13,7 +13,7 @@ import torch
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec
 from hybridpd.engine.model.loader import load_model
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 from tests.oracle.paged_runner import PagedRunner
 from tests.oracle.reference import load_reference, reference_logits
 

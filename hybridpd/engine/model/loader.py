@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridpd.engine.model.config import CheckpointError, read_checkpoint_json
+from hybridpd.engine.model.granite.config import CheckpointError, read_checkpoint_json
 from hybridpd.engine.model.paged_lm import PagedCausalLM
 from hybridpd.engine.model.registry import ModelConfig, family_for
 

@@ -15,12 +15,12 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.attention import Attention
-from hybridpd.engine.model.decode_kv import DecodeKV
-from hybridpd.engine.model.forward_batch import ForwardBatch
-from hybridpd.engine.model.layers import RotaryEmbedding
-from hybridpd.engine.model.mamba2 import Mamba2Mixer
-from hybridpd.engine.model.step_context import build_step_context
+from hybridpd.engine.model.layers.attention import Attention
+from hybridpd.engine.model.step.decode_kv import DecodeKV
+from hybridpd.engine.model.step.forward_batch import ForwardBatch
+from hybridpd.engine.model.layers.rotary import RotaryEmbedding
+from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.step.context import build_step_context
 
 
 class PagedCausalLM(nn.Module):

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.hybrid_lm import HybridLM
-from hybridpd.engine.model.nemotron_h import NemotronHLM
-from hybridpd.engine.model.nemotron_h_config import NemotronHConfig
+from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.engine.model.granite.model import HybridLM
+from hybridpd.engine.model.nemotron_h.model import NemotronHLM
+from hybridpd.engine.model.nemotron_h.config import NemotronHConfig
 from hybridpd.engine.model.paged_lm import PagedCausalLM
 
 

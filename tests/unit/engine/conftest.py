@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridpd.engine.engine import LLMEngine
-from hybridpd.engine.model.decode_kv import LENGTH_STEP, DecodeKV
+from hybridpd.engine.model.step.decode_kv import LENGTH_STEP, DecodeKV
 
 from .engine_harness import drive, greedy, make_recording_engine, prompt
 

@@ -146,7 +146,7 @@ def test_incremental_text_equals_decoding_everything_with_the_preset_tokenizer(s
     import json
     import random
 
-    from hybridpd.engine.model.presets import default_model_dir
+    from hybridpd.presets.checkpoints import default_model_dir
     from hybridpd.engine.tokenizer import load_tokenizer
 
     model_dir = default_model_dir()

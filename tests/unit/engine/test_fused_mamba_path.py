@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model import step_context
-from hybridpd.engine.model.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.step import mamba_meta
+from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
 
 from .engine_harness import all_free, drive, greedy, make_recording_engine, prompt
 
@@ -36,7 +36,7 @@ def test_kernel_and_torch_paths_agree(tiny_dir, scenario, gate_apart_from, monke
         monkeypatch.setattr(Mamba2Mixer, "SEPARATE_GATE_FROM_ROWS", gate_apart_from)
     fused, fused_rows = make_recording_engine(tiny_dir, num_blocks=num_blocks, budget=budget)
     fused_out, fused_cached = drive(fused, arrivals)
-    monkeypatch.setattr(step_context, "fused_mamba", lambda spec: False)
+    monkeypatch.setattr(mamba_meta, "fused_mamba", lambda spec: False)
     torch_path, torch_rows = make_recording_engine(tiny_dir, num_blocks=num_blocks, budget=budget)
     torch_out, torch_cached = drive(torch_path, arrivals)
 

@@ -14,7 +14,7 @@ from hybridpd.engine.engine import DEFAULT_KV_CACHE_MEMORY
 from hybridpd.engine.kv_cache.capacity import capacity_report
 from hybridpd.engine.kv_cache.memory import blocks_for_memory, blocks_per_request
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, MambaSpec, group_layers
-from hybridpd.engine.model.preset_shapes import SHAPES
+from hybridpd.presets.shapes import SHAPES
 from hybridpd.engine.model.registry import family_for
 
 MiB = 2**20

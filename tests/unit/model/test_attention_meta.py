@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
-from hybridpd.engine.model.layers import RotaryEmbedding
-from hybridpd.engine.model.step_context import _attention_decode, _attention_meta, _decode_only_meta, _query_chunks
+from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry, int64_tensor
+from hybridpd.engine.model.layers.rotary import RotaryEmbedding
+from hybridpd.engine.model.step.attention_meta import _attention_decode, _attention_meta, _decode_only_meta, _query_chunks
 
 
 def reference_visible(queries: range, keys: range, window: int | None) -> torch.Tensor:

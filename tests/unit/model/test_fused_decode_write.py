@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model.fused_decode_write import rope_and_write_, rope_and_write_paged_
-from hybridpd.engine.model.layers import RotaryEmbedding
+from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
+from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(4, 2, 32, 16), (4, 1, 32, 16), (2, 2, 8, 4),

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import numpy as np
 
-from hybridpd.engine.model.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
-from hybridpd.engine.model.step_context import MambaRows
+from hybridpd.engine.model.kernels.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
+from hybridpd.engine.model.step.mamba_meta import MambaRows
 
 
 def _reference(proj, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups):

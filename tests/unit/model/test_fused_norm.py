@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model import layers
-from hybridpd.engine.model.fused_norm import residual_rms_norm, rms_norm
-from hybridpd.engine.model.layers import RMSNorm
+from hybridpd.engine.model.kernels.fused_norm import residual_rms_norm, rms_norm
+from hybridpd.engine.model.layers import norms
+from hybridpd.engine.model.layers.norms import RMSNorm
 
 
 @pytest.mark.parametrize(("rows", "width", "scale"), [(1, 8, 1.0), (16, 128, 3.0), (4096, 128, 0.01), (5, 100, 50.0)])
@@ -41,11 +41,11 @@ def test_module_takes_the_kernel_only_where_it_applies(case, monkeypatch):
     delta = torch.randn(6, 64, generator=gen).to(dtype)
     calls = []
     for name in ("rms_norm", "residual_rms_norm"):
-        real = getattr(layers, name)
-        monkeypatch.setattr(layers, name, lambda *a, real=real: calls.append(real) or real(*a))
+        real = getattr(norms, name)
+        monkeypatch.setattr(norms, name, lambda *a, real=real: calls.append(real) or real(*a))
     with torch.inference_mode():
         got = norm(h), *norm.add_and_norm(h, delta, 0.5)
-        monkeypatch.setattr(layers, "_fusable", lambda x, w: False)
+        monkeypatch.setattr(norms, "_fusable", lambda x, w: False)
         want = norm(h), *norm.add_and_norm(h, delta, 0.5)
     # strided rows: the add runs in torch, whose (contiguous) sum the norm then takes through the kernel
     assert len(calls) == {"float32": 2, "strided": 1, "bfloat16": 0}[case]

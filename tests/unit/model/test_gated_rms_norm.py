@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.layers import GatedRMSNorm
+from hybridpd.engine.model.layers.norms import GatedRMSNorm
 
 
 @pytest.mark.parametrize(

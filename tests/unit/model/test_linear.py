@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model import linear as linear_module
-from hybridpd.engine.model.linear import ONEDNN_ROWS, linear
+from hybridpd.engine.model.kernels import linear as linear_module
+from hybridpd.engine.model.kernels.linear import ONEDNN_ROWS, linear
 
 
 @pytest.fixture

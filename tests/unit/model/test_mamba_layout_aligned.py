@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridpd.engine.model.mamba_layout import PrefillSeq, build_prefill_layout
+from hybridpd.engine.model.step.mamba_layout import PrefillSeq, build_prefill_layout
 
 CHUNK, WIDTH = 8, 3
 

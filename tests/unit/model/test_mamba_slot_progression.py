@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridpd.engine.model.step_context import _progression
+from hybridpd.engine.model.step.mamba_meta import _progression
 
 
 @pytest.mark.parametrize(

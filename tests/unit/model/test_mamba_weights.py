@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from hybridpd.engine.model.mamba2 import Mamba2Mixer
-from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.presets import PRESETS
+from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.presets.checkpoints import PRESETS
 
 
 def test_conv_weight_follows_a_loaded_state_dict(tmp_path):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hybridpd.engine.model.config import CheckpointError, HybridConfig, LayerKind, read_config_json
+from hybridpd.engine.model.granite.config import CheckpointError, HybridConfig, LayerKind, read_config_json
 from hybridpd.engine.model.generation_config import GenerationDefaults
 
 BASE = {

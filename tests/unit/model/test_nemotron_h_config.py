@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from hybridpd.engine.model.config import CheckpointError
+from hybridpd.engine.model.granite.config import CheckpointError
 from hybridpd.engine.model.loader import read_model_config
-from hybridpd.engine.model.nemotron_h_config import BlockType, NemotronHConfig
+from hybridpd.engine.model.nemotron_h.config import BlockType, NemotronHConfig
 from hybridpd.engine.model.registry import FAMILIES, family_for
 
 M, A, P, E = BlockType.MAMBA, BlockType.ATTENTION, BlockType.MLP, BlockType.MOE

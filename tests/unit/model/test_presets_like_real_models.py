@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hybridpd.engine.model.loader import load_model
-from hybridpd.engine.model.preset_shapes import SHAPES
-from hybridpd.engine.model.presets import PRESETS, write_checkpoint
+from hybridpd.presets.shapes import SHAPES
+from hybridpd.presets.checkpoints import PRESETS, write_checkpoint
 from hybridpd.engine.model.registry import family_for
 from tests.oracle.paged_runner import PagedRunner
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.layers import RMSNorm
+from hybridpd.engine.model.layers.norms import RMSNorm
 
 
 @pytest.mark.parametrize(

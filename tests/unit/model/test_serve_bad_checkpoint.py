@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hybridpd.engine.model.presets import write_checkpoint
+from hybridpd.presets.checkpoints import write_checkpoint
 
 
 @pytest.mark.parametrize("overrides, message", [

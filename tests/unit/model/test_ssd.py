@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
+from hybridpd.engine.model.kernels.ssd import chunked_scan, recurrent_step_
 
 
 def _inputs(seqs: int, length: int, heads: int, head_dim: int, groups: int, d_state: int, seed: int):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from hybridpd.engine.model.presets import PRESETS
-from hybridpd.engine.model.preset_tokenizer import write_tokenizer
-from hybridpd.engine.model.preset_shapes import VOCAB_SIZES
+from hybridpd.presets.checkpoints import PRESETS
+from hybridpd.presets.tokenizer import write_tokenizer
+from hybridpd.presets.shapes import VOCAB_SIZES
 from hybridpd.engine.tokenizer import load_tokenizer
 
 TEXTS = [

@@ -11,13 +11,15 @@ import torch
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.attention import Attention
-from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
-from hybridpd.engine.model.mamba2 import Mamba2Mixer
-from hybridpd.engine.model.moe import GraniteMoE
+from hybridpd.engine.model.layers.attention import Attention
+from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.engine.model.layers.mlp import DenseMLP
+from hybridpd.engine.model.layers.norms import RMSNorm
+from hybridpd.engine.model.layers.rotary import RotaryEmbedding
+from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.layers.moe import GraniteMoE
 from hybridpd.engine.model.paged_lm import PagedCausalLM
-from hybridpd.engine.model.step_context import StepContext
+from hybridpd.engine.model.step.context import StepContext
 
 
 class DecoderLayer(nn.Module):

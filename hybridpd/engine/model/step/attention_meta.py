@@ -1,9 +1,8 @@
-"""Per-step metadata, computed once per forward and shared by every layer of a KV group.
+"""Attention metadata of one step for one KV group: where the new rows' K/V go, and which keys every query reads.
 
-A sequence with one new token is a *decode* row: attention over all decode rows of a group is one batched
-gather + attention; Mamba decode rows (num_computed > 0) are one batched recurrent step, and all other
-Mamba sequences one batched convolution and chunked scan (mamba_layout.py). Attention prefill chunks are handled
-one by one.
+A sequence with one new token is a *decode* row: attention over all decode rows of a group is one batched gather +
+attention (or reads DecodeKV's contiguous buffers). Prefill chunks read earlier keys block by block; sequences with
+nothing computed before read their own new rows (fresh runs, batched by length, in query chunks).
 """
 
 from __future__ import annotations
@@ -11,14 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec, dtype_size
-from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
-from hybridpd.engine.model.forward_batch import ForwardBatch, SeqEntry, int64_tensor
-from hybridpd.engine.model.masks import additive, visible
-from hybridpd.engine.model.mamba_layout import MambaPrefillLayout, PrefillSeq, build_prefill_layout
+from hybridpd.engine.kv_cache.spec import AttentionSpec, SlidingWindowSpec, dtype_size
+from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
+from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry, int64_tensor
+from hybridpd.engine.model.step.masks import additive, visible
 
 
 @dataclass(frozen=True)
@@ -82,96 +79,25 @@ class AttentionGroupMeta:
     decode_rows: torch.Tensor | None = None  # with `decode_kv` in a step with prefill rows: the decode rows of T
 
 
-@dataclass(frozen=True)
-class MambaDecode:
-    rows: torch.Tensor   # [Sd] rows of T
-    slots: torch.Tensor  # [Sd] running state slots
-    saves: tuple[tuple[int, int], ...]  # (index into rows, slot): copy that row's new state to slot
-    # When the slots are an ascending arithmetic progression (the usual case: slots taken in admission order),
-    # the slice that selects exactly them, in order: a view, so the states are updated where they are.
-    slot_slice: slice | None = None
+def attention_group_meta(
+    batch: ForwardBatch, group_id: int, spec: AttentionSpec, shared: dict[tuple, DecodeLayout] | None = None,
+    decode_kv: DecodeKV | None = None,
+) -> AttentionGroupMeta:
+    """With `decode_kv`, the decode rows read contiguous buffers (decode_kv.py); `shared` holds the decode layouts
+    groups with equal block sizes, windows and dtypes share within a step."""
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    token_bytes = spec.num_kv_heads * spec.head_size * dtype_size(spec.dtype)
 
+    def plan_for(seqs: Sequence[SeqEntry]) -> DecodeKVPlan | None:
+        if decode_kv is None or not seqs:
+            return None
+        return decode_kv.plan(group_id, [s.key for s in seqs], [s.num_computed for s in seqs], token_bytes,
+                              spec.dtype, window)
 
-def _progression(values: list[int]) -> slice | None:
-    """The slice `s` with `range(...)[s] == values` if `values` is ascending with one constant step, else None."""
-    step = values[1] - values[0] if len(values) > 1 else 1
-    if step < 1 or any(b - a != step for a, b in zip(values, values[1:])):
-        return None
-    return slice(values[0], values[-1] + 1, step)
-
-
-@dataclass(frozen=True)
-class MambaRows:
-    """A float32 group's step as the compiled kernels walk it (fused_mamba.py): sequence q's rows
-    [starts[q], starts[q] + lengths[q]) in order, from its slot's state (resumed 1) or from zeros (0); after row
-    `save_after[v]` of sequence `save_seqs[v]` (ordered by sequence, then row) the state is also copied to
-    `save_slots[v]`. All int64 numpy arrays ([Q] or [V]): the kernels are their only readers."""
-
-    starts: np.ndarray
-    lengths: np.ndarray
-    resumed: np.ndarray
-    slots: np.ndarray
-    save_seqs: np.ndarray
-    save_after: np.ndarray
-    save_slots: np.ndarray
-
-
-@dataclass(frozen=True)
-class MambaGroupMeta:
-    decode: MambaDecode | None
-    prefill: MambaPrefillLayout | None  # every other sequence, convolved and scanned together
-    rows: MambaRows | None = None  # float32 caches: every sequence, for the kernel (then decode/prefill are None)
-
-
-@dataclass(frozen=True)
-class StepContext:
-    rope_cos: torch.Tensor | None  # [T, 1, head_dim]
-    rope_sin: torch.Tensor | None
-    groups: tuple[AttentionGroupMeta | MambaGroupMeta, ...]
-    decode_kv: DecodeKV | None = None  # the buffers the groups' DecodeKVPlans refer to
-
-
-def build_step_context(
-    batch: ForwardBatch, groups: Sequence[KVCacheGroup], mamba_chunk_size: int,
-    rope: tuple[torch.Tensor, torch.Tensor] | None, decode_kv: DecodeKV | None = None,
-) -> StepContext:
-    """Every group's metadata for one step. Groups of one kind with equal block sizes and windows (two full
-    attention groups with different KV heads, say) share what depends only on the positions: built once.
-    With `decode_kv`, the decode rows of attention groups read contiguous buffers (decode_kv.py)."""
-    shared: dict[tuple, DecodeLayout] = {}
-    return StepContext(
-        rope_cos=None if rope is None else rope[0], rope_sin=None if rope is None else rope[1],
-        groups=tuple(
-            build_group_meta(batch, g, group, mamba_chunk_size, shared, decode_kv) for g, group in enumerate(groups)
-        ),
-        decode_kv=decode_kv,
-    )
-
-
-def build_group_meta(
-    batch: ForwardBatch, group_id: int, group: KVCacheGroup, mamba_chunk_size: int,
-    shared: dict[tuple, DecodeLayout] | None = None, decode_kv: DecodeKV | None = None,
-) -> AttentionGroupMeta | MambaGroupMeta:
-    spec = group.spec
-    if isinstance(spec, AttentionSpec):
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        token_bytes = spec.num_kv_heads * spec.head_size * dtype_size(spec.dtype)
-
-        def plan_for(seqs: Sequence[SeqEntry]) -> DecodeKVPlan | None:
-            if decode_kv is None or not seqs:
-                return None
-            return decode_kv.plan(group_id, [s.key for s in seqs], [s.num_computed for s in seqs], token_bytes,
-                                  spec.dtype, window)
-
-        if not batch.all_decode:
-            return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype, plan_for)
-        layouts = {} if shared is None else shared
-        return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan_for(batch.seqs))
-    if isinstance(spec, MambaSpec):
-        if fused_mamba(spec):
-            return MambaGroupMeta(decode=None, prefill=None, rows=_mamba_rows(batch, group_id))
-        return _mamba_meta(batch, group_id, mamba_chunk_size, spec.conv_state_shape[0])
-    raise TypeError(f"no model support for KV spec {type(spec).__name__}")
+    if not batch.all_decode:
+        return _attention_meta(batch, group_id, spec.block_size, window, spec.dtype, plan_for)
+    layouts = {} if shared is None else shared
+    return _decode_only_meta(batch, group_id, spec.block_size, window, spec.dtype, layouts, plan_for(batch.seqs))
 
 
 def _attention_meta(
@@ -344,58 +270,3 @@ def _decode_only_meta(
         write_blocks=write_blocks, write_offsets=batch.positions % block_size, decode=decode, prefills=(),
         decode_kv=plan,
     )
-
-
-def fused_mamba(spec: MambaSpec) -> bool:
-    """Float32 states: the group's steps run the compiled kernel (fused_mamba.py); other dtypes the torch path."""
-    return all(dtype == torch.float32 for dtype in spec.dtypes)
-
-
-def _checked_saves(s: SeqEntry, g: int) -> tuple[tuple[int, int], ...]:
-    saves = s.mamba_saves[g] if s.mamba_saves else ()
-    for num_tokens, _ in saves:
-        if not s.num_computed < num_tokens <= s.end:
-            raise ValueError(f"mamba save at {num_tokens} tokens is outside this step ({s.num_computed}, {s.end}]")
-    return saves
-
-
-def _mamba_rows(batch: ForwardBatch, g: int) -> MambaRows:
-    save_seqs, save_after, save_slots = [], [], []
-    for q, s in enumerate(batch.seqs):
-        for num_tokens, slot in sorted(_checked_saves(s, g)):
-            save_seqs.append(q)
-            save_after.append(num_tokens - s.num_computed)
-            save_slots.append(slot)
-    return MambaRows(
-        starts=_int64_array(batch.row_starts), lengths=_int64_array([s.num_new for s in batch.seqs]),
-        resumed=_int64_array([int(s.num_computed > 0) for s in batch.seqs]),
-        slots=_int64_array([s.block_tables[g][0] for s in batch.seqs]),
-        save_seqs=_int64_array(save_seqs), save_after=_int64_array(save_after), save_slots=_int64_array(save_slots),
-    )
-
-
-def _int64_array(values: Sequence[int]) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
-
-
-def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:
-    decode_rows, decode_slots, decode_saves, prefills = [], [], [], []
-    for row_start, s in zip(batch.row_starts, batch.seqs):
-        slot = int(s.block_tables[g][0])
-        saves = _checked_saves(s, g)
-        if s.num_new == 1 and s.num_computed > 0:
-            decode_saves.extend((len(decode_rows), save_slot) for _, save_slot in saves)
-            decode_rows.append(row_start)
-            decode_slots.append(slot)
-        else:
-            prefills.append(PrefillSeq(
-                row_start=row_start, num_rows=s.num_new, num_computed=s.num_computed, slot=slot, saves=tuple(saves)
-            ))
-    decode = None
-    if decode_rows:
-        decode = MambaDecode(
-            rows=int64_tensor(decode_rows), slots=int64_tensor(decode_slots), saves=tuple(decode_saves),
-            slot_slice=_progression(decode_slots),
-        )
-    prefill = build_prefill_layout(prefills, batch.input_ids.shape[0], chunk_size, conv_width) if prefills else None
-    return MambaGroupMeta(decode=decode, prefill=prefill)

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.fused_mamba import flat_slots
+from hybridpd.engine.model.kernels.fused_mamba import flat_slots
 
 _F32_2D = numba.float32[:, ::1]
 _F32_4D = numba.float32[:, :, :, ::1]

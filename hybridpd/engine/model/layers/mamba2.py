@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
-from hybridpd.engine.model.layers import GatedRMSNorm
-from hybridpd.engine.model.linear import linear
-from hybridpd.engine.model.ssd import chunked_scan, recurrent_step_
-from hybridpd.engine.model.mamba_layout import MambaPrefillLayout
-from hybridpd.engine.model.step_context import MambaDecode, MambaGroupMeta, MambaRows, StepContext
+from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.engine.model.kernels.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
+from hybridpd.engine.model.layers.norms import GatedRMSNorm
+from hybridpd.engine.model.kernels.linear import linear
+from hybridpd.engine.model.kernels.ssd import chunked_scan, recurrent_step_
+from hybridpd.engine.model.step.mamba_layout import MambaPrefillLayout
+from hybridpd.engine.model.step.context import StepContext
+from hybridpd.engine.model.step.mamba_meta import MambaDecode, MambaGroupMeta, MambaRows
 
 
 class Mamba2Mixer(nn.Module):

@@ -4,7 +4,7 @@ Each step first writes the new rows' K/V (after RoPE) into the cache at
 `(block_tables[g][pos // block_size], pos % block_size)`, then every query reads its keys back from the cache:
 `[0, pos]` for full attention, `(pos - W, pos]` for a window. Sequences with nothing computed before this step
 read their keys straight from this step's K/V instead, batched when they have the same length, in chunks of
-queries that each read only the keys they can see (`step_context._query_chunks`). Decode rows read their keys
+queries that each read only the keys they can see (`attention_meta._query_chunks`). Decode rows read their keys
 from contiguous buffers that keep them between steps (`decode_kv.py`), appending this step's keys there too,
 instead of gathering every block again; only a sequence the buffers do not hold yet gathers its blocks.
 """
@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.config import HybridConfig
-from hybridpd.engine.model.decode_kv import DecodeKV, DecodeKVPlan
-from hybridpd.engine.model.fused_decode_write import rope_and_write_, rope_and_write_paged_
-from hybridpd.engine.model.layers import RotaryEmbedding
-from hybridpd.engine.model.linear import linear
-from hybridpd.engine.model.step_context import AttentionDecode, AttentionGroupMeta, StepContext
+from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
+from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
+from hybridpd.engine.model.layers.rotary import RotaryEmbedding
+from hybridpd.engine.model.kernels.linear import linear
+from hybridpd.engine.model.step.attention_meta import AttentionDecode, AttentionGroupMeta
+from hybridpd.engine.model.step.context import StepContext
 
 
 class Attention(nn.Module):

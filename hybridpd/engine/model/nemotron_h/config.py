@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpd.engine.model.config import HybridConfig, int_field, parse_dtype, parse_eos_ids, per_layer_list
+from hybridpd.engine.model.granite.config import HybridConfig, int_field, parse_dtype, parse_eos_ids, per_layer_list
 
 
 class BlockType(enum.Enum):

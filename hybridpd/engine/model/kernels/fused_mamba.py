@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.step_context import MambaRows
+from hybridpd.engine.model.step.mamba_meta import MambaRows
 
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]

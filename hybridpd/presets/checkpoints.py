@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridpd.engine.model.preset_shapes import SHAPES, VOCAB_SIZES
-from hybridpd.engine.model.preset_tokenizer import SPECIAL_TOKENS, write_tokenizer
+from hybridpd.presets.shapes import SHAPES, VOCAB_SIZES
+from hybridpd.presets.tokenizer import SPECIAL_TOKENS, write_tokenizer
 
 if TYPE_CHECKING:  # writing a checkpoint needs torch; finding one (`default_model_dir`) does not
     import torch

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridpd.engine.model.forward_batch import int64_tensor
-from hybridpd.engine.model.masks import additive, visible
+from hybridpd.engine.model.step.forward_batch import int64_tensor
+from hybridpd.engine.model.step.masks import additive, visible
 
 # Budget of one layer's two buffers; a run that needs more is served by the gather path instead.
 MAX_BYTES_PER_LAYER = 64 << 20

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.attention import Attention
-from hybridpd.engine.model.layers import RMSNorm
-from hybridpd.engine.model.linear import linear
-from hybridpd.engine.model.mamba2 import Mamba2Mixer
-from hybridpd.engine.model.moe import grouped_experts
-from hybridpd.engine.model.nemotron_h_config import BlockType, NemotronHConfig
+from hybridpd.engine.model.layers.attention import Attention
+from hybridpd.engine.model.layers.norms import RMSNorm
+from hybridpd.engine.model.kernels.linear import linear
+from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
+from hybridpd.engine.model.layers.moe import grouped_experts
+from hybridpd.engine.model.nemotron_h.config import BlockType, NemotronHConfig
 from hybridpd.engine.model.paged_lm import PagedCausalLM
-from hybridpd.engine.model.step_context import StepContext
+from hybridpd.engine.model.step.context import StepContext
 
 
 class ReLU2MLP(nn.Module):
