@@ -30,7 +30,7 @@ from hybridpd.engine.dtype_choice import choose_dtype, this_cpus_flags
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.host_memory import keep_freed_memory
 from hybridpd.engine.kv_cache.spec import MambaSpec, SlidingWindowSpec
-from hybridpd.engine.model.granite.config import checkpoint_dtype
+from hybridpd.engine.model.config_fields import checkpoint_dtype
 from hybridpd.presets.checkpoints import write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import torch
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry, int64_tensor
-from hybridpd.engine.model.granite.model import HybridLM
+from hybridpd.engine.model.paged_lm import PagedCausalLM
 from hybridpd.engine.sampling import SampledToken, sample
 from hybridpd.engine.scheduler import SchedulerPlan
 
@@ -22,7 +22,7 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, storage: KVCacheStorage, logits_hook: LogitsHook | None = None) -> None:
+    def __init__(self, model: PagedCausalLM, storage: KVCacheStorage, logits_hook: LogitsHook | None = None) -> None:
         self.model = model
         self.storage = storage
         self.logits_hook = logits_hook  # tests read every step's logits through it

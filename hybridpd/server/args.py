@@ -30,7 +30,7 @@ from hybridpd.config import (
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.engine.cpu_set import parse_cpu_list
 from hybridpd.engine.dtype_choice import DTYPES, choose_dtype, this_cpus_flags
-from hybridpd.engine.model.granite.config import checkpoint_dtype
+from hybridpd.engine.model.config_fields import checkpoint_dtype
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.server.config import ServerConfig

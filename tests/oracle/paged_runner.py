@@ -1,4 +1,4 @@
-"""A minimal test driver of `HybridLM` over a real `KVCacheStorage`: fixed block tables, no scheduler.
+"""A minimal test driver of a `PagedCausalLM` over a real `KVCacheStorage`: fixed block tables, no scheduler.
 
 Sequence k owns attention blocks `1 + k * blocks_per_seq + i` (block 0 is the null block) and Mamba slot
 `1 + k`; spare Mamba slots after the sequences' ones are free for `mamba_saves`.
@@ -13,12 +13,12 @@ import torch
 from hybridpd.engine.kv_cache.spec import MambaSpec, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry
-from hybridpd.engine.model.granite.model import HybridLM
+from hybridpd.engine.model.paged_lm import PagedCausalLM
 
 
 @dataclass
 class PagedRunner:
-    model: HybridLM
+    model: PagedCausalLM
     block_size: int
     max_seqs: int
     max_len: int

@@ -1,4 +1,4 @@
-"""HybridLM over the paged cache vs transformers' GraniteMoeHybridForCausalLM on the same checkpoint.
+"""GraniteLM over the paged cache vs transformers' GraniteMoeHybridForCausalLM on the same checkpoint.
 
 The reference runs one full forward of a sequence; ours computes the same tokens in any split (one step,
 uneven chunks, decode steps, batched with other sequences, resumed from a saved Mamba state). Logits must agree

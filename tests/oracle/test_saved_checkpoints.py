@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from hybridpd.engine.model.granite.config import read_config_json
+from hybridpd.engine.model.config_fields import read_config_json
 from tests.oracle.saved_models import GRANITE_VARIANTS, check_alone_then_with_a_prefix_hit, save_granite
 from tests.oracle.test_engine_vs_transformers import (
     Recorder, make_engine, prompt,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpd.engine.model.granite.config import read_checkpoint_json
+from hybridpd.engine.model.config_fields import read_checkpoint_json
 from hybridpd.errors import CheckpointError
 
 FILE = "generation_config.json"

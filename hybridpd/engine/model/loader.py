@@ -1,4 +1,4 @@
-"""Load a checkpoint directory into a `HybridLM`, as transformers' `save_pretrained` writes it.
+"""Load a checkpoint directory into its family's model (registry.py), as transformers' `save_pretrained` writes it.
 
 Weights: one `model.safetensors`, or shards listed by `model.safetensors.index.json` (its `weight_map`). Tensors of
 any float dtype (bf16/fp16 as published) are converted to the compute dtype. Tied embeddings: a checkpoint may or
@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridpd.engine.model.granite.config import CheckpointError, read_checkpoint_json
+from hybridpd.engine.model.config_fields import read_checkpoint_json
+from hybridpd.errors import CheckpointError
 from hybridpd.engine.model.paged_lm import PagedCausalLM
 from hybridpd.engine.model.registry import ModelConfig, family_for
 

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridpd.engine.model.granite.config import HybridConfig
-from hybridpd.engine.model.granite.model import HybridLM
+from hybridpd.engine.model.granite.config import GraniteConfig
+from hybridpd.engine.model.granite.model import GraniteLM
 from hybridpd.engine.model.nemotron_h.model import NemotronHLM
 from hybridpd.engine.model.nemotron_h.config import NemotronHConfig
 from hybridpd.engine.model.paged_lm import PagedCausalLM
@@ -29,6 +29,8 @@ class ModelConfig(Protocol):
     eos_token_ids: tuple[int, ...]   # every listed id stops generation
     bos_token_id: int | None
     has_mamba: bool
+    tie_word_embeddings: bool        # the head shares the embedding's weight (a checkpoint may then omit it)
+    checkpoint_dtype: str            # the dtype the weights were saved in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +42,7 @@ class ModelFamily:
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({
     family.architecture: family for family in (
-        ModelFamily(architecture="GraniteMoeHybridForCausalLM", parse_config=HybridConfig.from_dict, build=HybridLM),
+        ModelFamily(architecture="GraniteMoeHybridForCausalLM", parse_config=GraniteConfig.from_dict, build=GraniteLM),
         ModelFamily(architecture="NemotronHForCausalLM", parse_config=NemotronHConfig.from_dict, build=NemotronHLM),
     )
 })

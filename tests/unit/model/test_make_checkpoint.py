@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from hybridpd.cli import COMMANDS
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec, group_layers
-from hybridpd.engine.model.granite.config import CheckpointError, LayerKind
+from hybridpd.engine.model.granite.config import LayerKind
+from hybridpd.errors import CheckpointError
 from hybridpd.engine.model.loader import load_model
 from hybridpd.presets.checkpoints import DEFAULT_PRESET, FORMAT_VERSION, PRESETS, default_model_dir, write_checkpoint
 

@@ -7,14 +7,14 @@ import json
 import torch
 
 from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
-from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.engine.model.loader import read_model_config
 from hybridpd.presets.checkpoints import PRESETS
 
 
 def test_conv_weight_follows_a_loaded_state_dict(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
-    config = HybridConfig.from_model_dir(tmp_path)
-    mixer = Mamba2Mixer(config, 0, torch.float32)
+    config = read_model_config(tmp_path)[0]
+    mixer = Mamba2Mixer(config.mamba_shape, 0, torch.float32)
     state = {k: torch.randn_like(v) for k, v in mixer.state_dict().items()}
     assert "conv_weight" not in state  # not persistent: the checkpoint keeps transformers' names only
     assert state["conv1d.weight"].shape == (mixer.conv_dim, 1, mixer.d_conv)
@@ -26,7 +26,7 @@ def test_conv_weight_follows_a_loaded_state_dict(tmp_path):
 
 def test_derived_constants_follow_loaded_or_replaced_parameters(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
-    mixer = Mamba2Mixer(HybridConfig.from_model_dir(tmp_path), 0, torch.float32)
+    mixer = Mamba2Mixer(read_model_config(tmp_path)[0].mamba_shape, 0, torch.float32)
 
     def expected():
         return (-torch.exp(mixer.A_log), mixer.D, mixer.dt_bias)

@@ -1,4 +1,4 @@
-"""HybridConfig parsing: both layer_types spellings, the extension keys, transformers' defaults, bad configs."""
+"""GraniteConfig parsing: both layer_types spellings, the extension keys, transformers' defaults, bad configs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-from hybridpd.engine.model.granite.config import CheckpointError, HybridConfig, LayerKind, read_config_json
+from hybridpd.engine.model.config_fields import read_config_json
+from hybridpd.engine.model.granite.config import GraniteConfig, LayerKind
+from hybridpd.engine.model.loader import read_model_config
+from hybridpd.errors import CheckpointError
 from hybridpd.engine.model.generation_config import GenerationDefaults
 
 BASE = {
@@ -41,7 +44,7 @@ M, F, W = LayerKind.MAMBA, LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW
     ({"layer_types": None}, (M, M, M, M), (0, 0, 0, 0), (None, None, None, None)),
 ])
 def test_layer_kinds(overrides, kinds, kv_heads, windows):
-    config = HybridConfig.from_dict(BASE | overrides)
+    config = GraniteConfig.from_dict(BASE | overrides)
     assert config.layer_kinds == kinds
     assert config.kv_heads_per_layer == kv_heads
     assert config.sliding_window_per_layer == windows
@@ -87,7 +90,7 @@ def test_layer_kinds(overrides, kinds, kv_heads, windows):
     ({}, "mamba_proj_bias", False),
 ])
 def test_fields_and_defaults(overrides, field, expected):
-    assert getattr(HybridConfig.from_dict(BASE | overrides), field) == expected
+    assert getattr(GraniteConfig.from_dict(BASE | overrides), field) == expected
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -121,20 +124,20 @@ def test_fields_and_defaults(overrides, field, expected):
 ])
 def test_bad_configs(overrides, message):
     with pytest.raises(ValueError, match=message):
-        HybridConfig.from_dict(BASE | overrides)
+        GraniteConfig.from_dict(BASE | overrides)
 
 
 def test_from_model_dir_errors(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
-        HybridConfig.from_model_dir(tmp_path)
+        read_model_config(tmp_path)[0]
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot read"):
-        HybridConfig.from_model_dir(tmp_path)
+        read_model_config(tmp_path)[0]
     (tmp_path / "config.json").write_text(json.dumps(BASE | {"hidden_act": "relu"}))
     with pytest.raises(CheckpointError, match="config.json: hidden_act 'relu'"):
-        HybridConfig.from_model_dir(tmp_path)
+        read_model_config(tmp_path)[0]
     (tmp_path / "config.json").write_text(json.dumps(BASE))
-    assert HybridConfig.from_model_dir(tmp_path).num_hidden_layers == 4
+    assert read_model_config(tmp_path)[0].num_hidden_layers == 4
 
 
 def test_read_config_json_decodes_transformers_non_finite_floats(tmp_path):
@@ -142,7 +145,7 @@ def test_read_config_json_decodes_transformers_non_finite_floats(tmp_path):
     raw = BASE | {"time_step_limit": [0.0, {"__float__": "Infinity"}], "x": {"__float__": "-Infinity"},
                   "nested": {"y": [{"__float__": "NaN"}]}}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    config = HybridConfig.from_model_dir(tmp_path)
+    config = read_model_config(tmp_path)[0]
     assert config.time_step_limit == (0.0, math.inf)
     decoded = read_config_json(tmp_path / "config.json")
     assert decoded["x"] == -math.inf and math.isnan(decoded["nested"]["y"][0])

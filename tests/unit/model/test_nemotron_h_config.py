@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hybridpd.engine.model.granite.config import CheckpointError
+from hybridpd.errors import CheckpointError
 from hybridpd.engine.model.loader import read_model_config
 from hybridpd.engine.model.nemotron_h.config import BlockType, NemotronHConfig
 from hybridpd.engine.model.registry import FAMILIES, family_for
@@ -31,23 +31,22 @@ BASE = {
 def test_block_types(overrides, blocks):
     config = NemotronHConfig.from_dict(BASE | overrides)
     assert config.block_types == blocks
-    assert config.shared.layer_is_attention == tuple(b is A for b in blocks)
+    assert tuple(shape is not None for shape in config.attention) == tuple(b is A for b in blocks)
     assert config.has_mamba == (M in blocks)
 
 
 @pytest.mark.parametrize("overrides, read, expected", [
-    ({}, lambda c: c.shared.attention_multiplier, 0.25),            # head_dim ** -0.5, no multipliers, no RoPE
-    ({}, lambda c: c.shared.position_embedding_type, None),
-    ({}, lambda c: c.shared.time_step_limit, (0.001, math.inf)),     # the mixer clamps below at time_step_min
-    ({"time_step_min": 0.01, "time_step_limit": [0.0, 1.0]}, lambda c: c.shared.time_step_limit, (0.01, math.inf)),
-    ({"mamba_head_dim": 48}, lambda c: c.shared.mamba_intermediate_size, 192),  # heads x head size, not expand x hidden
-    ({"mamba_n_groups": 4, "n_groups": None}, lambda c: c.shared.mamba_n_groups, 4),
-    ({"layer_norm_epsilon": 1e-6}, lambda c: c.shared.rms_norm_eps, 1e-6),
+    ({}, lambda c: c.attention[1].scale, 0.25),                     # head_dim ** -0.5, no multipliers, no RoPE
+    ({}, lambda c: c.mamba.time_step_limit, (0.001, math.inf)),     # the mixer clamps below at time_step_min
+    ({"time_step_min": 0.01, "time_step_limit": [0.0, 1.0]}, lambda c: c.mamba.time_step_limit, (0.01, math.inf)),
+    ({"mamba_head_dim": 48}, lambda c: c.mamba.intermediate_size, 192),  # heads x head size, not expand x hidden
+    ({"mamba_n_groups": 4, "n_groups": None}, lambda c: c.mamba.n_groups, 4),
+    ({"layer_norm_epsilon": 1e-6}, lambda c: (c.rms_norm_eps, c.mamba.norm_eps), (1e-6, 1e-6)),
     ({}, lambda c: c.eos_token_ids, (2,)),
     ({"eos_token_id": [5, 6]}, lambda c: c.eos_token_ids, (5, 6)),
     ({}, lambda c: (c.routed_scaling_factor, c.norm_topk_prob), (1.0, True)),
     ({"kv_heads_per_layer": [None, 1, None, None], "sliding_window_per_layer": [9, 8, None, None]},
-     lambda c: (c.shared.kv_heads_per_layer, c.shared.sliding_window_per_layer), ((0, 1, 0, 0), (None, 8, None, None))),
+     lambda c: [(a.num_kv_heads, a.sliding_window) if a else None for a in c.attention], [None, (1, 8), None, None]),
 ])
 def test_fields_and_defaults(overrides, read, expected):
     assert read(NemotronHConfig.from_dict(BASE | overrides)) == expected

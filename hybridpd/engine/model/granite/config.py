@@ -1,4 +1,4 @@
-"""The checkpoint format: `HybridConfig`, parsed from a `GraniteMoeHybridForCausalLM` `config.json`.
+"""`GraniteConfig`: a `GraniteMoeHybridForCausalLM` (Granite-4.0-H) `config.json`.
 
 Read the way transformers 5.x's GraniteMoeHybrid reads it (defaults included; its JSON encoding of non-finite floats,
 `{"__float__": "Infinity"}`; `rope_parameters` or the legacy `rope_theta`/`rope_scaling`; `dtype` or `torch_dtype`;
@@ -10,15 +10,14 @@ Read the way transformers 5.x's GraniteMoeHybrid reads it (defaults included; it
 from __future__ import annotations
 
 import enum
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from hybridpd.errors import CheckpointError
-
-__all__ = ["CheckpointError", "HybridConfig", "LayerKind"]
+from hybridpd.engine.model.config_fields import (
+    float_or_one, int_field, parse_dtype, parse_eos_ids, per_layer_list, rope_theta,
+)
+from hybridpd.engine.model.shapes import AttentionShape, Mamba2Shape
 
 
 class LayerKind(enum.Enum):
@@ -37,7 +36,7 @@ _LAYER_TYPE_NAMES = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class HybridConfig:
+class GraniteConfig:
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -85,29 +84,20 @@ class HybridConfig:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, num_hidden_layers is {n}")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "shared_intermediate_size",
-                     "max_position_embeddings", "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
-                     "mamba_d_head", "mamba_d_conv", "mamba_chunk_size"):
+                     "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.position_embedding_type not in (None, "rope"):
             raise ValueError(f"position_embedding_type must be 'rope' or null, got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
-        for layer, (is_attn, kv, window) in enumerate(
-            zip(self.layer_is_attention, self.kv_heads_per_layer, self.sliding_window_per_layer)
-        ):
-            if not is_attn:
-                continue
-            if kv < 1 or self.num_attention_heads % kv:
-                raise ValueError(
-                    f"layer {layer}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                    f"its KV heads ({kv})"
-                )
-            if window is not None and window < 1:
-                raise ValueError(f"layer {layer}: sliding window must be >= 1, got {window}")
-        if any(not a for a in self.layer_is_attention):
-            if self.mamba_n_heads % self.mamba_n_groups or self.mamba_intermediate_size % self.mamba_n_groups:
-                raise ValueError(f"mamba_n_groups ({self.mamba_n_groups}) must divide mamba_n_heads")
+        for layer, is_attn in enumerate(self.layer_is_attention):
+            try:
+                self.attention_shape(layer) if is_attn else None
+            except ValueError as exc:
+                raise ValueError(f"layer {layer}: {exc}") from None
+        if self.has_mamba:
+            _ = self.mamba_shape  # checked by its own rules
         if self.num_local_experts < 0:
             raise ValueError(f"num_local_experts must be >= 0, got {self.num_local_experts}")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
@@ -117,9 +107,6 @@ class HybridConfig:
             )
         if self.num_local_experts and self.intermediate_size < 1:
             raise ValueError(f"intermediate_size must be >= 1 with experts, got {self.intermediate_size}")
-        low, high = self.time_step_limit
-        if not 0 <= low <= high:
-            raise ValueError(f"time_step_limit must satisfy 0 <= min <= max, got {self.time_step_limit}")
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -141,96 +128,37 @@ class HybridConfig:
 
     @property
     def mamba_intermediate_size(self) -> int:
-        """Mamba2's inner width: heads x head size (Granite requires it to equal mamba_expand * hidden_size)."""
-        return self.mamba_n_heads * self.mamba_d_head
+        """Heads x head size (Granite requires it to equal mamba_expand * hidden_size)."""
+        return self.mamba_shape.intermediate_size
 
     @property
     def mamba_conv_dim(self) -> int:
-        """Channels of the causal conv: x, B and C (`intermediate + 2 * n_groups * d_state`)."""
-        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
+        return self.mamba_shape.conv_dim
+
+    def attention_shape(self, layer_id: int) -> AttentionShape:
+        return AttentionShape(
+            hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
+            num_kv_heads=self.kv_heads_per_layer[layer_id], head_dim=self.head_dim,
+            sliding_window=self.sliding_window_per_layer[layer_id], scale=self.attention_multiplier,
+            bias=self.attention_bias,
+        )
+
+    @property
+    def mamba_shape(self) -> Mamba2Shape:
+        return Mamba2Shape(
+            hidden_size=self.hidden_size, n_heads=self.mamba_n_heads, d_head=self.mamba_d_head,
+            n_groups=self.mamba_n_groups, d_state=self.mamba_d_state, d_conv=self.mamba_d_conv,
+            chunk_size=self.mamba_chunk_size, conv_bias=self.mamba_conv_bias, in_proj_bias=self.mamba_proj_bias,
+            out_proj_bias=self.mamba_proj_bias, time_step_limit=self.time_step_limit, norm_eps=self.rms_norm_eps,
+        )
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> HybridConfig:
+    def from_dict(cls, raw: dict[str, Any]) -> GraniteConfig:
         return _parse(raw)
 
-    @classmethod
-    def from_model_dir(cls, model_dir: Path) -> HybridConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{model_dir} is not a checkpoint directory: no config.json in it")
-        raw = read_checkpoint_json(path)
-        try:
-            return _parse(raw)
-        except CheckpointError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise CheckpointError(f"{path}: {exc}") from exc
 
-
-def _decode_non_finite(obj: dict[str, Any]) -> Any:
-    """transformers writes inf/nan as `{"__float__": "Infinity"}` (strict JSON has no such number)."""
-    if obj.keys() == {"__float__"}:
-        return float(obj["__float__"])
-    return obj
-
-
-def read_config_json(path: Path) -> Any:
-    """A config.json or generation_config.json as transformers reads it (non-finite floats decoded)."""
-    return json.loads(Path(path).read_text(), object_hook=_decode_non_finite)
-
-
-def read_checkpoint_json(path: Path) -> dict[str, Any]:
-    """A checkpoint's JSON object (config.json, generation_config.json), as transformers reads it; a file that is
-    unreadable, not JSON or not an object is a CheckpointError naming it."""
-    try:
-        raw = read_config_json(path)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return raw
-
-
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def int_field(raw: dict[str, Any], key: str, default: int) -> int:
-    value = raw.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    return int(value)
-
-
-def parse_eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id", 2)
-    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"eos_token_id must be a non-negative integer or a list of them, got {eos!r}")
-    return tuple(dict.fromkeys(ids))
-
-
-def checkpoint_dtype(model_dir: Path) -> str:
-    """The dtype a checkpoint's weights were saved in, from its config.json (float32 when it cannot say: the
-    engine's own reading of the checkpoint reports what is wrong with it)."""
-    try:
-        raw = read_config_json(Path(model_dir) / "config.json")
-        return parse_dtype(raw) if isinstance(raw, dict) else "float32"
-    except (OSError, ValueError):
-        return "float32"
-
-
-def parse_dtype(raw: dict[str, Any]) -> str:
-    value = raw.get("dtype", raw.get("torch_dtype")) or "float32"
-    value = value.removeprefix("torch.") if isinstance(value, str) else value
-    if value not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {value!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
-    return value
-
-
-def _parse(raw: dict[str, Any]) -> HybridConfig:
-    """Defaults are transformers 5.x's `GraniteMoeHybridConfig` defaults."""
+def _parse(raw: dict[str, Any]) -> GraniteConfig:
+    """Defaults are transformers 5.x's `GraniteMoeGraniteConfig` defaults."""
     architectures = raw.get("architectures")
     if architectures is not None and "GraniteMoeHybridForCausalLM" not in architectures:
         raise ValueError(
@@ -279,7 +207,7 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
         raise ValueError(f"time_step_limit must be a list of two numbers, got {limit!r}")
     limit = (0.0, math.inf) if limit is None else tuple(float(x) for x in limit)
 
-    return HybridConfig(
+    return GraniteConfig(
         vocab_size=int(raw.get("vocab_size", 32000)),
         hidden_size=hidden,
         num_hidden_layers=num_layers,
@@ -290,12 +218,12 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         attention_bias=bool(raw.get("attention_bias", False)),
-        embedding_multiplier=_float_or_one(raw, "embedding_multiplier"),
-        attention_multiplier=_float_or_one(raw, "attention_multiplier"),
-        residual_multiplier=_float_or_one(raw, "residual_multiplier"),
-        logits_scaling=_float_or_one(raw, "logits_scaling"),
+        embedding_multiplier=float_or_one(raw, "embedding_multiplier"),
+        attention_multiplier=float_or_one(raw, "attention_multiplier"),
+        residual_multiplier=float_or_one(raw, "residual_multiplier"),
+        logits_scaling=float_or_one(raw, "logits_scaling"),
         position_embedding_type=position,
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 1),
         eos_token_ids=parse_eos_ids(raw),
@@ -323,11 +251,6 @@ def _parse(raw: dict[str, Any]) -> HybridConfig:
     )
 
 
-def _float_or_one(raw: dict[str, Any], key: str) -> float:
-    value = raw.get(key, 1.0)
-    return 1.0 if value is None else float(value)
-
-
 def _layer_types(layer_types: Any, num_layers: int) -> tuple[bool, ...]:
     """True for an attention layer. transformers defaults a missing list to all-Mamba."""
     if layer_types is None:
@@ -340,31 +263,3 @@ def _layer_types(layer_types: Any, num_layers: int) -> tuple[bool, ...]:
     return tuple(_LAYER_TYPE_NAMES[t] for t in layer_types)
 
 
-def per_layer_list(raw: dict[str, Any], key: str, num_layers: int) -> list[Any]:
-    values = raw.get(key)
-    if values is None:
-        return [None] * num_layers
-    if not isinstance(values, list) or len(values) != num_layers:
-        raise ValueError(f"{key} must be a list of num_hidden_layers ({num_layers}) entries, got {values}")
-    for v in values:
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{key} entries must be positive integers or null, got {v!r}")
-    return values
-
-
-def _rope_theta(raw: dict[str, Any]) -> float:
-    """`rope_parameters` (or legacy `rope_scaling`) first, then a top-level `rope_theta`, then 10000."""
-    key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
-    params = raw.get(key) or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{key} must be an object, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{key}.rope_type {rope_type!r} is not supported; supported: 'default'")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial!r} is not supported; supported: 1.0 (the whole head)")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
-    return float(theta)

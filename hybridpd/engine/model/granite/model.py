@@ -1,4 +1,4 @@
-"""`HybridLM`: Granite-4.0-H (dense or MoE) over the paged hybrid KV cache.
+"""`GraniteLM`: Granite-4.0-H (`GraniteMoeHybridForCausalLM`, dense or MoE) over the paged hybrid KV cache.
 
 Parameter names equal transformers' `GraniteMoeHybridForCausalLM` (`model.layers.{i}.mamba.in_proj.weight`,
 `lm_head.weight`, ...), so the checkpoint's state dict loads unchanged. Embedding, norms, projections and MLP
@@ -12,7 +12,7 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.layers.attention import Attention
-from hybridpd.engine.model.granite.config import HybridConfig
+from hybridpd.engine.model.granite.config import GraniteConfig
 from hybridpd.engine.model.layers.mlp import DenseMLP
 from hybridpd.engine.model.layers.norms import RMSNorm
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
@@ -23,7 +23,7 @@ from hybridpd.engine.model.step.context import StepContext
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: GraniteConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
@@ -38,9 +38,8 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = config.residual_multiplier
         # Exactly one of the two mixers, under transformers' attribute name.
         self.mixer_name = "self_attn" if config.layer_is_attention[layer_id] else "mamba"
-        mixer = Attention(config, layer_id, dtype) if self.mixer_name == "self_attn" else Mamba2Mixer(
-            config, layer_id, dtype
-        )
+        mixer = (Attention(config.attention_shape(layer_id), layer_id, dtype) if self.mixer_name == "self_attn"
+                 else Mamba2Mixer(config.mamba_shape, layer_id, dtype))
         self.add_module(self.mixer_name, mixer)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
@@ -55,24 +54,24 @@ class DecoderLayer(nn.Module):
         return torch.add(h, mlp_out, alpha=self.residual_multiplier)
 
 
-class HybridBackbone(nn.Module):
+class GraniteBackbone(nn.Module):
     """transformers' `model.` prefix: embeddings, decoder layers, final norm."""
 
-    def __init__(self, config: HybridConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: GraniteConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class HybridLM(PagedCausalLM):
-    def __init__(self, config: HybridConfig, dtype: torch.dtype) -> None:
+class GraniteLM(PagedCausalLM):
+    def __init__(self, config: GraniteConfig, dtype: torch.dtype) -> None:
         rope = RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_embedding_type == "rope" else None
         super().__init__(dtype, config.mamba_chunk_size, rope)
         self.config = config
         self.embedding_multiplier = config.embedding_multiplier
         self.logits_scaling = config.logits_scaling
-        self.model = HybridBackbone(config, dtype)
+        self.model = GraniteBackbone(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

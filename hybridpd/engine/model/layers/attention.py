@@ -16,26 +16,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.granite.config import HybridConfig
 from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
 from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
+from hybridpd.engine.model.shapes import AttentionShape
 from hybridpd.engine.model.kernels.linear import linear
 from hybridpd.engine.model.step.attention_meta import AttentionDecode, AttentionGroupMeta
 from hybridpd.engine.model.step.context import StepContext
 
 
 class Attention(nn.Module):
-    def __init__(self, config: HybridConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, shape: AttentionShape, cache_id: int, dtype: torch.dtype) -> None:
+        """`cache_id`: this layer's entry in the KV cache (its layer id, or any id unique among the model's caches)."""
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.kv_heads_per_layer[layer_id]
-        self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window_per_layer[layer_id]  # None: full attention
-        self.scale = config.attention_multiplier
-        bias = config.attention_bias
-        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.layer_id = cache_id
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.sliding_window = shape.sliding_window  # None: full attention
+        self.scale = shape.scale
+        self.key_multiplier = shape.key_multiplier
+        bias = shape.bias
+        hidden, q_size, kv_size = shape.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, q_size, bias=bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
@@ -77,6 +79,8 @@ class Attention(nn.Module):
         # ours), so k and v stay adjacent and go into the cache in one write.
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q_size = self.q_size
+        if self.key_multiplier != 1.0:
+            qkv[:, q_size : self.split[0]].mul_(self.key_multiplier)
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, AttentionGroupMeta):
             raise TypeError(f"layer {self.layer_id} is attention but its KV group is not")

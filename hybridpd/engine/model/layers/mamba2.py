@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.granite.config import HybridConfig
 from hybridpd.engine.model.kernels.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
 from hybridpd.engine.model.layers.norms import GatedRMSNorm
+from hybridpd.engine.model.shapes import Mamba2Shape
 from hybridpd.engine.model.kernels.linear import linear
 from hybridpd.engine.model.kernels.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.step.mamba_layout import MambaPrefillLayout
@@ -31,26 +31,28 @@ from hybridpd.engine.model.step.mamba_meta import MambaDecode, MambaGroupMeta, M
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, shape: Mamba2Shape, cache_id: int, dtype: torch.dtype) -> None:
+        """`cache_id`: this layer's entry in the KV cache (its layer id, or any id unique among the model's caches)."""
         super().__init__()
-        self.layer_id = layer_id
-        self.heads = config.mamba_n_heads
-        self.head_dim = config.mamba_d_head
-        self.groups = config.mamba_n_groups
-        self.d_state = config.mamba_d_state
-        self.d_conv = config.mamba_d_conv
-        self.chunk_size = config.mamba_chunk_size
-        self.intermediate = config.mamba_intermediate_size
-        self.conv_dim = config.mamba_conv_dim
-        self.dt_min, self.dt_max = config.time_step_limit
+        self.layer_id = cache_id
+        self.heads = shape.n_heads
+        self.head_dim = shape.d_head
+        self.groups = shape.n_groups
+        self.d_state = shape.d_state
+        self.d_conv = shape.d_conv
+        self.chunk_size = shape.chunk_size
+        self.intermediate = shape.intermediate_size
+        self.conv_dim = shape.conv_dim
+        self.dt_min, self.dt_max = shape.time_step_limit
         self.in_proj = nn.Linear(
-            config.hidden_size, self.intermediate + self.conv_dim + self.heads, bias=config.mamba_proj_bias,
-            dtype=dtype,
+            shape.hidden_size, self.intermediate + self.conv_dim + self.heads, bias=shape.in_proj_bias, dtype=dtype,
         )
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, kernel_size=self.d_conv, groups=self.conv_dim,
-            bias=config.mamba_conv_bias, padding=self.d_conv - 1, dtype=dtype,
+            bias=shape.conv_bias, padding=self.d_conv - 1, dtype=dtype,
         )
+        # in_proj's outputs scaled per part (z, x, B, C, dt) where the family says so, else None (no op).
+        self._in_proj_scale = _part_scale(shape, dtype)
         # The conv weight lives in a [K, C] buffer and conv1d.weight ([C, 1, K], the checkpoint's name and shape) is
         # a view of it: loading a state dict copies into the view, so the buffer can never go stale. Both the
         # decode and prefill convolutions multiply rows of C channels by weight[k]: a contiguous row is ~3x faster
@@ -60,10 +62,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)).to(dtype))
         self.D = nn.Parameter(torch.ones(self.heads, dtype=dtype))
-        self.norm = GatedRMSNorm(
-            self.intermediate, self.intermediate // self.groups, config.rms_norm_eps, dtype
-        )
-        self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mamba_proj_bias, dtype=dtype)
+        self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.groups, shape.norm_eps, dtype)
+        self.out_proj = nn.Linear(self.intermediate, shape.hidden_size, bias=shape.out_proj_bias, dtype=dtype)
         # The kernel's conv bias when the layer has none (zeros: the same sums).
         self._zero_bias = torch.zeros(self.conv_dim, dtype=torch.float32)
         self._constants_of: tuple[torch.Tensor, ...] = ()
@@ -168,13 +168,19 @@ class Mamba2Mixer(nn.Module):
         from another: both contiguous, and the silu over the gate runs ~3x faster than over a strided column block
         of the fused output, which on a prefill is worth more than the one extra matmul call. Decode rows take the
         one fused product (the second array is then the whole output), where the call count is what matters."""
-        weight, bias = self.in_proj.weight, self.in_proj.bias
+        weight, bias, scale = self.in_proj.weight, self.in_proj.bias, self._in_proj_scale
         i = self.intermediate
         if not separate_gate:
             proj = linear(x, weight, bias)
+            if scale is not None:
+                proj.mul_(scale)
             return proj[:, :i], proj
         gate = linear(x, weight[:i], None if bias is None else bias[:i])
-        return gate, linear(x, weight[i:], None if bias is None else bias[i:])
+        rest = linear(x, weight[i:], None if bias is None else bias[i:])
+        if scale is not None:
+            gate.mul_(scale[:i])
+            rest.mul_(scale[i:])
+        return gate, rest
 
     def _split_xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., conv_dim] -> x [..., H, P], B and C [..., G, N] per group (views)."""
@@ -257,3 +263,12 @@ class Mamba2Mixer(nn.Module):
             conv_cache[slot] = conv_cache[d.slots[index]]
             ssm_cache[slot] = ssm_cache[d.slots[index]]
         return out.view(-1, self.intermediate)
+
+
+def _part_scale(shape: Mamba2Shape, dtype: torch.dtype) -> torch.Tensor | None:
+    """[I + conv_dim + H]: each in_proj output's multiplier (gate z, x, B, C, dt), or None when all are 1."""
+    if all(m == 1.0 for m in shape.in_proj_multipliers):
+        return None
+    state = shape.n_groups * shape.d_state
+    sizes = (shape.intermediate_size, shape.intermediate_size, state, state, shape.n_heads)
+    return torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip(sizes, shape.in_proj_multipliers)]).to(dtype)

@@ -3,10 +3,9 @@
 Layers come from `layers_block_type` (`linear_attention`/`mamba`, `full_attention`/`attention`, `mlp`, `moe`) or
 from the legacy `hybrid_override_pattern` string (`M` Mamba2, `*` attention, `-` MLP, `E` MoE); each layer is a norm,
 one mixer and a residual. Defaults are transformers' `NemotronHConfig` defaults; its Mamba-side aliases
-(`mamba_n_groups`, `mamba_d_conv`, `mamba_chunk_size`, ...) are accepted. The attention and Mamba2 fields that the
-shared modules read are carried by a `HybridConfig` (`shared`), so those modules serve both families unchanged:
-no RoPE, softmax scale head_dim^-0.5, no multipliers, and Mamba's dt clamped below at `time_step_min` (transformers'
-Nemotron-H mixer ignores `time_step_limit`). The two extension keys (`kv_heads_per_layer`,
+(`mamba_n_groups`, `mamba_d_conv`, `mamba_chunk_size`, ...) are accepted. The shared attention and Mamba2 layers
+are built from their shapes (shapes.py): no RoPE, softmax scale head_dim^-0.5, no multipliers, and Mamba's dt clamped
+below at `time_step_min` (transformers' Nemotron-H mixer ignores `time_step_limit`). The two extension keys (`kv_heads_per_layer`,
 `sliding_window_per_layer`) apply to the attention layers as in Granite.
 """
 
@@ -17,7 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpd.engine.model.granite.config import HybridConfig, int_field, parse_dtype, parse_eos_ids, per_layer_list
+from hybridpd.engine.model.config_fields import int_field, parse_dtype, parse_eos_ids, per_layer_list
+from hybridpd.engine.model.shapes import AttentionShape, Mamba2Shape
 
 
 class BlockType(enum.Enum):
@@ -38,8 +38,17 @@ _ACTIVATIONS = ("relu2",)
 
 @dataclass(frozen=True, kw_only=True)
 class NemotronHConfig:
-    shared: HybridConfig                 # attention/Mamba fields for the shared modules, and the common ones
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]       # every listed id stops generation
+    checkpoint_dtype: str
     block_types: tuple[BlockType, ...]
+    attention: tuple[AttentionShape | None, ...]   # per layer: the shape of an attention layer, else None
+    mamba: Mamba2Shape
     intermediate_size: int               # of an MLP layer
     mlp_bias: bool
     n_routed_experts: int
@@ -63,30 +72,9 @@ class NemotronHConfig:
             if self.n_routed_experts // self.n_group < 2:
                 raise ValueError("each expert group needs at least 2 experts (the group score sums the top 2)")
 
-    # the fields every family's config exposes (registry.ModelConfig)
-    @property
-    def vocab_size(self) -> int:
-        return self.shared.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.shared.max_position_embeddings
-
     @property
     def mamba_chunk_size(self) -> int:
-        return self.shared.mamba_chunk_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.shared.eos_token_ids
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.shared.bos_token_id
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.shared.tie_word_embeddings
+        return self.mamba.chunk_size
 
     @property
     def has_mamba(self) -> bool:
@@ -115,9 +103,6 @@ def _block_types(raw: dict[str, Any]) -> tuple[BlockType, ...]:
 
 
 def parse_nemotron_h(raw: dict[str, Any]) -> NemotronHConfig:
-    architectures = raw.get("architectures")
-    if architectures is not None and "NemotronHForCausalLM" not in architectures:
-        raise ValueError(f"architectures {architectures} is not supported; supported: ['NemotronHForCausalLM']")
     for key, value, supported in (("mlp_hidden_act", raw.get("mlp_hidden_act", "relu2"), _ACTIVATIONS),
                                   ("mamba_hidden_act", raw.get("mamba_hidden_act", "silu"), ("silu",))):
         if value not in supported:
@@ -144,48 +129,37 @@ def parse_nemotron_h(raw: dict[str, Any]) -> NemotronHConfig:
     if isinstance(step_min, bool) or not isinstance(step_min, (int, float)) or step_min < 0:
         raise ValueError(f"time_step_min must be a non-negative number, got {step_min!r}")
     eps = float(raw.get("layer_norm_epsilon", 1e-5))
-    shared = HybridConfig(
+    attention = []
+    for layer, (attn, kv, window) in enumerate(zip(is_attention, kv_per_layer, windows)):
+        try:
+            attention.append(AttentionShape(
+                hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads if kv is None else kv, head_dim=head_dim,
+                sliding_window=window, scale=head_dim ** -0.5, bias=False,
+            ) if attn else None)
+        except ValueError as exc:
+            raise ValueError(f"layer {layer}: {exc}") from None
+    mamba = Mamba2Shape(
+        hidden_size=hidden, n_heads=n_heads, d_head=d_head,
+        n_groups=int_field(raw, "n_groups", int_field(raw, "mamba_n_groups", 8)),
+        d_state=int_field(raw, "ssm_state_size", 128),
+        d_conv=int_field(raw, "conv_kernel", int_field(raw, "mamba_d_conv", 4)),
+        chunk_size=int_field(raw, "chunk_size", int_field(raw, "mamba_chunk_size", 128)),
+        conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
+        in_proj_bias=bool(raw.get("use_bias", False)), out_proj_bias=bool(raw.get("use_bias", False)),
+        time_step_limit=(float(step_min), math.inf), norm_eps=eps,
+    )
+    return NemotronHConfig(
         vocab_size=int_field(raw, "vocab_size", 131072),
         hidden_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        shared_intermediate_size=1,   # Granite-only (its shared MLP); unused here
         max_position_embeddings=int_field(raw, "max_position_embeddings", 4096),
         rms_norm_eps=eps,
-        attention_bias=False,
-        embedding_multiplier=1.0,
-        attention_multiplier=head_dim ** -0.5,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        position_embedding_type=None,
-        rope_theta=10000.0,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 1),
         eos_token_ids=parse_eos_ids(raw),
         checkpoint_dtype=parse_dtype(raw),
-        num_local_experts=0,           # Nemotron-H's experts live in its MoE layers, not Granite's block_sparse_moe
-        num_experts_per_tok=0,
-        intermediate_size=0,
-        layer_is_attention=is_attention,
-        kv_heads_per_layer=tuple((kv_heads if kv is None else kv) if attn else 0
-                                 for attn, kv in zip(is_attention, kv_per_layer)),
-        sliding_window_per_layer=tuple(w if attn else None for attn, w in zip(is_attention, windows)),
-        mamba_n_heads=n_heads,
-        mamba_n_groups=int_field(raw, "n_groups", int_field(raw, "mamba_n_groups", 8)),
-        mamba_d_state=int_field(raw, "ssm_state_size", 128),
-        mamba_d_head=d_head,
-        mamba_d_conv=int_field(raw, "conv_kernel", int_field(raw, "mamba_d_conv", 4)),
-        mamba_expand=int_field(raw, "expand", 2),
-        mamba_chunk_size=int_field(raw, "chunk_size", int_field(raw, "mamba_chunk_size", 128)),
-        mamba_conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
-        mamba_proj_bias=bool(raw.get("use_bias", False)),
-        time_step_limit=(float(step_min), math.inf),
-    )
-    return NemotronHConfig(
-        shared=shared,
         block_types=blocks,
+        attention=tuple(attention),
+        mamba=mamba,
         intermediate_size=int_field(raw, "intermediate_size", 21504),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         n_routed_experts=int_field(raw, "n_routed_experts", 8),

@@ -46,7 +46,7 @@ class GroupedTopKRouter(nn.Module):
     def __init__(self, config: NemotronHConfig, dtype: torch.dtype) -> None:
         super().__init__()
         experts = config.n_routed_experts
-        self.weight = nn.Parameter(torch.zeros(experts, config.shared.hidden_size, dtype=dtype))
+        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size, dtype=dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
         self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
@@ -69,7 +69,7 @@ class GroupedTopKRouter(nn.Module):
 class NemotronHMoE(nn.Module):
     def __init__(self, config: NemotronHConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden = config.shared.hidden_size
+        hidden = config.hidden_size
         self.gate = GroupedTopKRouter(config, dtype)
         self.experts = nn.ModuleList(
             ReLU2MLP(hidden, config.moe_intermediate_size, config.mlp_bias, dtype)
@@ -90,13 +90,13 @@ class NemotronHBlock(nn.Module):
     def __init__(self, config: NemotronHConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.block_type = config.block_types[layer_id]
-        self.norm = RMSNorm(config.shared.hidden_size, config.shared.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if self.block_type is BlockType.MAMBA:
-            self.mixer = Mamba2Mixer(config.shared, layer_id, dtype)
+            self.mixer = Mamba2Mixer(config.mamba, layer_id, dtype)
         elif self.block_type is BlockType.ATTENTION:
-            self.mixer = Attention(config.shared, layer_id, dtype)
+            self.mixer = Attention(config.attention[layer_id], layer_id, dtype)
         elif self.block_type is BlockType.MLP:
-            self.mixer = ReLU2MLP(config.shared.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+            self.mixer = ReLU2MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
         else:
             self.mixer = NemotronHMoE(config, dtype)
         self.uses_cache = self.block_type in (BlockType.MAMBA, BlockType.ATTENTION)
@@ -111,10 +111,9 @@ class NemotronHBlock(nn.Module):
 class NemotronHBackbone(nn.Module):
     def __init__(self, config: NemotronHConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        shared = config.shared
-        self.embeddings = nn.Embedding(shared.vocab_size, shared.hidden_size, dtype=dtype)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(NemotronHBlock(config, i, dtype) for i in range(len(config.block_types)))
-        self.norm_f = RMSNorm(shared.hidden_size, shared.rms_norm_eps, dtype)
+        self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class NemotronHLM(PagedCausalLM):
@@ -122,7 +121,7 @@ class NemotronHLM(PagedCausalLM):
         super().__init__(dtype, config.mamba_chunk_size, rope=None)
         self.config = config
         self.backbone = NemotronHBackbone(config, dtype)
-        self.lm_head = nn.Linear(config.shared.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 

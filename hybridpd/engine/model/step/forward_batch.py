@@ -48,7 +48,7 @@ class SeqEntry:
 class ForwardBatch:
     """`input_ids`/`positions`: [T] int64, the sequences' new tokens concatenated in `seqs` order.
 
-    `logits_indices`: [S] rows of T whose logits `HybridLM.forward` returns.
+    `logits_indices`: [S] rows of T whose logits `PagedCausalLM.forward` returns.
     """
 
     input_ids: torch.Tensor
