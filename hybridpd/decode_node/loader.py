@@ -35,7 +35,6 @@ from hybridpd.connector.lease_view import LeaseView, prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.connector.side_channel_client import SideChannelClient
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import BlockRead, RegionLayout, TransferState, Transport
 from hybridpd.decode_node.peers import Address, Peer, PeerCache
 from hybridpd.decode_node.pull_end import PullEnd
@@ -204,7 +203,7 @@ class DecodeRole:
         params, groups, leased = job.params, self.engine.engine.groups, job.params.remote_block_ids
         reads = []
         for g, (group, pairs) in enumerate(zip(groups, job.load)):
-            start, end = needed_span(group.spec, params.remote_num_tokens)
+            start, end = group.spec.needed_span(params.remote_num_tokens)
             for logical, local in pairs:
                 if not start <= logical < end:
                     raise KVTransferError(params.peer, f"group {g} needs block {logical}, outside the lease")

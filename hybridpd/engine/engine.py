@@ -15,7 +15,6 @@ import torch
 
 from hybridpd.config import EngineConfig, MambaCacheMode
 from hybridpd.engine.transfer_params import RemotePrefillParams
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.capacity import capacity_report
@@ -194,7 +193,7 @@ class LLMEngine:
                 f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} groups, this model has "
                 f"{len(self.groups)}", field)
         for g, (group, ids) in enumerate(zip(self.groups, params.remote_block_ids)):
-            start, end = needed_span(group.spec, params.remote_num_tokens)
+            start, end = group.spec.needed_span(params.remote_num_tokens)
             if len(ids) != end - start:
                 raise InvalidRequestError(
                     f"kv_transfer_params.remote_block_ids[{g}] has {len(ids)} blocks, a {group.spec.kind} group "

@@ -16,7 +16,6 @@ import time
 from hybridpd.connector.lease_view import prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.engine.transfer_params import RemotePrefillParams
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.connector.transport import Transport
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.request import TokenLogprob
@@ -59,7 +58,7 @@ class PrefillRole:
         num_tokens = seq.num_prompt_tokens
         table = core.kv.block_table(seq.request_id)
         block_ids = tuple(
-            tuple(table[g][slice(*needed_span(group.spec, num_tokens))]) for g, group in enumerate(core.groups)
+            tuple(table[g][slice(*group.spec.needed_span(num_tokens))]) for g, group in enumerate(core.groups)
         )
         granted = time.monotonic()
         lease = self.leases.add(seq.request_id, block_ids, num_tokens, prompt_digest(seq.prompt_token_ids))

@@ -33,8 +33,7 @@ class KVCacheManager:
         self._events: list[KVCacheEvent] | None = [] if config.enable_kv_cache_events else None
         self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
         self._managers = tuple(
-            make_manager(g.spec, pool, caching=self.caching and self._group_caches(g),
-                         mamba_retention=config.mamba_retention)
+            make_manager(g.spec, pool, caching=self.caching and self._group_caches(g), config=config)
             for g, pool in zip(groups, self._pools)
         )
         self._block_sizes = tuple(sorted({m.block_size for m in self._managers}))  # one hash chain per size

@@ -12,9 +12,6 @@ class FullAttentionManager(SingleTypeManager):
     decides_remote_hit = True
     search_order = 0
 
-    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
-        return self.rule.longest_hit(self.present, hashes, max_tokens, alignment)
-
     def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         return tuple(self.pool.lookup(h) for h in hashes[: num_tokens // self.block_size])  # type: ignore[misc]
 

@@ -86,7 +86,8 @@ class MambaRule:
 
 
 def rule_for(kind: str, block_size: int, sliding_window: int | None = None) -> HitRule:
-    """The rule of a group by its kind name (`KVCacheSpec.kind`, as KV events carry it)."""
+    """The rule of a group known only by its kind name (`KVCacheSpec.kind`, as KV events carry it: the proxy's
+    index); inside a node a group's spec gives its rule (`KVCacheSpec.hit_rule`)."""
     if kind == "full_attention":
         return FullAttentionRule(block_size)
     if kind == "sliding_window":

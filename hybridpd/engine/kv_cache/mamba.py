@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from hybridpd.config import MambaRetentionPolicy
+from hybridpd.config import CacheConfig, MambaRetentionPolicy
 from hybridpd.engine.kv_cache.block_pool import BlockPool
 from hybridpd.engine.kv_cache.cache_types import MambaStepOps
 from hybridpd.engine.kv_cache.hashing import BlockHash
@@ -34,6 +34,10 @@ class MambaManager(SingleTypeManager):
         self._copy_from: dict[str, int] = {}                              # hit slot held until commit
         self._saves: dict[str, list[tuple[int, int, BlockHash]]] = {}     # (num_tokens, slot, hash) pending
         self._retention: dict[str, MambaRetention] = {}                   # which boundaries each request saves
+
+    @classmethod
+    def build(cls, spec: MambaSpec, pool: BlockPool, *, caching: bool, config: CacheConfig) -> MambaManager:
+        return cls(spec, pool, caching=caching, retention=config.mamba_retention)
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
         if not self.caching:

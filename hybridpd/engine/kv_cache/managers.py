@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridpd.config import MambaRetentionPolicy
+from hybridpd.config import CacheConfig
 from hybridpd.engine.kv_cache.block_pool import BlockPool
 from hybridpd.engine.kv_cache.full_attention import FullAttentionManager
 from hybridpd.engine.kv_cache.mamba import MambaManager
@@ -17,11 +17,8 @@ MANAGERS: dict[type[KVCacheSpec], type[SingleTypeManager]] = {
 }
 
 
-def make_manager(spec: KVCacheSpec, pool: BlockPool, *, caching: bool,
-                 mamba_retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE) -> SingleTypeManager:
+def make_manager(spec: KVCacheSpec, pool: BlockPool, *, caching: bool, config: CacheConfig) -> SingleTypeManager:
     manager_class = MANAGERS.get(type(spec))
     if manager_class is None:
         raise ValueError(f"no KV cache manager for spec kind {type(spec).__name__}")
-    if manager_class is MambaManager:
-        return MambaManager(spec, pool, caching=caching, retention=mamba_retention)  # type: ignore[arg-type]
-    return manager_class(spec, pool, caching=caching)  # type: ignore[arg-type]
+    return manager_class.build(spec, pool, caching=caching, config=config)

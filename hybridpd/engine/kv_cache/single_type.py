@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hybridpd.engine.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from hybridpd.engine.kv_cache.cache_types import MambaStepOps
 from hybridpd.engine.kv_cache.hashing import BlockHash
-from hybridpd.engine.kv_cache.hit_rules import rule_for
+from hybridpd.config import CacheConfig
 from hybridpd.engine.kv_cache.spec import KVCacheSpec
 
 FRESH = -1  # a table entry of a plan that takes a new block from the free queue
@@ -84,7 +84,12 @@ class SingleTypeManager(abc.ABC):
         self.caching = caching
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}   # logical blocks already offered to the prefix cache
-        self.rule = rule_for(spec.kind, spec.block_size, getattr(spec, "sliding_window", None))
+        self.rule = spec.hit_rule()
+
+    @classmethod
+    def build(cls, spec: KVCacheSpec, pool: BlockPool, *, caching: bool, config: CacheConfig) -> SingleTypeManager:
+        """The manager of one group (a kind that reads more of the cache config overrides this)."""
+        return cls(spec, pool, caching=caching)
 
     def present(self, block_hash: BlockHash) -> bool:
         """Is `block_hash` a hit in this group's pool (the predicate the hit rule reads)."""
@@ -95,9 +100,9 @@ class SingleTypeManager(abc.ABC):
     def downward_closed(self) -> bool:
         return self.rule.downward_closed
 
-    @abc.abstractmethod
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
         """The largest L <= max_tokens, a multiple of `alignment`, that this group can serve (0 always can)."""
+        return self.rule.longest_hit(self.present, hashes, max_tokens, alignment)
 
     @abc.abstractmethod
     def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:

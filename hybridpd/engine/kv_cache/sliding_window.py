@@ -21,14 +21,8 @@ class SlidingWindowManager(SingleTypeManager):
     def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, *, caching: bool) -> None:
         super().__init__(spec, pool, caching=caching)
         self.window = spec.sliding_window
+        self.first_visible_block = spec.hit_rule().first_visible_block  # the first block a query at a position sees
         self._first_live: dict[str, int] = {}   # logical blocks below this one are NULL_BLOCK_ID (released)
-
-    def first_visible_block(self, position: int) -> int:
-        """The first logical block a query at `position` (or any later one) can see."""
-        return max(0, position - self.window + 1) // self.block_size
-
-    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
-        return self.rule.longest_hit(self.present, hashes, max_tokens, alignment)
 
     def hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         first = self.first_visible_block(num_tokens)

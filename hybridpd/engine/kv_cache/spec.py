@@ -1,5 +1,9 @@
 """One frozen spec per KV kind, and the grouping of layers with equal specs.
 
+A spec carries its kind's rules: which prefix lengths its cached blocks can serve (`hit_rule`, hit_rules.py) and
+which blocks of a prefix a decode node needs (`needed_span`). A new kind is a spec class here, a manager class, and
+a line in managers.py's table.
+
 A *page* is one block of one layer; a group's page (`KVCacheGroup.page_size_bytes`) holds that block for
 every layer of the group, back to back, each layer's part padded to `PAGE_ALIGN` bytes so that typed
 views of it start aligned.
@@ -11,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from hybridpd.engine.kv_cache.hit_rules import FullAttentionRule, HitRule, MambaRule, SlidingWindowRule
 
 PAGE_ALIGN = 16
 
@@ -40,6 +46,16 @@ class KVCacheSpec:
 
     @property
     def kind(self) -> str:
+        """The kind's name, as KV events carry it."""
+        raise NotImplementedError
+
+    def hit_rule(self) -> HitRule:
+        """Which prefix lengths this kind can serve from its cached blocks."""
+        raise NotImplementedError
+
+    def needed_span(self, num_tokens: int) -> tuple[int, int]:
+        """[start, end) of the logical blocks (Mamba: state slots) a decode node needs of tokens [0, num_tokens):
+        it computes token `num_tokens` itself."""
         raise NotImplementedError
 
 
@@ -63,12 +79,19 @@ class AttentionSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return align_up(math.prod(self.kv_shape) * dtype_size(self.dtype))
 
+    def needed_span(self, num_tokens: int) -> tuple[int, int]:
+        """Every block."""
+        return 0, -(-num_tokens // self.block_size)
+
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(AttentionSpec):
     @property
     def kind(self) -> str:
         return "full_attention"
+
+    def hit_rule(self) -> HitRule:
+        return FullAttentionRule(self.block_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +108,14 @@ class SlidingWindowSpec(AttentionSpec):
     @property
     def kind(self) -> str:
         return "sliding_window"
+
+    def hit_rule(self) -> SlidingWindowRule:
+        return SlidingWindowRule(self.block_size, self.sliding_window)
+
+    def needed_span(self, num_tokens: int) -> tuple[int, int]:
+        """The query at `num_tokens` sees keys j > num_tokens - W: the blocks from `max(0, n + 1 - W) // b` on."""
+        end = -(-num_tokens // self.block_size)
+        return min(max(0, num_tokens + 1 - self.sliding_window) // self.block_size, end), end
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +140,13 @@ class MambaSpec(KVCacheSpec):
     @property
     def kind(self) -> str:
         return "mamba"
+
+    def hit_rule(self) -> HitRule:
+        return MambaRule(self.block_size)
+
+    def needed_span(self, num_tokens: int) -> tuple[int, int]:
+        """Its one state slot."""
+        return (0, 1) if num_tokens > 0 else (0, 0)
 
 
 @dataclass(frozen=True, kw_only=True)

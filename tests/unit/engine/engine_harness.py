@@ -8,7 +8,6 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.transfer_params import RemotePrefillParams
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.sampling_params import SamplingParams
@@ -44,7 +43,7 @@ def remote_params_for(engine: LLMEngine, n_prompt: int, **changes) -> RemotePref
     n = n_prompt
     ids = []
     for group in engine.groups:
-        start, end = needed_span(group.spec, n)
+        start, end = group.spec.needed_span(n)
         ids.append(tuple(range(1, 1 + end - start)))
     fields = dict(remote_engine_id="prefill-0", remote_request_id="remote-r", remote_block_ids=tuple(ids),
                   remote_host="127.0.0.1", remote_port=7000, remote_num_tokens=n, first_token_id=5) | changes

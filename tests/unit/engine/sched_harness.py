@@ -8,7 +8,6 @@ import torch
 
 from hybridpd.config import CacheConfig, SchedulerConfig
 from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager, StepBlocks
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.request import EngineRequest
@@ -90,7 +89,7 @@ def remote_params(n_prompt: int, specs: tuple[KVCacheSpec, ...] = HYBRID) -> Rem
     n = n_prompt
     ids = []
     for spec in specs:
-        start, end = needed_span(spec, n)
+        start, end = spec.needed_span(n)
         ids.append(tuple(range(100, 100 + end - start)))
     return RemotePrefillParams(remote_engine_id="p", remote_request_id="r", remote_block_ids=tuple(ids),
                                remote_host="127.0.0.1", remote_port=7000, remote_num_tokens=n,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.request import FinishReason, RequestStatus
 
 from .sched_harness import (
@@ -218,7 +217,7 @@ def test_remote_prefill_waits_for_the_loader_with_the_right_targets(prompt_len):
     (rid, hit, blocks), = loader.started
     assert (rid, hit) == ("r", 0)
     for spec, load, table in zip(HYBRID, blocks.load, blocks.block_tables):
-        start, end = needed_span(spec, prompt_len)
+        start, end = spec.needed_span(prompt_len)
         assert [i for i, _ in load] == list(range(start, end)), spec.kind
         assert all(table[i] == local for i, local in load)
     sched.finish_load("r", ok=True)

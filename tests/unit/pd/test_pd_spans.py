@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.kv_cache.spans import needed_span
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 
@@ -52,7 +51,7 @@ CASES = [
 
 @pytest.mark.parametrize("spec, n", CASES, ids=[f"{type(s).__name__}-{s.block_size}-{n}" for s, n in CASES])
 def test_span_is_exactly_the_visible_blocks(spec, n):
-    start, end = needed_span(spec, n)
+    start, end = spec.needed_span(n)
     assert 0 <= start <= end
     assert set(range(start, end)) == brute_force_blocks(spec, n)
 
@@ -72,18 +71,20 @@ def test_span_is_exactly_the_visible_blocks(spec, n):
     (mamba(8), 1000, (0, 1)),
 ])
 def test_span_examples(spec, n, expected):
-    assert needed_span(spec, n) == expected
+    assert spec.needed_span(n) == expected
 
 
 @pytest.mark.parametrize("block_size, n", [(4, 8), (4, 9), (4, 11), (1, 5), (16, 0)])
 def test_window_of_one_reads_at_most_the_block_position_n_is_written_to(block_size, n):
     """W=1 sees no remote key at all; the span may still name the partial block that holds position n (the
     decode side's sliding-window manager allocates and loads the same block, so both sides agree)."""
-    start, end = needed_span(sw(1, block_size), n)
+    start, end = sw(1, block_size).needed_span(n)
     assert brute_force_blocks(sw(1, block_size), n) == set()
     assert set(range(start, end)) <= {n // block_size}
 
 
-def test_spans_have_no_rule_for_an_unknown_kind():
-    with pytest.raises(TypeError):
-        needed_span(KVCacheSpec(block_size=4), 4)
+def test_a_spec_without_its_kind_has_no_rules():
+    with pytest.raises(NotImplementedError):
+        KVCacheSpec(block_size=4).needed_span(4)
+    with pytest.raises(NotImplementedError):
+        KVCacheSpec(block_size=4).hit_rule()
