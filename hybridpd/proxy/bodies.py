@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridpd.server.stream_head import STREAM_HEAD_FIELD, StreamHead
+from hybridpd.stream_head import STREAM_HEAD_FIELD, StreamHead
 
 # What the prefill call carries: "prefill here, hold the blocks, tell me where they are".
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {

@@ -4,7 +4,7 @@ When the client streams, the prefill call streams too (bodies.prefill_body). The
 chunk (chat only), the first token's chunk — which also carries `kv_transfer_params` and the finish_reason of a
 one-token call — and [DONE]. The client's stream begins with those chunks at once, the call-specific parts taken
 out (kv_transfer_params; finish_reason and stop_reason back to null: the client's request goes on), and the decode
-node continues it under the same id and `created` (server/stream_head.py).
+node continues it under the same id and `created` (hybridpd/stream_head.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpd.server.stream_head import StreamHead
+from hybridpd.stream_head import StreamHead
 
 SSE_CONTENT_TYPE = "text/event-stream"
 _DONE = b"[DONE]"

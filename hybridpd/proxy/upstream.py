@@ -33,7 +33,7 @@ from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE, PrefillStreamError, 
 from hybridpd.proxy.outliers import OutlierDetector
 from hybridpd.proxy.routing import Router
 from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER, LEASE_RELEASE_PATH
-from hybridpd.server.stream_head import StreamHead
+from hybridpd.stream_head import StreamHead
 
 _ERROR_SNIPPET = 300  # characters of a node's 5xx body quoted in our 502
 _EJECTION_CHECK_S = 0.5  # how often a prefill call under way looks whether its node was ejected

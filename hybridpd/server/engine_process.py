@@ -35,7 +35,7 @@ from hybridpd.connector.metadata import node_metadata
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.connector.nixl_transport import NixlTransport
 from hybridpd.connector.side_channel_server import SideChannelServer
-from hybridpd.decode_node.loader import DecodeRole
+from hybridpd.decode_node.role import DecodeRole
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.host_memory import allocator_configured, keep_freed_memory

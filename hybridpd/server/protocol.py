@@ -24,7 +24,7 @@ from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
-from hybridpd.server.stream_head import StreamHead, parse_stream_head
+from hybridpd.stream_head import StreamHead, parse_stream_head
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -45,7 +45,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
-    stream_head: StreamHead | None = None  # the client has this stream's head already (server/stream_head.py)
+    stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
 
     @property
     def request_id(self) -> str:

@@ -110,7 +110,7 @@ class ChunkBuilder:
         return self._chat_choice(output) if self._parsed.endpoint is Endpoint.CHAT else self._completion_choice(output)
 
     def _after_head(self, first: RequestOutput) -> list[dict[str, Any]]:
-        """The first output of a stream whose head the client has (server/stream_head.py): its token is in that
+        """The first output of a stream whose head the client has (hybridpd/stream_head.py): its token is in that
         head, so it makes no chunk (it still moves the logprobs' text offset on), unless it is also the last
         output: then one chunk with its finish_reason and the text the head held back (the prefill node released
         its token's text as a stream does mid-way; at max_tokens the rest is released now)."""

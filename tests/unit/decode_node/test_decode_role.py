@@ -20,7 +20,7 @@ from hybridpd.config import KVLoadFailurePolicy, KVTransferConfig
 from hybridpd.connector.fake_transport import FakeFabric, FakeTransport
 from hybridpd.connector.lease_view import LeaseView, prompt_digest
 from hybridpd.connector.metrics import ConnectorMetrics
-from hybridpd.decode_node.loader import DecodeRole, PullJob
+from hybridpd.decode_node.role import DecodeRole, PullJob
 from hybridpd.decode_node.peers import PeerCache
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup
 from hybridpd.engine.transfer_params import RemotePrefillParams
@@ -255,7 +255,7 @@ async def test_a_request_that_ends_before_its_pull_releases_the_lease_and_reads_
 async def test_a_read_that_never_stops_is_waited_for_boundedly_then_its_peer_is_removed(monkeypatch):
     """An uncancellable READ that never ends: after DRAIN_LIMIT_S the peer is removed from the transport (which fails
     what it has in flight), the blocks go back once, and the next pull from that address connects again."""
-    monkeypatch.setattr("hybridpd.decode_node.loader.DRAIN_LIMIT_S", 0.2)
+    monkeypatch.setattr("hybridpd.decode_node.role.DRAIN_LIMIT_S", 0.2)
     role, fabric, core, client, job = await _role()
     fabric.set_stalled("P")
     fabric.set_uncancellable("P")
