@@ -15,8 +15,8 @@ from hybridpd.config import MambaRetentionPolicy
 from hybridpd.kv_events.wire import GroupInfo, decode_batch, encode_batch
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 
-from ..kv_cache.builders import Req, manager, prefill
-from ..kv_cache.test_hit_property import layouts
+from ..engine.kv_cache.builders import Req, manager, prefill
+from ..engine.kv_cache.test_hit_property import layouts
 
 
 def _sync(m, index, groups) -> None:
@@ -79,7 +79,7 @@ def test_the_index_follows_the_cache_and_predicts_its_hits(layout, data):
 def test_a_reset_with_nothing_held_is_one_all_blocks_cleared():
     from hybridpd.engine.kv_cache.events import AllBlocksCleared, BlockRemoved
 
-    from ..kv_cache.builders import fa, mamba
+    from ..engine.kv_cache.builders import fa, mamba
     m = manager(fa(4), mamba(8), events=True)
     prefill(m, Req("a", list(range(20))))
     m.free("a")

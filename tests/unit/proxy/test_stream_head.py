@@ -1,5 +1,5 @@
 """A streaming client's first token comes from the prefill node's stream, before the decode call is opened; the
-decode node continues that stream (proxy/prefill_stream.py, server/stream_head.py)."""
+decode node continues that stream (proxy/prefill_stream.py, hybridpd/stream_head.py)."""
 
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ async def test_drain_lets_running_stream_finish(client, engine):
     assert await admission.wait_idle(timeout=10) and engine.aborted == []
 
 
-# A decode-role request whose stream head the client has (server/stream_head.py): the fake's first output plays
+# A decode-role request whose stream head the client has (hybridpd/stream_head.py): the fake's first output plays
 # the first token that the prefill node's stream carried.
 REMOTE_PREFILL = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
                   "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 9000,

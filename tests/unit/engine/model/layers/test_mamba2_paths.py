@@ -12,7 +12,7 @@ import torch
 from hybridpd.engine.model.step import mamba_meta
 from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
 
-from .engine_harness import all_free, drive, greedy, make_recording_engine, prompt
+from tests.unit.engine.engine_harness import all_free, drive, greedy, make_recording_engine, prompt
 
 
 SHARED = prompt(1, 40)

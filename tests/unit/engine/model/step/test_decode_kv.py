@@ -14,7 +14,7 @@ import torch
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.model.step.decode_kv import LENGTH_STEP, DecodeKV
 
-from .engine_harness import drive, greedy, make_recording_engine, prompt
+from tests.unit.engine.engine_harness import drive, greedy, make_recording_engine, prompt
 
 TOKEN_BYTES = 2 * 8 * 4  # 2 KV heads of 8 floats
 
