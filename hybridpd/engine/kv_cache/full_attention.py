@@ -20,10 +20,7 @@ class FullAttentionManager(SingleTypeManager):
         b = self.block_size
         need = cdiv(tokens.end, b)
         if not tokens.first:
-            have = len(self._tables.get(request_id, ()))
-            return GroupPlan(append=(FRESH,) * max(0, need - have))
-        if len(hit_blocks) != tokens.hit // b:
-            raise ValueError(f"a hit of {tokens.hit} tokens needs {tokens.hit // b} blocks, got {len(hit_blocks)}")
-        self._check_hit(hashes, range(len(hit_blocks)), hit_blocks)
+            return self._plan_growth(request_id, need)
+        self._check_attention_hit(hashes, hit_blocks, tokens.hit)
         load = tuple(range(len(hit_blocks), cdiv(tokens.start, b))) if tokens.external else ()
         return GroupPlan(append=hit_blocks + (FRESH,) * (need - len(hit_blocks)), load=load)

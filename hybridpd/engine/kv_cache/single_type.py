@@ -174,6 +174,18 @@ class SingleTypeManager(abc.ABC):
             refs.update(b for b in table if b != NULL_BLOCK_ID)
         return refs
 
+    def _plan_growth(self, request_id: str, need: int) -> GroupPlan:
+        """A later call of an attention kind: fresh blocks up to `need` in all."""
+        have = len(self._tables.get(request_id, ()))
+        return GroupPlan(append=(FRESH,) * max(0, need - have))
+
+    def _check_attention_hit(self, hashes: Sequence[BlockHash], hit_blocks: Sequence[int], hit: int) -> None:
+        """One block per logical block of an attention hit (NULL_BLOCK_ID where a window no longer needs it), each
+        still holding its hash."""
+        if len(hit_blocks) != hit // self.block_size:
+            raise ValueError(f"a hit of {hit} tokens needs {hit // self.block_size} blocks, got {len(hit_blocks)}")
+        self._check_hit(hashes, range(len(hit_blocks)), hit_blocks)
+
     def _check_hit(self, hashes: Sequence[BlockHash], positions: Sequence[int], blocks: Sequence[int]) -> None:
         for i, b in zip(positions, blocks):
             if b != NULL_BLOCK_ID and (i >= len(hashes) or self.pool.block_hash(b) != hashes[i]):

@@ -31,16 +31,12 @@ class SlidingWindowManager(SingleTypeManager):
 
     def plan(self, request_id: str, hit_blocks: tuple[int, ...], tokens: TokenRange,
              hashes: Sequence[BlockHash]) -> GroupPlan:
-        b = self.block_size
-        need = cdiv(tokens.end, b)
+        need = cdiv(tokens.end, self.block_size)
         if not tokens.first:
-            have = len(self._tables.get(request_id, ()))
-            return GroupPlan(append=(FRESH,) * max(0, need - have))
+            return self._plan_growth(request_id, need)
         if tokens.external:
             return self._plan_external(tokens, hashes, need)
-        if len(hit_blocks) != tokens.hit // b:
-            raise ValueError(f"a hit of {tokens.hit} tokens needs {tokens.hit // b} blocks, got {len(hit_blocks)}")
-        self._check_hit(hashes, range(len(hit_blocks)), hit_blocks)
+        self._check_attention_hit(hashes, hit_blocks, tokens.hit)
         return GroupPlan(append=hit_blocks + (FRESH,) * (need - len(hit_blocks)))
 
     def _plan_external(self, tokens: TokenRange, hashes: Sequence[BlockHash], need: int) -> GroupPlan:

@@ -8,7 +8,7 @@ rotated in place in the projection's output and copied where it goes.
 
 RoPE as `RotaryEmbedding.apply_` does it (halves rotated): with cos = (cos f, cos f) and the signed sin =
 (-sin f, sin f), x'[d] = x[d] cos[d] + x[d + D/2] sin[d] for d < D/2 and x[d] cos[d] + x[d - D/2] sin[d] above.
-Results equal the torch path's to float32 rounding (tests/unit/model/test_fused_decode_write.py).
+Results equal the torch path's to float32 rounding (tests/unit/engine/model/kernels/test_fused_decode_write.py).
 """
 
 from __future__ import annotations

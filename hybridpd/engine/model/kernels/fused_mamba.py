@@ -26,7 +26,7 @@ Per row (token) of a sequence, with C = conv_dim, I = intermediate, H heads of P
 
 A sequence starts from its slot's states (resumed) or from zeros; after the rows the scheduler named, the states
 are also copied to other slots (prefix-cache saves). Accumulations are float32, as torch's are; sums run in another
-order, so results agree with the torch path to float32 rounding, not bit for bit (tests/unit/model/test_fused_mamba.py
+order, so results agree with the torch path to float32 rounding, not bit for bit (tests/unit/engine/model/kernels/test_fused_mamba.py
 against the formulas; tests/unit/engine/test_fused_mamba_path.py against the torch path; tests/oracle against
 transformers). Loops index slices from 0 (`y[start:end][c]`, not `y[start + c]`): only that form vectorises.
 """

@@ -10,7 +10,7 @@ memory traffic of the temporaries.
     rms_norm:          normed = weight * h / sqrt(mean(h^2) + eps)
 
 Sums run in float32 in another order than torch's, so results agree with the torch path (layers.py) to float32
-rounding, not bit for bit (tests/unit/model/test_fused_norm.py).
+rounding, not bit for bit (tests/unit/engine/model/kernels/test_fused_norm.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN.
 
-Measured on an AMD EPYC guest with AVX-512 (one thread): MKL, which `F.linear` calls, runs the model's projections
+Measured on an x86 CPU with AVX-512, one thread (benchmarks/README.md names the machines): MKL, which `F.linear` calls, runs the model's projections
 (128-256 inputs, 128-580 outputs) at 75-85 GFLOP/s over 2,048-4,096 rows, where oneDNN's matmul
 (`torch.ops.mkldnn._linear_pointwise`, the weight taken as it is) runs them at 90-100; from a few hundred rows down
 both reach the same ~100 GFLOP/s. A step of a whole multiple of 1,024 rows (prompts whose lengths add up to it, such
@@ -13,7 +13,7 @@ row count a server sees, the process grew by ~1 GB per 1,000 distinct counts (me
 other steps in part (a multiple through oneDNN, the rest through MKL, joined by a copy) was slower than MKL alone.
 So it meets at most max_num_batched_tokens / ONEDNN_ROWS row counts per weight shape (~13 MB for the default
 model's shapes at 1,024 and 2,048 rows). Results agree with MKL's to float32 rounding (another summation order;
-tests/unit/model/test_linear.py), as a step's results already depend on how it is chunked.
+tests/unit/engine/model/kernels/test_linear.py), as a step's results already depend on how it is chunked.
 """
 
 from __future__ import annotations
