@@ -75,7 +75,7 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", type=Path, default=None,
-                        help="a Hugging Face checkpoint directory (GraniteMoeHybrid or NemotronH; default: the "
+                        help="a Hugging Face checkpoint directory (Granite-4.0-H, Nemotron-H or Falcon-H1; default: the "
                              "built-in preset)")
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1")

@@ -1,4 +1,5 @@
-"""P/D on checkpoints transformers wrote: a sharded bf16 MoE Granite-4.0-H and a Nemotron-H with MoE layers.
+"""P/D on checkpoints transformers wrote: a sharded bf16 MoE Granite-4.0-H, a Nemotron-H with MoE layers, and a
+Falcon-H1 (attention and Mamba2 in every layer).
 
 Two real nodes (prefill, decode), driven as vLLM's toy proxy does. The greedy tokens through P/D must equal
 transformers' own `generate` on the same directory; a second prompt sharing a prefix hits the decode node's own
@@ -13,11 +14,12 @@ import pytest
 import torch
 
 from tests.e2e.pd_calls import assert_drained, greedy_body, pd_token_ids, start_nodes, stop_all
-from tests.oracle.saved_models import greedy_reference, save_granite, save_nemotron
+from tests.oracle.saved_models import greedy_reference, save_falcon_h1, save_granite, save_nemotron
 
 NODE_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "256", "--kv-load-timeout", "10", "--block-size", "8")
 SAVERS = {"granite_moe_sharded_bf16": lambda out: save_granite(out, "moe_sharded_bf16"),
-          "nemotron_h_moe": lambda out: save_nemotron(out, "moe")}
+          "nemotron_h_moe": lambda out: save_nemotron(out, "moe"),
+          "falcon_h1": lambda out: save_falcon_h1(out, "norm_after_gate")}
 
 
 @pytest.fixture(scope="module", params=sorted(SAVERS))

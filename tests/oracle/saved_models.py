@@ -10,7 +10,10 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, NemotronHConfig, NemotronHForCausalLM
+from transformers import (
+    FalconH1Config, FalconH1ForCausalLM, GenerationConfig, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, NemotronHConfig,
+    NemotronHForCausalLM,
+)
 
 from tests.oracle.reference import _patch_kv_heads, _patch_window
 
@@ -39,6 +42,21 @@ NEMOTRON_VARIANTS = {
     "extensions": dict(layers_block_type=["mamba", "attention", "moe", "attention", "mlp", "attention"],
                        kv_heads_per_layer=[None, 1, None, None, None, 4],
                        sliding_window_per_layer=[None, None, None, 7, None, 13]),
+}
+
+FALCON_H1_SHAPE = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=96, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2,
+    mamba_chunk_size=8, max_position_embeddings=512, eos_token_id=[298, 299], bos_token_id=297, pad_token_id=0,
+    # μP multipliers away from 1, each where a mistake would show
+    embedding_multiplier=2.0, lm_head_multiplier=0.75, key_multiplier=0.8, attention_in_multiplier=1.2,
+    attention_out_multiplier=0.7, ssm_in_multiplier=1.1, ssm_out_multiplier=0.6,
+    ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 1.3], mlp_multipliers=[1.5, 0.5],
+)
+FALCON_H1_VARIANTS = {
+    "norm_after_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=False),
+    "norm_before_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=True, rope_theta=1e11),
+    "no_norm_tied": dict(mamba_rms_norm=False, tie_word_embeddings=True, mamba_proj_bias=True, projectors_bias=True),
 }
 
 
@@ -91,9 +109,21 @@ def save_nemotron(out: Path, variant: str) -> tuple[Path, NemotronHForCausalLM]:
     return out, reference.eval()
 
 
+def save_falcon_h1(out: Path, variant: str) -> tuple[Path, FalconH1ForCausalLM]:
+    config = FalconH1Config(**(FALCON_H1_SHAPE | FALCON_H1_VARIANTS[variant]))
+    torch.manual_seed(0)
+    model = FalconH1ForCausalLM(config).eval()
+    _useful_scale(model, seed=len(variant))
+    model.save_pretrained(out)
+    reference = FalconH1ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    return out, reference.eval()
+
+
 def greedy_reference(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                         do_sample=False, pad_token_id=0)
+    """transformers' greedy `generate` as a request with `ignore_eos` runs: an eos token may be chosen and generation
+    goes on past it (`min_new_tokens` would instead forbid eos, another distribution)."""
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = model.generate(torch.tensor([prompt]), generation_config=config)
     return out[0, len(prompt):].tolist()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,12 @@ def rope_theta(raw: dict[str, Any]) -> float:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
     return float(theta)
+
+
+def time_step_limit(raw: dict[str, Any]) -> tuple[float, float]:
+    """Mamba2's clamp of dt: `time_step_limit` as two numbers (null or absent: no clamp)."""
+    limit = raw.get("time_step_limit", (0.0, math.inf))
+    if limit is not None and (not isinstance(limit, (list, tuple)) or len(limit) != 2
+                              or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in limit)):
+        raise ValueError(f"time_step_limit must be a list of two numbers, got {limit!r}")
+    return (0.0, math.inf) if limit is None else (float(limit[0]), float(limit[1]))

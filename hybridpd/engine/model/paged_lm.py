@@ -1,6 +1,6 @@
 """`PagedCausalLM`: what every model family shares over the paged hybrid KV cache.
 
-A family (Granite-4.0-H, Nemotron-H) builds its own modules under transformers' parameter names and tells this
+A family (Granite-4.0-H, Nemotron-H, Falcon-H1) builds its own modules under transformers' parameter names and tells this
 base where they are: the token embedding, the decoder layers (each `forward(h, ctx, kv)`), the final norm, the head,
 and its two scalars (embedding multiplier, logits divisor). The KV specs come from the layers' mixers: an attention
 mixer declares full attention or its window, a Mamba2 mixer its state slot; a layer without a cache (an MLP or MoE
@@ -25,7 +25,8 @@ from hybridpd.engine.model.step.context import build_step_context
 
 class PagedCausalLM(nn.Module):
     embedding_multiplier: float = 1.0
-    logits_scaling: float = 1.0
+    logits_scaling: float = 1.0      # a divisor of the logits (Granite)
+    logits_multiplier: float = 1.0   # a factor of the logits (Falcon-H1's lm_head_multiplier)
 
     def __init__(self, dtype: torch.dtype, mamba_chunk_size: int, rope: RotaryEmbedding | None) -> None:
         super().__init__()
@@ -91,4 +92,6 @@ class PagedCausalLM(nn.Module):
         logits = F.linear(h, self.lm_head.weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
         return logits.float()

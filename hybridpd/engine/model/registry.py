@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridpd.engine.model.falcon_h1.config import FalconH1Config
+from hybridpd.engine.model.falcon_h1.model import FalconH1LM
 from hybridpd.engine.model.granite.config import GraniteConfig
 from hybridpd.engine.model.granite.model import GraniteLM
 from hybridpd.engine.model.nemotron_h.model import NemotronHLM
@@ -44,9 +46,11 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({
     family.architecture: family for family in (
         ModelFamily(architecture="GraniteMoeHybridForCausalLM", parse_config=GraniteConfig.from_dict, build=GraniteLM),
         ModelFamily(architecture="NemotronHForCausalLM", parse_config=NemotronHConfig.from_dict, build=NemotronHLM),
+        ModelFamily(architecture="FalconH1ForCausalLM", parse_config=FalconH1Config.from_dict, build=FalconH1LM),
     )
 })
-_MODEL_TYPES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+_MODEL_TYPES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                "falcon_h1": "FalconH1ForCausalLM"}
 
 
 def family_for(raw: dict[str, Any]) -> ModelFamily:

@@ -7,6 +7,7 @@ another one's config.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,14 @@ class AttentionShape:
             raise ValueError(f"sliding window must be >= 1, got {self.sliding_window}")
 
 
+class MambaNorm(enum.IntEnum):
+    """How the scan's output y meets the gate z before out_proj (the kernel reads the value)."""
+
+    GATED = 0              # w * rmsnorm_per_group(y * silu(z)): Granite, Nemotron-H, Falcon-H1 with norm after gate
+    GATE_ONLY = 1          # y * silu(z), no norm and no weight: Falcon-H1 with `mamba_rms_norm` false
+    NORM_THEN_GATE = 2     # w * rmsnorm_per_group(y) * silu(z): Falcon-H1 with `mamba_norm_before_gate`
+
+
 @dataclass(frozen=True, kw_only=True)
 class Mamba2Shape:
     hidden_size: int
@@ -50,6 +59,7 @@ class Mamba2Shape:
     norm_eps: float
     # Falcon-H1's μP: in_proj's outputs scaled per part (gate z, x, B, C, dt), all 1 elsewhere
     in_proj_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    norm: MambaNorm = MambaNorm.GATED
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "n_heads", "d_head", "n_groups", "d_state", "d_conv", "chunk_size"):

@@ -10,12 +10,11 @@ Read the way transformers 5.x's GraniteMoeHybrid reads it (defaults included; it
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.model.config_fields import (
-    float_or_one, int_field, parse_dtype, parse_eos_ids, per_layer_list, rope_theta,
+    float_or_one, int_field, parse_dtype, parse_eos_ids, per_layer_list, rope_theta, time_step_limit,
 )
 from hybridpd.engine.model.shapes import AttentionShape, Mamba2Shape
 
@@ -201,11 +200,7 @@ def _parse(raw: dict[str, Any]) -> GraniteConfig:
             f"mamba_d_head * mamba_n_heads ({d_head} * {n_heads}) must equal mamba_expand * hidden_size "
             f"({expand * hidden})"
         )
-    limit = raw.get("time_step_limit", (0.0, math.inf))
-    if limit is not None and (not isinstance(limit, (list, tuple)) or len(limit) != 2
-                              or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in limit)):
-        raise ValueError(f"time_step_limit must be a list of two numbers, got {limit!r}")
-    limit = (0.0, math.inf) if limit is None else tuple(float(x) for x in limit)
+    limit = time_step_limit(raw)
 
     return GraniteConfig(
         vocab_size=int(raw.get("vocab_size", 32000)),

@@ -22,12 +22,13 @@ Per row (token) of a sequence, with C = conv_dim, I = intermediate, H heads of P
     x, B, C = conv[:I] as [H, P], conv[I : I + G N] as [G, N], conv[I + G N :] as [G, N]
     dt_h  = clamp(softplus(dt_raw_h + dt_bias_h), dt_min, dt_max)
     S_h   = exp(dt_h A_h) S_h + dt_h x_h B_g^T              y_h = S_h C_g + D_h x_h   (g = h's group)
-    out   = norm_weight * rmsnorm_per_group(y * silu(gate))   (groups of `norm_group` channels)
+    out   = norm_weight * rmsnorm_per_group(y * silu(gate))   (groups of `norm_group` channels; or, per the layer's
+            shapes.MambaNorm, y * silu(gate), or norm_weight * rmsnorm_per_group(y) * silu(gate))
 
 A sequence starts from its slot's states (resumed) or from zeros; after the rows the scheduler named, the states
 are also copied to other slots (prefix-cache saves). Accumulations are float32, as torch's are; sums run in another
 order, so results agree with the torch path to float32 rounding, not bit for bit (tests/unit/engine/model/kernels/test_fused_mamba.py
-against the formulas; tests/unit/engine/test_fused_mamba_path.py against the torch path; tests/oracle against
+against the formulas; tests/unit/engine/model/layers/test_mamba2_paths.py against the torch path; tests/oracle against
 transformers). Loops index slices from 0 (`y[start:end][c]`, not `y[start + c]`): only that form vectorises.
 """
 
@@ -71,6 +72,7 @@ _SCAN_SIGNATURE = numba.void(
     _F32_1D,                  # gated-norm weight [I]
     numba.int64,              # gated-norm group size
     numba.float32,            # gated-norm eps
+    numba.int64,              # how y meets the gate (shapes.MambaNorm: 0 gated norm, 1 gate only, 2 norm then gate)
     numba.int64,              # groups (G)
     _F32_2D,                  # out [T, I]
 )
@@ -120,7 +122,7 @@ def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_
 @numba.njit(_SCAN_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
                ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
-               eps, groups, out):  # pragma: no cover - compiled
+               eps, norm_mode, groups, out):  # pragma: no cover - compiled
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
@@ -162,14 +164,26 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                 # Slices indexed from 0 (not y[start + c]): only that form vectorises, ~9x faster.
                 end = start + norm_group
                 yg, gg, wg = y[start:end], gr[start:end], norm_w[start:end]
+                if norm_mode == 1:
+                    for c in range(norm_group):
+                        yg[c] = yg[c] * gg[c]
+                    continue
                 square = np.float32(0.0)
-                for c in range(norm_group):
-                    value = yg[c] * gg[c]
-                    yg[c] = value
-                    square += value * value
+                if norm_mode == 0:
+                    for c in range(norm_group):
+                        value = yg[c] * gg[c]
+                        yg[c] = value
+                        square += value * value
+                else:
+                    for c in range(norm_group):
+                        square += yg[c] * yg[c]
                 scale = np.float32(1.0) / np.sqrt(square / np.float32(norm_group) + eps)
-                for c in range(norm_group):
-                    yg[c] = yg[c] * scale * wg[c]
+                if norm_mode == 0:
+                    for c in range(norm_group):
+                        yg[c] = yg[c] * scale * wg[c]
+                else:
+                    for c in range(norm_group):
+                        yg[c] = yg[c] * scale * wg[c] * gg[c]
 
             while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
                 at = save_slot[next_save] * ssm_stride
@@ -220,18 +234,19 @@ class MambaKernelWeights:
     A: np.ndarray            # negative
     D: np.ndarray
     dt_limit: tuple[np.float32, np.float32]
-    norm_weight: np.ndarray  # [I]
+    norm_weight: np.ndarray  # [I] (ones when the layer has no norm)
     norm_group: int
     eps: np.float32
+    norm_mode: int           # shapes.MambaNorm
     groups: int
 
     @classmethod
     def of(cls, conv_weight: torch.Tensor, conv_bias: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor,
            D: torch.Tensor, dt_limit: tuple[float, float], norm_weight: torch.Tensor, norm_group: int, eps: float,
-           groups: int) -> MambaKernelWeights:
+           groups: int, norm_mode: int = 0) -> MambaKernelWeights:
         return cls(_f32(conv_weight), _f32(conv_bias), _f32(dt_bias), _f32(A), _f32(D),
                    (np.float32(dt_limit[0]), np.float32(dt_limit[1])), _f32(norm_weight), norm_group,
-                   np.float32(eps), groups)
+                   np.float32(eps), int(norm_mode), groups)
 
 
 def mamba_rows_(
@@ -262,6 +277,6 @@ def mamba_rows_(
     _scan_rows(
         conv_np, source, gate.numpy(), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
         weights.dt_bias, weights.A, weights.D, *weights.dt_limit, weights.norm_weight, weights.norm_group,
-        weights.eps, weights.groups, out.numpy(),
+        weights.eps, weights.norm_mode, weights.groups, out.numpy(),
     )
     return out

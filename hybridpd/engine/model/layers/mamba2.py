@@ -22,7 +22,7 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
 from hybridpd.engine.model.layers.norms import GatedRMSNorm
-from hybridpd.engine.model.shapes import Mamba2Shape
+from hybridpd.engine.model.shapes import Mamba2Shape, MambaNorm
 from hybridpd.engine.model.kernels.linear import linear
 from hybridpd.engine.model.kernels.ssd import chunked_scan, recurrent_step_
 from hybridpd.engine.model.step.mamba_layout import MambaPrefillLayout
@@ -62,7 +62,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)).to(dtype))
         self.D = nn.Parameter(torch.ones(self.heads, dtype=dtype))
-        self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.groups, shape.norm_eps, dtype)
+        # transformers' `norm` (its weight in the checkpoint) unless y meets the gate without one
+        self.norm_mode = shape.norm
+        self.norm_group, self.norm_eps = self.intermediate // self.groups, shape.norm_eps
+        if shape.norm is not MambaNorm.GATE_ONLY:
+            self.norm = GatedRMSNorm(self.intermediate, self.norm_group, shape.norm_eps, dtype,
+                                     norm_first=shape.norm is MambaNorm.NORM_THEN_GATE)
+        self._unit_norm_weight = torch.ones(self.intermediate, dtype=torch.float32)  # the kernel's, without a norm
         self.out_proj = nn.Linear(self.intermediate, shape.hidden_size, bias=shape.out_proj_bias, dtype=dtype)
         # The kernel's conv bias when the layer has none (zeros: the same sums).
         self._zero_bias = torch.zeros(self.conv_dim, dtype=torch.float32)
@@ -136,11 +142,12 @@ class Mamba2Mixer(nn.Module):
         reloaded constant, a new Parameter); in-place loads write through the views."""
         A, D, dt_bias = self._constants()
         bias = self._zero_bias if self.conv1d.bias is None else self.conv1d.bias
-        tensors = (self.conv_weight, bias, dt_bias, A, D, self.norm.weight)
+        norm_weight = self._unit_norm_weight if self.norm_mode is MambaNorm.GATE_ONLY else self.norm.weight
+        tensors = (self.conv_weight, bias, dt_bias, A, D, norm_weight)
         if self._kernel_weights is None or any(a is not b for a, b in zip(tensors, self._kernel_weights_of)):
             self._kernel_weights = MambaKernelWeights.of(
-                self.conv_weight, bias, dt_bias, A, D, (self.dt_min, self.dt_max), self.norm.weight,
-                self.norm.group_size, self.norm.eps, self.groups,
+                self.conv_weight, bias, dt_bias, A, D, (self.dt_min, self.dt_max), norm_weight,
+                self.norm_group, self.norm_eps, self.groups, self.norm_mode,
             )
             self._kernel_weights_of = tensors
         return self._kernel_weights
@@ -153,8 +160,13 @@ class Mamba2Mixer(nn.Module):
         return self._kernel_caches
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Gated norm, then out_proj (as plain functions: module calls cost a few us each in a decode step)."""
-        return linear(self.norm.forward(y, gate).to(dtype), self.out_proj.weight, self.out_proj.bias)
+        """Gated norm (or the gate alone), then out_proj (as plain functions: module calls cost a few us each in a
+        decode step)."""
+        if self.norm_mode is MambaNorm.GATE_ONLY:
+            gated = F.silu(gate.float()).mul_(y).to(dtype)
+        else:
+            gated = self.norm.forward(y, gate).to(dtype)
+        return linear(gated, self.out_proj.weight, self.out_proj.bias)
 
     def _project(self, x: torch.Tensor, separate_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj -> gate [T, I], xbc [T, conv_dim], dt_raw [T, H] (views; see `_in_proj`)."""

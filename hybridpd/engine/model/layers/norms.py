@@ -50,11 +50,14 @@ def _fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class GatedRMSNorm(nn.Module):
-    """`weight * rmsnorm_per_group(y * silu(gate))`, the norm computed over groups of `group_size` channels."""
+    """`weight * rmsnorm_per_group(y * silu(gate))`, the norm computed over groups of `group_size` channels; with
+    `norm_first`, `weight * rmsnorm_per_group(y) * silu(gate)`."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, group_size: int, eps: float, dtype: torch.dtype,
+                 norm_first: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.norm_first = norm_first
         self.group_size = group_size
         self.eps = eps
         self._eps = torch.tensor(eps)  # see RMSNorm
@@ -65,10 +68,13 @@ class GatedRMSNorm(nn.Module):
 
         Spelled out (a silu, then in-place ops on the one new tensor) rather than `F.rms_norm`, whose CPU
         kernel is ~4x slower on a prefill's [4096, 256]; see RMSNorm."""
-        h = F.silu(gate.float()).mul_(y)
+        silu_gate = F.silu(gate.float())
+        h = y.float().clone() if self.norm_first else silu_gate.mul_(y)
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
         mean_square = torch.linalg.vecdot(grouped, grouped).unsqueeze_(-1).div_(self._size)
         grouped.mul_(mean_square.add_(self._eps).rsqrt_())
+        if self.norm_first:
+            return (self.weight * h.to(y.dtype)).float().mul_(silu_gate).to(y.dtype)
         if y.dtype == torch.float32:
             return h.mul_(self.weight)
         return self.weight * h.to(y.dtype)

@@ -12,6 +12,7 @@ import torch
 from hybridpd.engine.model.step import mamba_meta
 from hybridpd.engine.model.layers.mamba2 import Mamba2Mixer
 
+from tests.oracle.saved_models import FALCON_H1_VARIANTS, save_falcon_h1
 from tests.unit.engine.engine_harness import all_free, drive, greedy, make_recording_engine, prompt
 
 
@@ -47,6 +48,26 @@ def test_kernel_and_torch_paths_agree(tiny_dir, scenario, gate_apart_from, monke
     assert len(fused_rows) == len(torch_rows)
     for a, b in zip(fused_rows, torch_rows):
         assert a.keys() == b.keys()
+        for rid in a:
+            torch.testing.assert_close(a[rid], b[rid], rtol=1e-4, atol=1e-4)
+    assert all_free(fused) and all_free(torch_path)
+
+
+@pytest.fixture(scope="module", params=sorted(FALCON_H1_VARIANTS))
+def falcon_dir(request, tmp_path_factory):
+    """Falcon-H1 in each way Mamba's output meets its gate (shapes.MambaNorm), with in_proj's μP multipliers."""
+    return save_falcon_h1(tmp_path_factory.mktemp(request.param), request.param)[0]
+
+
+def test_kernel_and_torch_paths_agree_for_every_gate_norm(falcon_dir, monkeypatch):
+    budget, num_blocks, arrivals = SCENARIOS["chunked_mixed_and_hit"]
+    fused, fused_rows = make_recording_engine(falcon_dir, num_blocks=num_blocks, budget=budget)
+    fused_out, fused_cached = drive(fused, arrivals)
+    monkeypatch.setattr(mamba_meta, "fused_mamba", lambda spec: False)
+    torch_path, torch_rows = make_recording_engine(falcon_dir, num_blocks=num_blocks, budget=budget)
+    torch_out, torch_cached = drive(torch_path, arrivals)
+    assert fused_out == torch_out and fused_cached == torch_cached and fused_cached["c"] > 0
+    for a, b in zip(fused_rows, torch_rows, strict=True):
         for rid in a:
             torch.testing.assert_close(a[rid], b[rid], rtol=1e-4, atol=1e-4)
     assert all_free(fused) and all_free(torch_path)
