@@ -114,3 +114,14 @@ def time_step_limit(raw: dict[str, Any]) -> tuple[float, float]:
                               or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in limit)):
         raise ValueError(f"time_step_limit must be a list of two numbers, got {limit!r}")
     return (0.0, math.inf) if limit is None else (float(limit[0]), float(limit[1]))
+
+
+def token_and_dtype_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields every family's config reads alike: `tie_word_embeddings`, `bos_token_id`, `eos_token_ids` (every
+    id of a list) and `checkpoint_dtype`."""
+    return {
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "bos_token_id": raw.get("bos_token_id", 1),
+        "eos_token_ids": parse_eos_ids(raw),
+        "checkpoint_dtype": parse_dtype(raw),
+    }

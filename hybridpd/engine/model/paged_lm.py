@@ -36,14 +36,24 @@ class PagedCausalLM(nn.Module):
         self.decode_kv = DecodeKV()
 
     # -- what a family provides ---------------------------------------------------------------------------------
+    def attach(self, embedding: nn.Embedding, layers: nn.ModuleList, norm: nn.Module, *,
+               tie_word_embeddings: bool) -> None:
+        """Where the family's modules are (registered under its own names, transformers'), and the head: its own
+        [vocab, hidden] weight, or the embedding's when tied."""
+        self._parts = (embedding, layers, norm)  # a tuple: not registered a second time under other names
+        vocab, hidden = embedding.weight.shape
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, dtype=self.dtype)
+        if tie_word_embeddings:
+            self.lm_head.weight = embedding.weight
+
     def embedding(self) -> nn.Embedding:
-        raise NotImplementedError
+        return self._parts[0]
 
     def decoder_layers(self) -> nn.ModuleList:
-        raise NotImplementedError
+        return self._parts[1]
 
     def final_norm(self) -> nn.Module:
-        raise NotImplementedError
+        return self._parts[2]
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         """Layer id -> the mixer of each layer that keeps a cache (attention or Mamba2)."""

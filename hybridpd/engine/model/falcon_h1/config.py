@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.model.config_fields import (
-    float_or_one, int_field, parse_dtype, parse_eos_ids, rope_theta, time_step_limit,
+    float_or_one, int_field, rope_theta, time_step_limit, token_and_dtype_fields,
 )
 from hybridpd.engine.model.shapes import AttentionShape, Mamba2Shape, MambaNorm
 
@@ -126,10 +126,7 @@ def parse_falcon_h1(raw: dict[str, Any]) -> FalconH1Config:
         max_position_embeddings=int_field(raw, "max_position_embeddings", 8192),
         rms_norm_eps=eps,
         rope_theta=rope_theta(raw),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_ids=parse_eos_ids(raw),
-        checkpoint_dtype=parse_dtype(raw),
+        **token_and_dtype_fields(raw),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         attention=attention,
         mamba=mamba,

@@ -89,18 +89,8 @@ class FalconH1LM(PagedCausalLM):
         self.embedding_multiplier = config.embedding_multiplier
         self.logits_multiplier = config.lm_head_multiplier
         self.model = FalconH1Backbone(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embedding(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def final_norm(self) -> nn.Module:
-        return self.model.final_layernorm
+        self.attach(self.model.embed_tokens, self.model.layers, self.model.final_layernorm,
+                    tie_word_embeddings=config.tie_word_embeddings)
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         mixers: dict[int, Attention | Mamba2Mixer] = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.model.config_fields import (
-    float_or_one, int_field, parse_dtype, parse_eos_ids, per_layer_list, rope_theta, time_step_limit,
+    float_or_one, int_field, per_layer_list, rope_theta, time_step_limit, token_and_dtype_fields,
 )
 from hybridpd.engine.model.shapes import AttentionShape, Mamba2Shape
 
@@ -219,10 +219,7 @@ def _parse(raw: dict[str, Any]) -> GraniteConfig:
         logits_scaling=float_or_one(raw, "logits_scaling"),
         position_embedding_type=position,
         rope_theta=rope_theta(raw),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_ids=parse_eos_ids(raw),
-        checkpoint_dtype=parse_dtype(raw),
+        **token_and_dtype_fields(raw),
         num_local_experts=int_field(raw, "num_local_experts", 8),
         num_experts_per_tok=int_field(raw, "num_experts_per_tok", 2),
         intermediate_size=int_field(raw, "intermediate_size", 11008),

@@ -72,18 +72,8 @@ class GraniteLM(PagedCausalLM):
         self.embedding_multiplier = config.embedding_multiplier
         self.logits_scaling = config.logits_scaling
         self.model = GraniteBackbone(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embedding(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def final_norm(self) -> nn.Module:
-        return self.model.norm
+        self.attach(self.model.embed_tokens, self.model.layers, self.model.norm,
+                    tie_word_embeddings=config.tie_word_embeddings)
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         return {i: layer.get_submodule(layer.mixer_name) for i, layer in enumerate(self.model.layers)}

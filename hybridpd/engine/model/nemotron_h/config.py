@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpd.engine.model.config_fields import int_field, parse_dtype, parse_eos_ids, per_layer_list
+from hybridpd.engine.model.config_fields import int_field, per_layer_list, token_and_dtype_fields
 from hybridpd.engine.model.shapes import AttentionShape, Mamba2Shape
 
 
@@ -153,10 +153,7 @@ def parse_nemotron_h(raw: dict[str, Any]) -> NemotronHConfig:
         hidden_size=hidden,
         max_position_embeddings=int_field(raw, "max_position_embeddings", 4096),
         rms_norm_eps=eps,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_ids=parse_eos_ids(raw),
-        checkpoint_dtype=parse_dtype(raw),
+        **token_and_dtype_fields(raw),
         block_types=blocks,
         attention=tuple(attention),
         mamba=mamba,

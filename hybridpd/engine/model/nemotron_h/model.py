@@ -121,18 +121,8 @@ class NemotronHLM(PagedCausalLM):
         super().__init__(dtype, config.mamba_chunk_size, rope=None)
         self.config = config
         self.backbone = NemotronHBackbone(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
-    def embedding(self) -> nn.Embedding:
-        return self.backbone.embeddings
-
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.backbone.layers
-
-    def final_norm(self) -> nn.Module:
-        return self.backbone.norm_f
+        self.attach(self.backbone.embeddings, self.backbone.layers, self.backbone.norm_f,
+                    tie_word_embeddings=config.tie_word_embeddings)
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         return {i: layer.mixer for i, layer in enumerate(self.backbone.layers) if layer.uses_cache}

@@ -84,7 +84,7 @@ def test_family_for(raw, architecture):
 
 @pytest.mark.parametrize("raw, message", [
     ({"architectures": ["LlamaForCausalLM"]}, "architectures \\['LlamaForCausalLM'\\] is not supported; supported: "
-                                              "\\['GraniteMoeHybridForCausalLM', 'NemotronHForCausalLM'\\]"),
+                                              "\\['FalconH1ForCausalLM', 'GraniteMoeHybridForCausalLM', 'NemotronHForCausalLM'\\]"),
     ({"model_type": "llama"}, "model_type 'llama' is not supported"),
     ({"architectures": "NemotronHForCausalLM"}, "architectures must be a list"),
 ])
