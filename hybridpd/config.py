@@ -41,12 +41,16 @@ class CacheConfig:
     # attention groups get the rest (engine/kv_cache/memory.py).
     mamba_cache_budget: float = DEFAULT_MAMBA_CACHE_BUDGET
     mamba_retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE
+    kv_offload_dir: Path | None = None      # the storage tier's directory (None: no storage tier)
+    kv_offload_size: int = 64 << 30         # its capacity in bytes (least recently used files evicted beyond it)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_offload_size <= 0:
+            raise ValueError(f"--kv-offload-size must be positive, got {self.kv_offload_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"--num-blocks must be >= 2 (one is the null block), got {self.num_blocks}")
         if not 0 <= self.mamba_cache_budget < 1:

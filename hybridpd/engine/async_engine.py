@@ -66,6 +66,7 @@ class AsyncEngine:
         self._inbox.put(_STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.close)
 
     def healthy(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()

@@ -21,6 +21,9 @@ from hybridpd.engine.kv_cache.capacity import capacity_report
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
+from hybridpd.engine.kv_offload.identity import group_key, model_key
+from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+from hybridpd.engine.kv_offload.tier import OffloadTier
 from hybridpd.engine.model.registry import ModelConfig
 from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.model.loader import load_model
@@ -113,6 +116,7 @@ class LLMEngine:
             chunk_boundary=self.mamba_interval if align and config.cache.enable_prefix_caching else None,
         )
         self.runner = ModelRunner(self.model, self.storage, logits_hook)
+        self.offload = self._storage_tier() if config.cache.kv_offload_dir is not None else None
         self.hold_handler: HoldHandler | None = None
         self.decode_skip_mamba_align = True
         self._tracked: dict[str, _Tracked] = {}
@@ -131,6 +135,24 @@ class LLMEngine:
         memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         return blocks_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode,
                                  mamba_budget=cache.mamba_cache_budget, max_model_len=self.max_model_len)
+
+    def _storage_tier(self) -> OffloadTier:
+        cache = self.config.cache
+        store = OffloadStore(
+            cache.kv_offload_dir, model_key(self.config.model_dir, self.config.dtype, cache.block_size),
+            tuple(GroupLayout(group_key(i, g), g.page_size_bytes) for i, g in enumerate(self.groups)),
+            cache.kv_offload_size,
+        )
+        tier = OffloadTier(store, self.storage.tensors)
+        self.kv.use_storage(tier.has)
+        self.scheduler.storage = tier
+        log.info("storage tier: %s (%s bytes at most)", store.model_dir, cache.kv_offload_size)
+        return tier
+
+    def close(self) -> None:
+        """Stop the storage tier's threads (its queued writes get a few seconds to reach the disk)."""
+        if self.offload is not None:
+            self.offload.close()
 
     def set_remote(self, loader: RemoteKVLoader, hold_handler: HoldHandler, decode_skip_mamba_align: bool) -> None:
         self.scheduler.loader = loader
@@ -262,14 +284,38 @@ class LLMEngine:
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.offload is not None and self.offload.loading)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.offload is not None:
+            self._storage_loads_done()
         plan = self.scheduler.schedule()
         out = self.runner.run(plan)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
+        if self.offload is not None:
+            self._write_behind()
         return [self._emit(seq, self._logprob(out.sampled.get(seq.request_id))) for seq in touched]
+
+    def _storage_loads_done(self) -> None:
+        """Requests whose storage reads finished join the running ones; a failed read (a file gone, torn, foreign)
+        means computing the prompt here instead. With nothing else to do, wait a little for a read."""
+        tier = self.offload
+        assert tier is not None
+        if tier.loading and not self.scheduler.has_work():
+            tier.wait_for_load(0.005)
+        for request_id, ok in tier.take_finished():
+            if ok:
+                self.complete_load(request_id)
+            else:
+                self.fail_load(request_id, RuntimeError("storage tier read failed"), recompute=True)
+
+    def _write_behind(self) -> None:
+        """Offer the blocks that became hits this step to the tier's write-behind (copies; never waits)."""
+        tier = self.offload
+        assert tier is not None
+        for group, block_hash, block_id in self.kv.take_new_cached():
+            tier.offer(group, block_hash, block_id)
 
     @staticmethod
     def _logprob(sampled) -> TokenLogprob | None:

@@ -9,6 +9,8 @@ step is preempted (its blocks freed, its tokens recomputed later); if none is le
 request whose prompt was prefilled remotely gets its blocks allocated, is handed to the loader and leaves the
 queues until its KV has arrived: it never blocks others (and does not count against `max_num_seqs` meanwhile).
 A prefill-role request is an ordinary one that ends at its first token with its blocks kept (held under a lease).
+A request whose prefix the storage tier extends beyond the memory hit waits the same way for its blocks to be read
+(`storage`), then computes the rest of its prompt here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Protocol
 
 from hybridpd.config import SchedulerConfig
 from hybridpd.engine.kv_cache.coordinator import CacheHit, KVCacheManager, StepBlocks
+from hybridpd.engine.kv_offload.tier import LoadItem
 from hybridpd.engine.request import FinishReason, RequestStatus
 from hybridpd.engine.sequence import Sequence
 
@@ -44,6 +47,11 @@ class _Budget:
             self.prefill -= num_tokens
         self.tokens -= num_tokens
         self.prefill = min(self.prefill, self.tokens)
+
+
+class StorageLoads(Protocol):
+    def start_load(self, request_id: str, items: list[LoadItem]) -> None:
+        """Begin reading `items` into their blocks; completion comes back via `Scheduler.finish_load`."""
 
 
 class RemoteKVLoader(Protocol):
@@ -94,9 +102,11 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids  # every one of them stops a request (unless ignore_eos)
         self.chunk_boundary = chunk_boundary  # Mamba align mode: unfinished prefill chunks end on multiples of it
         self.loader = loader
+        self.storage: StorageLoads | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}
+        self._load_upto: dict[str, int] = {}   # a storage load: the tokens it brings the request to
         self.loaded: deque[Sequence] = deque()
 
     # -- queues -------------------------------------------------------------------------------------------------
@@ -132,15 +142,17 @@ class Scheduler:
             FinishReason.STOP, FinishReason.LENGTH)
 
     def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
-        """The loader is done with `request_id`: on success its whole prompt is in the cache."""
+        """The loader is done with `request_id`: on success its whole prompt is in the cache (a storage load: the
+        prefix it was asked for)."""
         seq = self.loading.pop(request_id, None)
+        upto = self._load_upto.pop(request_id, None)
         if seq is None:
             return None
         if seq.is_finished:  # aborted or failed while its KV was arriving
             self.kv.free(request_id)
             return None
         if ok:
-            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.num_computed_tokens = seq.num_prompt_tokens if upto is None else upto
             self.kv.commit(seq, seq.num_computed_tokens)
             # From here on the request is an ordinary local one: a preemption recomputes it here.
             self._drop_remote_prefill(seq)
@@ -215,6 +227,11 @@ class Scheduler:
                 if not self._start_remote_load(seq, hit):
                     return
                 continue
+            stored = self.kv.storage_hit(seq, hit) if self.storage is not None else 0
+            if stored:
+                if not self._start_storage_load(seq, hit, stored):
+                    return
+                continue
             if budget.prefill <= 0:
                 return
             item = self._admit_local(seq, hit, budget.prefill)
@@ -236,6 +253,23 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         assert self.loader is not None
         self.loader.start_load(seq, hit.num_tokens, blocks)
+        return True
+
+    def _start_storage_load(self, seq: Sequence, hit: CacheHit, upto: int) -> bool:
+        """Allocate for the prefix of `upto` tokens and have the storage tier read what memory lacks of it."""
+        blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=upto - hit.num_tokens, remote=True)
+        if blocks is None:
+            return False
+        self._leave_queue(self.waiting.popleft())
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = upto
+        seq.num_computed_tokens = hit.num_tokens
+        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[seq.request_id] = seq
+        self._load_upto[seq.request_id] = upto
+        assert self.storage is not None
+        self.storage.start_load(seq.request_id,
+                                [LoadItem(*source) for source in self.kv.storage_sources(seq, blocks, upto)])
         return True
 
     @staticmethod

@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="which Mamba states a request saves: a few chosen boundaries, or every interval")
     cache.add_argument("--mamba-cache-interval", type=int, default=None,
                        help="tokens between saved Mamba states (a multiple of --block-size)")
+    cache.add_argument("--kv-offload-dir", type=Path, default=None, metavar="PATH",
+                       help="KV offloading to storage: full blocks of every group (Mamba: its saved states) are "
+                            "written behind to PATH, and prefix hits are read back from it; several nodes may "
+                            "share it (off by default)")
+    cache.add_argument("--kv-offload-size", type=parse_size, default=64 << 30, metavar="SIZE",
+                       help="the most the storage tier keeps under --kv-offload-dir for this model (least recently "
+                            "used blocks evicted beyond it; vLLM calls its own --kv-offloading-size; default 64GiB)")
 
     sched = parser.add_argument_group("scheduler and model")
     sched.add_argument("--max-num-seqs", type=int, default=32)
@@ -186,6 +193,8 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 enable_kv_cache_events=kv_events.publishes,
                 mamba_cache_budget=args.mamba_cache_budget,
                 mamba_retention=MambaRetentionPolicy(args.mamba_cache_retention),
+                kv_offload_dir=args.kv_offload_dir,
+                kv_offload_size=args.kv_offload_size,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

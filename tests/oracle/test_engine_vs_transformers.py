@@ -44,10 +44,11 @@ class Recorder:
             self.rows.append((item.seq.request_id, position, row.clone()))
 
 
-def make_engine(model_dir, recorder, *, num_blocks=64, budget=2048, block_size=4, max_num_seqs=16) -> LLMEngine:
+def make_engine(model_dir, recorder, *, num_blocks=64, budget=2048, block_size=4, max_num_seqs=16,
+                offload_dir=None) -> LLMEngine:
     config = EngineConfig(
         model_dir=model_dir,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_offload_dir=offload_dir),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
     )
     return LLMEngine(config, logits_hook=recorder)

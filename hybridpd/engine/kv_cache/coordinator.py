@@ -4,7 +4,9 @@ Per request, the engine calls `get_computed_blocks` once at admission, `allocate
 the request (the first call with the hit, and with the tokens that arrive from a connector), `commit` after
 every step, and `free` when the request finishes, aborts, fails or is preempted. With
 `config.enable_kv_cache_events`, every change of the set of hits is recorded in order (`take_events`), for the
-node's KV event publisher.
+node's KV event publisher. With a storage tier (`use_storage`), `storage_hit` extends a memory hit over what the tier
+holds, `storage_sources` names the blocks to read for it, and `take_new_cached` lists the blocks that became hits
+since the last call (for the tier's write-behind).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hybridpd.engine.kv_cache.cache_types import CacheHit, CacheRequest, GroupSt
 from hybridpd.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
 from hybridpd.engine.kv_cache.hit_search import find_common_hit
+from hybridpd.engine.kv_cache.offload_hits import Offloaded, WithStorage
 from hybridpd.engine.kv_cache.mamba import MambaManager
 from hybridpd.engine.kv_cache.managers import make_manager
 from hybridpd.engine.kv_cache.single_type import TokenRange
@@ -47,6 +50,8 @@ class KVCacheManager:
         # not quiet; `_quiet_end`: the commit point of an allocated quiet step, whose commit is then a no-op.
         self._quiet_blocks: dict[str, StepBlocks] = {}
         self._quiet_end: dict[str, int] = {}
+        self._offloaded: Offloaded | None = None
+        self._new_cached: list[tuple[int, BlockHash, int]] = []   # (group, hash, block id), with a storage tier
         self._queries = [0] * len(groups)
         self._query_tokens = [0] * len(groups)
         self._hit_tokens = [0] * len(groups)
@@ -114,6 +119,31 @@ class KVCacheManager:
             shared = find_common_hit([self._managers[g] for g in self._remote_groups],
                                      [chains[g] for g in self._remote_groups], n_prompt - 1)
         return CacheHit(num_tokens=hit, blocks=tuple(blocks), shared_tokens=shared)
+
+    # --- the storage tier ---
+    def use_storage(self, offloaded: Offloaded) -> None:
+        self._offloaded = offloaded
+
+    def storage_hit(self, req: CacheRequest, hit: CacheHit) -> int:
+        """The longest prefix < num_prompt_tokens every group serves from memory and storage together, if it is
+        longer than the memory `hit` (else 0). A remotely prefilled request takes none: its prompt is pulled."""
+        if self._offloaded is None or not self.caching or req.skip_mamba_align or req.num_prompt_tokens <= 1:
+            return 0
+        chains = self._chains(req)
+        union = [WithStorage(self._managers[g], g, self._offloaded) for g in self._all_groups]
+        found = find_common_hit(union, [chains[g] for g in self._all_groups], req.num_prompt_tokens - 1)
+        return found if found > hit.num_tokens else 0
+
+    def storage_sources(self, req: CacheRequest, blocks: StepBlocks, num_tokens: int) -> list[tuple[int, int, BlockHash]]:
+        """(group, block id, hash) of every block `blocks.load` asks for, for a hit of `num_tokens` from storage."""
+        chains = self._chains(req)
+        return [(g, block_id, chains[g][self.groups[g].spec.hash_index(logical, num_tokens)])
+                for g, loads in enumerate(blocks.load) for logical, block_id in loads]
+
+    def take_new_cached(self) -> list[tuple[int, BlockHash, int]]:
+        """(group, hash, block id) of each block that became a hit since the last call (with a storage tier)."""
+        new, self._new_cached = self._new_cached, []
+        return new
 
     def _count_lookup(self, req: CacheRequest, hit: CacheHit) -> None:
         """Prefix-cache statistics, once per request: at its first allocation, with the hit it takes. (A request
@@ -185,6 +215,9 @@ class KVCacheManager:
                 stored = m.commit(rid, num_computed_tokens, hashes)
                 if stored and self._events is not None:
                     self._record_stored(req, g, hashes, stored)
+                if stored and self._offloaded is not None:
+                    pool = self._pools[g]
+                    self._new_cached.extend((g, hashes[i], pool.lookup(hashes[i])) for i in stored)
             self._quiet_blocks.pop(rid, None)
         self._next_start[rid] = max(self._next_start[rid], num_computed_tokens)
 

@@ -58,6 +58,10 @@ class KVCacheSpec:
         it computes token `num_tokens` itself."""
         raise NotImplementedError
 
+    def hash_index(self, logical: int, num_tokens: int) -> int:
+        """Which entry of the request's hash chain names logical block `logical` of a prefix of `num_tokens`."""
+        return logical
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KVCacheSpec):
@@ -147,6 +151,10 @@ class MambaSpec(KVCacheSpec):
     def needed_span(self, num_tokens: int) -> tuple[int, int]:
         """Its one state slot."""
         return (0, 1) if num_tokens > 0 else (0, 0)
+
+    def hash_index(self, logical: int, num_tokens: int) -> int:
+        """The one slot holds the state after `num_tokens`, saved under hash number num_tokens / interval - 1."""
+        return num_tokens // self.block_size - 1
 
 
 @dataclass(frozen=True, kw_only=True)

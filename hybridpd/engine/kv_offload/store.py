@@ -1,0 +1,166 @@
+"""The offload directory: one file per (model, group, block hash), written atomically, read back checked, kept
+under a capacity by evicting the least recently used files.
+
+Layout: `ROOT/<model key>/<group key>/<hash[:2]>/<hash>.kv` (hex). A write goes to a temporary file in the same
+folder and is renamed into place, so a reader sees a whole file or none, and a writer killed mid-write leaves only a
+temporary file (removed by the next scan that finds it older than a minute). A read that finds a file it cannot use
+(block_file.decode says no) removes it and reports a miss. Reading a file refreshes its modification time: the
+eviction order is least recently written or read.
+
+Several nodes may share one directory (NFS, a ReadWriteMany volume): names are content addresses, so two writers
+of one block write equal bytes and the last rename wins; each node enforces the capacity over what its last scan
+saw plus what it wrote since, so the directory can exceed it by what the others wrote since that scan.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridpd.engine.kv_offload import block_file
+
+STALE_TEMP_S = 60.0
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    key: bytes         # identity.group_key
+    page_bytes: int    # the payload of one block
+
+
+class OffloadStore:
+    def __init__(self, root: Path, model_key: bytes, groups: tuple[GroupLayout, ...], capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"--kv-offload-size must be positive, got {capacity_bytes}")
+        self.model_key = model_key
+        self.groups = groups
+        self.capacity = capacity_bytes
+        self.model_dir = Path(root) / model_key.hex()
+        self._group_dirs = tuple(self.model_dir / g.key.hex() for g in groups)
+        for d in self._group_dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._used = 0   # bytes under the model's folder: the last scan's sum, plus writes, minus evictions
+        self.on_removed: Callable[[int, bytes], None] = lambda group, block_hash: None
+
+    def path(self, group: int, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self._group_dirs[group] / name[:2] / f"{name}.kv"
+
+    def file_bytes(self, group: int) -> int:
+        return block_file.HEADER_SIZE + self.groups[group].page_bytes
+
+    def write(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
+        """Write one block (False if it is there already). OSError (a full disk, a read-only volume) propagates."""
+        path = self.path(group, block_hash)
+        if path.exists():
+            return False
+        path.parent.mkdir(exist_ok=True)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with temp.open("wb") as f:
+                f.write(block_file.encode_header(self.model_key, self.groups[group].key, block_hash, payload))
+                f.write(payload)
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._used += self.file_bytes(group)
+        self._evict_over_capacity()
+        return True
+
+    def read(self, group: int, block_hash: bytes) -> memoryview | None:
+        """The block's payload, or None if there is no usable file (a bad one is removed)."""
+        path = self.path(group, block_hash)
+        expected = self.file_bytes(group)
+        data = bytearray(expected + 1)   # one byte more: a longer file is not this block either
+        try:
+            with path.open("rb") as f:
+                size = f.readinto(data)
+        except OSError:
+            return None
+        del data[size:]
+        payload = block_file.decode(data, self.model_key, self.groups[group].key, block_hash,
+                                    self.groups[group].page_bytes)
+        if payload is None:
+            if self._remove(path):
+                self.on_removed(group, block_hash)
+            return None
+        try:
+            os.utime(path)
+        except OSError:
+            pass  # evicted or replaced meanwhile: the bytes read are whole either way
+        return payload
+
+    def scan(self) -> tuple[set[bytes], ...]:
+        """Every group's block hashes on disk now (and the bytes they use, for the capacity)."""
+        present: list[set[bytes]] = []
+        used = 0
+        now = time.time()
+        for group, d in enumerate(self._group_dirs):
+            hashes: set[bytes] = set()
+            for entry in _files(d):
+                if entry.name.endswith(".tmp"):
+                    if now - _mtime(entry) > STALE_TEMP_S:
+                        self._remove(Path(entry.path))
+                    continue
+                try:
+                    hashes.add(bytes.fromhex(entry.name.removesuffix(".kv")))
+                except ValueError:
+                    continue
+                used += self.file_bytes(group)
+            present.append(hashes)
+        with self._lock:
+            self._used = used
+        self._evict_over_capacity()
+        return tuple(present)
+
+    def _evict_over_capacity(self) -> None:
+        with self._lock:
+            if self._used <= self.capacity:
+                return
+        files = sorted(((_mtime(e), group, Path(e.path)) for group, d in enumerate(self._group_dirs)
+                        for e in _files(d) if e.name.endswith(".kv")), key=lambda item: item[0])
+        target = self.capacity * 9 // 10  # evict a tenth at a time, not a file per write
+        for _, group, path in files:
+            with self._lock:
+                if self._used <= target:
+                    return
+            if self._remove(path):
+                with self._lock:
+                    self._used -= self.file_bytes(group)
+                self.on_removed(group, bytes.fromhex(path.stem))
+
+    @staticmethod
+    def _remove(path: Path) -> bool:
+        try:
+            path.unlink()
+            return True
+        except OSError:
+            return False
+
+
+def _files(group_dir: Path) -> Iterator[os.DirEntry]:
+    try:
+        shards = list(os.scandir(group_dir))
+    except OSError:
+        return
+    for shard in shards:
+        if not shard.is_dir():
+            continue
+        try:
+            yield from os.scandir(shard.path)
+        except OSError:
+            continue
+
+
+def _mtime(entry: os.DirEntry) -> float:
+    try:
+        return entry.stat().st_mtime
+    except OSError:
+        return 0.0

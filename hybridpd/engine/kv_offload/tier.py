@@ -1,0 +1,167 @@
+"""The storage tier of one engine: which blocks the offload directory holds, the write-behind of newly cached blocks,
+and the loads of storage hits. Nothing here runs on the engine's step: the step asks `has` (a set lookup), offers
+pages (`offer`: a copy into a bounded queue, or a counted drop) and collects finished loads (`take_finished`).
+
+Threads: a writer (the queue into files), a loader (files into the blocks a request was given), and a scanner that
+re-reads the directory every `rescan_s`, so blocks other nodes wrote become hits here too.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridpd.engine.kv_offload.store import OffloadStore
+
+log = logging.getLogger(__name__)
+
+QUEUE_PAGES = 256      # pages waiting to be written at most; more are dropped (and counted), never waited for
+RESCAN_S = 2.0
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    group: int
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
+class TierCounters:
+    written: int = 0
+    dropped_queue_full: int = 0
+    dropped_write_error: int = 0
+    loaded_blocks: int = 0
+    load_misses: int = 0       # a load that found a block missing or bad: its request is recomputed
+    hits: int = 0              # requests that took a storage hit
+    hit_tokens: int = 0        # tokens those hits covered beyond the memory hit
+    by_group_written: dict[int, int] = field(default_factory=dict)
+
+
+class OffloadTier:
+    def __init__(self, store: OffloadStore, pages: Sequence[torch.Tensor], *, queue_pages: int = QUEUE_PAGES,
+                 rescan_s: float = RESCAN_S) -> None:
+        """`pages`: each group's block tensor ([num_blocks, page_bytes] int8), loads are copied into."""
+        self.store = store
+        self.pages = tuple(pages)
+        self.counters = TierCounters()
+        self._present: tuple[set[bytes], ...] = store.scan()
+        store.on_removed = self._forget
+        self._writes: queue.Queue = queue.Queue(maxsize=queue_pages)
+        self._loads: queue.Queue = queue.Queue()
+        self._finished: deque[tuple[str, bool]] = deque()
+        self._pending = 0
+        self._pending_lock = threading.Condition()
+        self._stop = threading.Event()
+        self._rescan_s = rescan_s
+        self._threads = [threading.Thread(target=fn, name=f"kv-offload-{name}", daemon=True)
+                         for name, fn in (("writer", self._write_loop), ("loader", self._load_loop),
+                                          ("scanner", self._scan_loop))]
+        for thread in self._threads:
+            thread.start()
+
+    # -- the engine's side (cheap, never waits for the disk) -----------------------------------------------------
+    def has(self, group: int, block_hash: bytes) -> bool:
+        return block_hash in self._present[group]
+
+    def offer(self, group: int, block_hash: bytes, block_id: int) -> None:
+        """Write block `block_id` of `group` behind, as `block_hash` (a copy is queued; a full queue drops it)."""
+        if block_hash in self._present[group]:
+            return
+        if self._writes.full():
+            self.counters.dropped_queue_full += 1
+            return
+        try:
+            self._writes.put_nowait((group, block_hash, self.pages[group][block_id].clone()))
+        except queue.Full:
+            self.counters.dropped_queue_full += 1
+
+    def start_load(self, request_id: str, items: Sequence[LoadItem]) -> None:
+        with self._pending_lock:
+            self._pending += 1
+        self._loads.put((request_id, tuple(items)))
+
+    def take_finished(self) -> list[tuple[str, bool]]:
+        done = []
+        while self._finished:
+            done.append(self._finished.popleft())
+        return done
+
+    @property
+    def loading(self) -> bool:
+        """A load is under way or finished and not yet taken."""
+        return self._pending > 0 or bool(self._finished)
+
+    def wait_for_load(self, timeout: float) -> None:
+        """Wait up to `timeout` for a load to finish (the engine does when it has nothing else to do)."""
+        with self._pending_lock:
+            if not self._finished:
+                self._pending_lock.wait(timeout)
+
+    def close(self, flush_s: float = 5.0) -> None:
+        """Stop the threads; queued writes get up to `flush_s` to reach the disk."""
+        self._writes.put(None)
+        self._threads[0].join(flush_s)
+        self._stop.set()
+        self._loads.put(None)
+        for thread in self._threads[1:]:
+            thread.join(1.0)
+
+    # -- threads --------------------------------------------------------------------------------------------------
+    def _forget(self, group: int, block_hash: bytes) -> None:
+        self._present[group].discard(block_hash)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            group, block_hash, page = item
+            try:
+                if self.store.write(group, block_hash, memoryview(page.numpy()).cast("B")):
+                    self.counters.written += 1
+                self._present[group].add(block_hash)
+            except OSError as exc:
+                self.counters.dropped_write_error += 1
+                log.warning("kv offload: write dropped (%s)", exc)
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._loads.get()
+            if job is None:
+                return
+            request_id, items = job
+            ok = True
+            try:
+                for item in items:
+                    payload = self.store.read(item.group, item.block_hash)
+                    if payload is None:   # gone, torn or foreign: never counted on again until rewritten
+                        self._forget(item.group, item.block_hash)
+                        self.counters.load_misses += 1
+                        ok = False
+                        break
+                    target = self.pages[item.group][item.block_id]
+                    target.copy_(torch.frombuffer(payload, dtype=torch.int8))
+                    self.counters.loaded_blocks += 1
+            except Exception:  # noqa: BLE001 - any failure is a miss: the request is recomputed, never served wrong
+                log.exception("kv offload: load of %s failed", request_id)
+                ok = False
+            with self._pending_lock:
+                self._finished.append((request_id, ok))
+                self._pending -= 1
+                self._pending_lock.notify_all()
+
+    def _scan_loop(self) -> None:
+        while not self._stop.wait(self._rescan_s):
+            try:
+                on_disk = self.store.scan()
+            except OSError as exc:
+                log.warning("kv offload: scan failed (%s)", exc)
+                continue
+            self._present = tuple(disk for disk in on_disk)

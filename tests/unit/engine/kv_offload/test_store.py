@@ -1,0 +1,123 @@
+"""The offload directory on its own: a block file accepts only the block it names, whole; writes are atomic and
+content-addressed, so writers sharing a directory never tear a file; the capacity evicts least recently used."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from hybridpd.engine.kv_offload import block_file
+from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+
+MODEL, OTHER_MODEL = b"m" * 32, b"o" * 32
+GROUP = b"g" * 16
+PAGE = 64
+
+
+def store(root, capacity=1 << 20, model=MODEL) -> OffloadStore:
+    return OffloadStore(root, model, (GroupLayout(GROUP, PAGE), GroupLayout(b"h" * 16, PAGE)), capacity)
+
+
+def block(i: int) -> tuple[bytes, memoryview]:
+    return bytes([i]) * 32, memoryview(bytes([i % 251]) * PAGE)
+
+
+def encoded(h: bytes, payload: bytes) -> bytes:
+    return block_file.encode_header(MODEL, GROUP, h, payload) + payload
+
+
+@pytest.mark.parametrize("change, accepted", [
+    (lambda data: data, True),
+    (lambda data: data[:-1], False),                                    # truncated
+    (lambda data: data + b"\0", False),                                 # longer
+    (lambda data: data[:-1] + bytes([data[-1] ^ 1]), False),            # a payload bit flipped
+    (lambda data: b"X" + data[1:], False),                              # not our magic
+    (lambda data: data[:12] + OTHER_MODEL + data[44:], False),          # another model's block
+    (lambda data: data[:44] + b"h" * 16 + data[60:], False),            # another group's
+    (lambda data: data[:60] + b"\7" * 32 + data[92:], False),           # another block hash
+])
+def test_a_block_file_is_accepted_only_whole_and_as_what_it_names(change, accepted):
+    h, payload = block(3)
+    data = change(encoded(h, bytes(payload)))
+    got = block_file.decode(data, MODEL, GROUP, h, PAGE)
+    assert (got is not None) == accepted
+    if accepted:
+        assert bytes(got) == bytes(payload)
+
+
+def test_write_then_read_and_a_bad_file_is_removed(tmp_path):
+    s = store(tmp_path)
+    h, payload = block(1)
+    assert s.write(0, h, payload) and not s.write(0, h, payload)   # the second write finds it there
+    assert bytes(s.read(0, h)) == bytes(payload)
+    assert s.read(1, h) is None                                   # the other group has no such block
+    path = s.path(0, h)
+    path.write_bytes(path.read_bytes()[:-3])
+    removed = []
+    s.on_removed = lambda group, block_hash: removed.append((group, block_hash))
+    assert s.read(0, h) is None and not path.exists() and removed == [(0, h)]
+    assert s.scan() == (set(), set())
+
+
+def test_another_model_never_sees_the_files(tmp_path):
+    h, payload = block(1)
+    store(tmp_path).write(0, h, payload)
+    other = store(tmp_path, model=OTHER_MODEL)
+    assert other.scan() == (set(), set()) and other.read(0, h) is None
+
+
+def test_capacity_evicts_the_least_recently_used(tmp_path):
+    file_size = block_file.HEADER_SIZE + PAGE
+    s = store(tmp_path, capacity=4 * file_size)
+    hashes = []
+    for i in range(4):
+        h, payload = block(i)
+        s.write(0, h, payload)
+        os.utime(s.path(0, h), (time.time() - 100 + i, time.time() - 100 + i))   # written in order, seconds apart
+        hashes.append(h)
+    assert s.read(0, hashes[0]) is not None   # read: now the most recently used
+    removed = []
+    s.on_removed = lambda group, block_hash: removed.append(block_hash)
+    h, payload = block(9)
+    s.write(0, h, payload)                    # over capacity: evict down to 9/10 of it
+    assert removed == [hashes[1], hashes[2]]
+    assert s.scan()[0] == {hashes[0], hashes[3], h}
+
+
+def test_writers_sharing_a_directory_never_tear_a_file(tmp_path):
+    stores = [store(tmp_path) for _ in range(4)]
+    blocks = [block(i) for i in range(20)]
+    errors = []
+
+    def write_all(s: OffloadStore) -> None:
+        try:
+            for h, payload in blocks:
+                s.write(0, h, payload)
+                assert bytes(s.read(0, h)) == bytes(payload)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write_all, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert stores[0].scan()[0] == {h for h, _ in blocks}
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_stale_temporary_file_is_removed_by_a_scan(tmp_path):
+    s = store(tmp_path)
+    h, payload = block(1)
+    s.write(0, h, payload)
+    temp = s.path(0, h).with_name(".leftover.1.2.tmp")
+    temp.write_bytes(b"half")
+    s.scan()
+    assert temp.exists()                      # young: a writer may still be renaming it
+    os.utime(temp, (time.time() - 3600, time.time() - 3600))
+    s.scan()
+    assert not temp.exists()

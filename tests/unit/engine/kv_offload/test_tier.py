@@ -1,0 +1,67 @@
+"""The tier's queues: a write-behind that is full drops (and counts) rather than waits; a load copies whole pages
+into the blocks it was given, and one missing file fails the load and is forgotten (so the next hit search no
+longer counts on it)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+from hybridpd.engine.kv_offload.tier import LoadItem, OffloadTier
+
+PAGE = 32
+
+
+def make(tmp_path, queue_pages=8):
+    store = OffloadStore(tmp_path, b"m" * 32, (GroupLayout(b"g" * 16, PAGE),), 1 << 20)
+    pages = torch.arange(4 * PAGE, dtype=torch.int64).remainder(100).to(torch.int8).view(4, PAGE)
+    return store, pages, OffloadTier(store, [pages], queue_pages=queue_pages, rescan_s=3600)
+
+
+def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
+    done = []
+    while not done:
+        tier.wait_for_load(0.1)
+        done = tier.take_finished()
+    return done
+
+
+def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
+    release = threading.Event()
+    real_write = OffloadStore.write
+
+    def slow_write(self, *args):
+        release.wait(10)
+        return real_write(self, *args)
+
+    monkeypatch.setattr(OffloadStore, "write", slow_write)
+    _, _, tier = make(tmp_path, queue_pages=1)
+    for i in range(4):
+        tier.offer(0, bytes([i]) * 32, i)
+    assert tier.counters.dropped_queue_full >= 2   # one being written, one queued, the rest dropped
+    release.set()
+    tier.close()
+    assert tier.counters.written + tier.counters.dropped_queue_full == 4
+
+
+def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
+    store, pages, tier = make(tmp_path)
+    original = pages.clone()
+    tier.offer(0, b"a" * 32, 1)
+    tier.offer(0, b"b" * 32, 2)
+    tier.close()   # flushes the writes
+    assert tier.has(0, b"a" * 32) and tier.has(0, b"b" * 32)
+
+    _, pages, reader = make(tmp_path)
+    pages.zero_()
+    reader.start_load("r1", [LoadItem(0, 3, b"a" * 32), LoadItem(0, 0, b"b" * 32)])
+    assert wait_loaded(reader) == [("r1", True)]
+    assert torch.equal(pages[3], original[1]) and torch.equal(pages[0], original[2])
+
+    store.path(0, b"b" * 32).unlink()   # evicted by another node since the last scan
+    reader.start_load("r2", [LoadItem(0, 1, b"b" * 32)])
+    assert wait_loaded(reader) == [("r2", False)]
+    assert not reader.has(0, b"b" * 32) and reader.counters.load_misses == 1
+    reader.close()
