@@ -23,7 +23,7 @@ from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.kv_offload.identity import group_key, model_key
 from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
-from hybridpd.engine.kv_offload.tier import OffloadTier
+from hybridpd.engine.kv_offload.tier import OffloadTier, TierCounters
 from hybridpd.engine.model.registry import ModelConfig
 from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.model.loader import load_model
@@ -54,6 +54,7 @@ class EngineStats:
     groups: tuple[GroupStats, ...] = ()
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    offload: TierCounters | None = None   # the storage tier's counters, when there is one
 
 
 @dataclass
@@ -281,6 +282,7 @@ class LLMEngine:
             num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
             kv_usage=self.kv.usage(), groups=self.kv.stats(), prompt_tokens=self.num_prompt_tokens_total,
             generation_tokens=self.num_generation_tokens_total,
+            offload=self.offload.snapshot() if self.offload is not None else None,
         )
 
     def has_work(self) -> bool:

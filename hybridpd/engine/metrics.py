@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from hybridpd import vllm_metrics as vm
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.kv_offload.tier import TierCounters
 
 
 class EngineCollector:
@@ -64,3 +65,24 @@ class EngineCollector:
                                   value=stats.prompt_tokens)
         yield CounterMetricFamily("hybridpd:engine_generation_tokens", "Tokens generated",
                                   value=stats.generation_tokens)
+        if stats.offload is not None:
+            yield from _offload_metrics(stats.offload)
+
+
+def _offload_metrics(counters: TierCounters) -> Iterator[Metric]:
+    """The storage tier (--kv-offload-dir): what it wrote behind and dropped, and the hits it served."""
+    yield CounterMetricFamily("hybridpd:kv_offload_written_blocks", "Blocks written to the storage tier",
+                              value=counters.written)
+    dropped = CounterMetricFamily("hybridpd:kv_offload_dropped_blocks", "Blocks the write-behind dropped",
+                                  labels=["reason"])
+    dropped.add_metric(["queue_full"], counters.dropped_queue_full)
+    dropped.add_metric(["write_error"], counters.dropped_write_error)
+    yield dropped
+    yield CounterMetricFamily("hybridpd:kv_offload_hits", "Requests that took a prefix hit from the storage tier",
+                              value=counters.hits)
+    yield CounterMetricFamily("hybridpd:kv_offload_hit_tokens", "Prompt tokens served from the storage tier beyond "
+                              "the memory hit", value=counters.hit_tokens)
+    yield CounterMetricFamily("hybridpd:kv_offload_loaded_blocks", "Blocks read from the storage tier",
+                              value=counters.loaded_blocks)
+    yield CounterMetricFamily("hybridpd:kv_offload_load_misses", "Storage reads that found a block gone or bad (the "
+                              "prompt was computed instead)", value=counters.load_misses)

@@ -50,8 +50,9 @@ class _Budget:
 
 
 class StorageLoads(Protocol):
-    def start_load(self, request_id: str, items: list[LoadItem]) -> None:
-        """Begin reading `items` into their blocks; completion comes back via `Scheduler.finish_load`."""
+    def start_load(self, request_id: str, items: list[LoadItem], num_tokens: int) -> None:
+        """Begin reading `items` into their blocks (`num_tokens` beyond the memory hit); completion comes back via
+        `Scheduler.finish_load`."""
 
 
 class RemoteKVLoader(Protocol):
@@ -268,8 +269,8 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         self._load_upto[seq.request_id] = upto
         assert self.storage is not None
-        self.storage.start_load(seq.request_id,
-                                [LoadItem(*source) for source in self.kv.storage_sources(seq, blocks, upto)])
+        items = [LoadItem(*source) for source in self.kv.storage_sources(seq, blocks, upto)]
+        self.storage.start_load(seq.request_id, items, upto - hit.num_tokens)
         return True
 
     @staticmethod

@@ -11,6 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from hybridpd.connector.metrics import ConnectorMetrics
+from hybridpd.engine.engine import EngineStats
+from hybridpd.engine.kv_offload.tier import TierCounters
 from hybridpd.engine.metrics import EngineCollector
 from hybridpd.server.metrics import ServerMetrics
 
@@ -50,8 +52,7 @@ def families():
     server = ServerMetrics(registry, "m", MAX_MODEL_LEN)
     server.request_success("length").inc()
     ConnectorMetrics(registry, "m")
-    stats = SimpleNamespace(num_running=1, num_waiting=2, num_loading=0, kv_usage=0.5, groups=[], prompt_tokens=0,
-                            generation_tokens=0)
+    stats = EngineStats(num_running=1, num_waiting=2, num_loading=0, kv_usage=0.5, offload=TierCounters())
     EngineCollector(SimpleNamespace(stats=stats), "m").register(registry)
     return {family.name: family for family in registry.collect()}
 

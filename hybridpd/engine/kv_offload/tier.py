@@ -13,7 +13,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,7 +41,6 @@ class TierCounters:
     load_misses: int = 0       # a load that found a block missing or bad: its request is recomputed
     hits: int = 0              # requests that took a storage hit
     hit_tokens: int = 0        # tokens those hits covered beyond the memory hit
-    by_group_written: dict[int, int] = field(default_factory=dict)
 
 
 class OffloadTier:
@@ -82,10 +81,16 @@ class OffloadTier:
         except queue.Full:
             self.counters.dropped_queue_full += 1
 
-    def start_load(self, request_id: str, items: Sequence[LoadItem]) -> None:
+    def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
+        """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
+        self.counters.hits += 1
+        self.counters.hit_tokens += num_tokens
         with self._pending_lock:
             self._pending += 1
         self._loads.put((request_id, tuple(items)))
+
+    def snapshot(self) -> TierCounters:
+        return replace(self.counters)
 
     def take_finished(self) -> list[tuple[str, bool]]:
         done = []
