@@ -21,7 +21,7 @@ from hybridpd.server.args import configs_from_args as node_configs, parse_size
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"  # the API the manifests are written against (kubectl 1.32 renders them here)
-TARGETS = ["base", "overlays/image-model", "overlays/pvc-model", "overlays/monitoring"]
+TARGETS = ["base", "overlays/image-model", "overlays/pvc-model", "overlays/monitoring", "overlays/kv-offload"]
 POD_IP = "10.1.2.3"
 
 if shutil.which("kubectl") is None:
