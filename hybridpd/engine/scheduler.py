@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from hybridpd.config import SchedulerConfig
@@ -61,6 +61,14 @@ class RemoteKVLoader(Protocol):
 
     def discard(self, seq: Sequence) -> None:
         """`seq` ended before its pull started: let the prefill node free the blocks it holds for it."""
+
+
+@dataclass(frozen=True)
+class _StagedPull:
+    blocks: StepBlocks      # every block the remote request needs filled
+    rest: StepBlocks        # those the storage tier does not bring
+    hit_tokens: int         # the memory hit
+    stored_tokens: int      # the memory and storage hit
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}
         self._load_upto: dict[str, int] = {}   # a storage load: the tokens it brings the request to
+        self._then_pull: dict[str, _StagedPull] = {}   # remote requests reading part of their prompt from storage first
         self.loaded: deque[Sequence] = deque()
 
     # -- queues -------------------------------------------------------------------------------------------------
@@ -144,7 +153,11 @@ class Scheduler:
 
     def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
         """The loader is done with `request_id`: on success its whole prompt is in the cache (a storage load: the
-        prefix it was asked for)."""
+        prefix it was asked for; the storage part of a remote request: the pull of the rest starts)."""
+        staged = self._then_pull.pop(request_id, None)
+        if staged is not None:
+            self._pull_after_storage(request_id, ok, staged)
+            return None
         seq = self.loading.pop(request_id, None)
         upto = self._load_upto.pop(request_id, None)
         if seq is None:
@@ -242,19 +255,46 @@ class Scheduler:
             budget.spend(seq, item.num_new_tokens)
 
     def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
-        """Allocate for the remotely prefilled prompt and hand it to the loader."""
+        """Allocate for the remotely prefilled prompt and hand it to the loader; the part of it the storage tier
+        holds beyond the memory hit (full-attention blocks, under `skip_mamba_align`) is read from there first."""
         external = seq.num_prompt_tokens - hit.num_tokens
+        stored = self.kv.storage_hit(seq, hit) if self.storage is not None else 0
         blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external, remote=True)
         if blocks is None:
             return False
         self._leave_queue(self.waiting.popleft())
-        seq.num_cached_tokens = hit.num_tokens
+        seq.num_cached_tokens = stored or hit.num_tokens
         seq.num_computed_tokens = hit.num_tokens
         seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[seq.request_id] = seq
         assert self.loader is not None
-        self.loader.start_load(seq, hit.num_tokens, blocks)
+        if not stored:
+            self.loader.start_load(seq, hit.num_tokens, blocks)
+            return True
+        items = [LoadItem(*source) for source in self.kv.storage_sources(seq, blocks, stored)]
+        taken = {(item.group, item.block_id) for item in items}
+        rest = replace(blocks, load=tuple(tuple(pair for pair in loads if (g, pair[1]) not in taken)
+                                          for g, loads in enumerate(blocks.load)))
+        self._then_pull[seq.request_id] = _StagedPull(blocks, rest, hit.num_tokens, stored)
+        assert self.storage is not None
+        self.storage.start_load(seq.request_id, items, stored - hit.num_tokens)
         return True
+
+    def _pull_after_storage(self, request_id: str, ok: bool, staged: _StagedPull) -> None:
+        """The storage part of a remote request is read (or could not be: then the pull brings those blocks too)."""
+        seq = self.loading[request_id]
+        assert self.loader is not None
+        if seq.is_finished:  # aborted while reading from storage: no READ runs, so give everything back now
+            del self.loading[request_id]
+            if seq.remote_prefill is not None:
+                self.loader.discard(seq)
+            self.kv.free(request_id)
+            return
+        if ok:
+            self.loader.start_load(seq, staged.stored_tokens, staged.rest)
+        else:
+            seq.num_cached_tokens = staged.hit_tokens
+            self.loader.start_load(seq, staged.hit_tokens, staged.blocks)
 
     def _start_storage_load(self, seq: Sequence, hit: CacheHit, upto: int) -> bool:
         """Allocate for the prefix of `upto` tokens and have the storage tier read what memory lacks of it."""

@@ -12,7 +12,7 @@ import torch
 
 from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.pd_calls import (
-    assert_drained, colocated_token_ids, greedy_body, metric_total, start_nodes, stop_all,
+    assert_drained, colocated_token_ids, greedy_body, metric_total, pd_token_ids, start_nodes, stop_all,
 )
 
 ARGS = ("--kv-cache-memory", "64MiB", "--block-size", "16", "--max-model-len", "1024")
@@ -49,5 +49,32 @@ def test_a_restarted_node_serves_the_prefix_from_storage(model_dir, tmp_path):
         assert metric_total(nodes["restarted"], "hybridpd:kv_offload_hit_tokens_total") >= 256
         assert metric_total(nodes["restarted"], "hybridpd:kv_offload_load_misses_total") == 0
         assert_drained(nodes["restarted"])
+    finally:
+        stop_all(nodes.values())
+
+
+def test_a_restarted_decode_node_reads_its_full_attention_prefix_from_storage(model_dir, tmp_path):
+    """P/D: the decode node (Mamba alignment skipped) takes the full-attention blocks the shared directory holds
+    beyond its empty memory, and pulls only the rest from the prefill node."""
+    rng = random.Random(5)
+    first = [rng.randrange(250) for _ in range(300)]
+    second = first[:260] + [rng.randrange(250) for _ in range(20)]
+    tier = ("--kv-offload-dir", str(tmp_path / "kv"), "--kv-offload-size", "256MiB")
+    for logs in ("logs", "logs2"):
+        (tmp_path / logs).mkdir()
+    pd_args = ARGS + ("--kv-load-timeout", "10")
+
+    nodes = start_nodes(model_dir, tmp_path / "logs", {"prefill": pd_args, "decode": pd_args + tier, "plain": ARGS})
+    try:
+        pd_token_ids(nodes["prefill"], nodes["decode"], greedy_body(first, max_tokens=4))
+        expected = colocated_token_ids(nodes["plain"], greedy_body(second, max_tokens=8))
+        stop_all([nodes["decode"], nodes["plain"]])   # the decode node restarts; its writes are flushed
+        decode = start_nodes(model_dir, tmp_path / "logs2", {"decode": pd_args + tier})["decode"]
+        nodes["decode"] = decode
+        ids, usage = pd_token_ids(nodes["prefill"], decode, greedy_body(second, max_tokens=8))
+        assert ids == expected
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 256   # its full-attention prefix, from storage
+        assert metric_total(decode, "hybridpd:kv_offload_hit_tokens_total") >= 256
+        assert_drained(nodes["prefill"], decode)
     finally:
         stop_all(nodes.values())

@@ -125,20 +125,28 @@ class KVCacheManager:
         self._offloaded = offloaded
 
     def storage_hit(self, req: CacheRequest, hit: CacheHit) -> int:
-        """The longest prefix < num_prompt_tokens every group serves from memory and storage together, if it is
-        longer than the memory `hit` (else 0). A remotely prefilled request takes none: its prompt is pulled."""
-        if self._offloaded is None or not self.caching or req.skip_mamba_align or req.num_prompt_tokens <= 1:
+        """The longest prefix < num_prompt_tokens that the deciding groups (every group, or the full-attention ones
+        under `skip_mamba_align`, as for the memory hit) serve from memory and storage together, if it is longer
+        than the memory `hit` (else 0)."""
+        if self._offloaded is None or not self.caching or req.num_prompt_tokens <= 1:
             return 0
+        deciding = self._remote_groups if req.skip_mamba_align else self._all_groups
         chains = self._chains(req)
-        union = [WithStorage(self._managers[g], g, self._offloaded) for g in self._all_groups]
-        found = find_common_hit(union, [chains[g] for g in self._all_groups], req.num_prompt_tokens - 1)
+        union = [WithStorage(self._managers[g], g, self._offloaded) for g in deciding]
+        found = find_common_hit(union, [chains[g] for g in deciding], req.num_prompt_tokens - 1)
         return found if found > hit.num_tokens else 0
 
     def storage_sources(self, req: CacheRequest, blocks: StepBlocks, num_tokens: int) -> list[tuple[int, int, BlockHash]]:
-        """(group, block id, hash) of every block `blocks.load` asks for, for a hit of `num_tokens` from storage."""
+        """(group, block id, hash) of the blocks of `blocks.load` that a storage hit of `num_tokens` brings: those of
+        the deciding groups that carry tokens [0, num_tokens) (the rest, if any, a remote pull brings)."""
         chains = self._chains(req)
-        return [(g, block_id, chains[g][self.groups[g].spec.hash_index(logical, num_tokens)])
-                for g, loads in enumerate(blocks.load) for logical, block_id in loads]
+        deciding = self._remote_groups if req.skip_mamba_align else self._all_groups
+        sources = []
+        for g in deciding:
+            spec, end = self.groups[g].spec, self.groups[g].spec.needed_span(num_tokens)[1]
+            sources.extend((g, block_id, chains[g][spec.hash_index(logical, num_tokens)])
+                           for logical, block_id in blocks.load[g] if logical < end)
+        return sources
 
     def take_new_cached(self) -> list[tuple[int, BlockHash, int]]:
         """(group, hash, block id) of each block that became a hit since the last call (with a storage tier)."""

@@ -1,0 +1,181 @@
+"""The storage tier's two costs, side by side in one run on this machine's disk (`--kv-offload-dir`).
+
+1. **Loads against a sequential read.** An engine on the preset computes `--prompts` prompts of `--prompt-len`
+   tokens with the tier on, which writes their blocks behind (every group: full attention, sliding windows, the
+   Mamba states the retention policy keeps). Then, per round, alternated: (a) every block file read sequentially
+   with plain `read()`s, one after another, into memory; (b) the same files through the tier's own loader (the
+   reader thread: read, check header and checksum, copy into the blocks), as storage hits load them. Before each the
+   files are dropped from the page cache (`posix_fadvise(DONTNEED)`; on a guest the host may still cache them).
+   `load_ratio` = (a)'s time / (b)'s time, median of the rounds: the share of a plain read's speed the loader keeps.
+2. **Write-behind against the step.** The same decode-heavy workload (`--requests` requests, 256-token prompts
+   sharing a prefix, 64 output tokens, all at once) through the engine with the tier off and on, alternated; per
+   request the gaps between its tokens (in-process, the time from one step's end to the next's). `p99_itl_ratio` =
+   p99 ITL with the tier on over off, median of the rounds.
+
+Last line: JSON with `load_ratio`, `p99_itl_ratio`, the raw figures (`seq_read_gbps`, `tier_load_gbps`, MB per
+round, p99 ITL ms on and off), the tier's counters, the CPU model and the date. Goals: `load_ratio` >= 0.7,
+`p99_itl_ratio` <= 1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.kv_offload.store import OffloadStore
+from hybridpd.engine.kv_offload.tier import LoadItem, OffloadTier
+from hybridpd.engine.request import EngineRequest
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.presets.checkpoints import default_model_dir
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def make_engine(model_dir: Path, offload: Path | None) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model_dir=model_dir, threads=1,
+        cache=CacheConfig(block_size=16, kv_cache_memory=1 << 30, kv_offload_dir=offload, kv_offload_size=8 << 30),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048),
+    ))
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def run(engine: LLMEngine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict[str, list[float]]:
+    """Every request at once; per request the times its tokens came out."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(request_id=f"r{time.monotonic_ns()}-{i}", prompt_token_ids=ids,
+                                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                 ignore_eos=True)))
+    times: dict[str, list[float]] = {}
+    while engine.has_work():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times.setdefault(out.request_id, []).append(now)
+    return times
+
+
+def p99_itl_ms(times: dict[str, list[float]]) -> float:
+    gaps = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
+    return 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read(paths: list[Path]) -> float:
+    drop_cache(paths)
+    start = time.perf_counter()
+    for path in paths:
+        with path.open("rb") as f:
+            f.read()
+    return time.perf_counter() - start
+
+
+def tier_load(engine: LLMEngine, root: Path, paths_by_group: list[list[Path]]) -> float:
+    """Every file through a fresh tier's loader, into scratch pages shaped like the engine's."""
+    written = engine.offload.store
+    store = OffloadStore(root, written.model_key, written.groups, 8 << 30)
+    pages = [torch.zeros(max(1, len(p)), layout.page_bytes, dtype=torch.int8)
+             for p, layout in zip(paths_by_group, written.groups)]
+    tier = OffloadTier(store, pages, rescan_s=3600)
+    items = [LoadItem(g, i, bytes.fromhex(path.stem)) for g, paths in enumerate(paths_by_group)
+             for i, path in enumerate(paths)]
+    drop_cache([p for paths in paths_by_group for p in paths])
+    start = time.perf_counter()
+    tier.start_load("bench", items)
+    done = []
+    while not done:
+        tier.wait_for_load(0.01)
+        done = tier.take_finished()
+    elapsed = time.perf_counter() - start
+    assert done == [("bench", True)], done
+    tier.close()
+    return elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where the tier writes (default: a temporary "
+                        "directory on the disk /tmp is on)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model_dir = default_model_dir(args.preset)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp) / "kv"
+        writer = make_engine(model_dir, root)
+        run(writer, [prompt(100 + i, args.prompt_len) for i in range(args.prompts)], 1)
+        writer.close()
+        counters = writer.offload.snapshot()
+        dirs = [root / writer.offload.store.model_key.hex() / layout.key.hex() for layout in writer.offload.store.groups]
+        paths_by_group = [sorted(d.rglob("*.kv")) for d in dirs]
+        paths = [p for group in paths_by_group for p in group]
+        total_mb = sum(p.stat().st_size for p in paths) / 1e6
+        print(f"{len(paths)} block files, {total_mb:.1f} MB", flush=True)
+
+        seq_times, tier_times = [], []
+        for r in range(args.rounds):
+            seq_times.append(sequential_read(paths))
+            tier_times.append(tier_load(writer, root, paths_by_group))
+            print(f"round {r}: sequential {seq_times[-1]:.3f} s, tier {tier_times[-1]:.3f} s", flush=True)
+
+        shared = prompt(7, 192)
+        workload = [shared + prompt(200 + i, 64) for i in range(args.requests)]
+        itl = {"off": [], "on": []}
+        engines = {"off": make_engine(model_dir, None), "on": make_engine(model_dir, Path(tmp) / "itl")}
+        run(engines["off"], workload[:2], 4)   # warm both up
+        run(engines["on"], workload[:2], 4)
+        for r in range(args.rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                engines[name].kv.reset_prefix_cache()
+                fresh = [prompt(1000 * r + i, 8) + ids for i, ids in enumerate(workload)]  # new blocks to write
+                itl[name].append(p99_itl_ms(run(engines[name], fresh, 64)))
+            print(f"round {r}: p99 ITL off {itl['off'][-1]:.1f} ms, on {itl['on'][-1]:.1f} ms", flush=True)
+        engines["on"].close()
+        written_on = engines["on"].offload.snapshot()
+
+    seq, load = statistics.median(seq_times), statistics.median(tier_times)
+    print(json.dumps({
+        "load_ratio": round(seq / load, 3),
+        "p99_itl_ratio": round(statistics.median(on / off for on, off in zip(itl["on"], itl["off"])), 3),
+        "seq_read_gbps": round(total_mb / 1e3 / seq, 3), "tier_load_gbps": round(total_mb / 1e3 / load, 3),
+        "mb_per_round": round(total_mb, 1), "files": len(paths),
+        "p99_itl_ms_off": [round(x, 2) for x in itl["off"]], "p99_itl_ms_on": [round(x, 2) for x in itl["on"]],
+        "writer_counters": vars(counters), "itl_tier_counters": vars(written_on),
+        "preset": args.preset, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
