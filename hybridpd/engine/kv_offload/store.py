@@ -43,31 +43,45 @@ class OffloadStore:
         self._group_dirs = tuple(self.model_dir / g.key.hex() for g in groups)
         for d in self._group_dirs:
             d.mkdir(parents=True, exist_ok=True)
+        self._dir_names = tuple(str(d) for d in self._group_dirs)   # plain strings: the hot paths join them
+        self._shards: set[str] = set()                              # shard folders known to exist
         self._lock = threading.Lock()
         self._used = 0   # bytes under the model's folder: the last scan's sum, plus writes, minus evictions
         self.on_removed: Callable[[int, bytes], None] = lambda group, block_hash: None
 
     def path(self, group: int, block_hash: bytes) -> Path:
+        return Path(self._name(group, block_hash))
+
+    def _name(self, group: int, block_hash: bytes) -> str:
         name = block_hash.hex()
-        return self._group_dirs[group] / name[:2] / f"{name}.kv"
+        return f"{self._dir_names[group]}/{name[:2]}/{name}.kv"
 
     def file_bytes(self, group: int) -> int:
         return block_file.HEADER_SIZE + self.groups[group].page_bytes
 
     def write(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
         """Write one block (False if it is there already). OSError (a full disk, a read-only volume) propagates."""
-        path = self.path(group, block_hash)
-        if path.exists():
+        path = self._name(group, block_hash)
+        if os.path.exists(path):
             return False
-        path.parent.mkdir(exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        shard = path[: path.rindex("/")]
+        if shard not in self._shards:
+            os.makedirs(shard, exist_ok=True)
+            self._shards.add(shard)
+        temp = f"{shard}/.{block_hash.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per writer thread
+        header = block_file.encode_header(self.model_key, self.groups[group].key, block_hash, payload)
         try:
-            with temp.open("wb") as f:
-                f.write(block_file.encode_header(self.model_key, self.groups[group].key, block_hash, payload))
-                f.write(payload)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.writev(fd, [header, payload])
+            finally:
+                os.close(fd)
             os.replace(temp, path)
         except BaseException:
-            temp.unlink(missing_ok=True)
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
             raise
         with self._lock:
             self._used += self.file_bytes(group)
@@ -76,25 +90,26 @@ class OffloadStore:
 
     def read(self, group: int, block_hash: bytes) -> memoryview | None:
         """The block's payload, or None if there is no usable file (a bad one is removed)."""
-        path = self.path(group, block_hash)
-        expected = self.file_bytes(group)
-        data = bytearray(expected + 1)   # one byte more: a longer file is not this block either
+        path = self._name(group, block_hash)
+        data = bytearray(self.file_bytes(group) + 1)   # one byte more: a longer file is not this block either
         try:
-            with path.open("rb") as f:
-                size = f.readinto(data)
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             return None
+        try:
+            size = os.readv(fd, [data])
+            os.utime(fd)   # the eviction order: least recently written or read
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         del data[size:]
         payload = block_file.decode(data, self.model_key, self.groups[group].key, block_hash,
                                     self.groups[group].page_bytes)
         if payload is None:
-            if self._remove(path):
+            if self._remove(Path(path)):
                 self.on_removed(group, block_hash)
             return None
-        try:
-            os.utime(path)
-        except OSError:
-            pass  # evicted or replaced meanwhile: the bytes read are whole either way
         return payload
 
     def scan(self) -> tuple[set[bytes], ...]:

@@ -15,13 +15,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from hybridpd.engine.kv_offload.store import OffloadStore
 
 log = logging.getLogger(__name__)
 
-QUEUE_PAGES = 256      # pages waiting to be written at most; more are dropped (and counted), never waited for
+QUEUE_BYTES = 64 << 20   # page bytes waiting to be written at most; more are dropped (and counted), never waited for
 RESCAN_S = 2.0
 
 
@@ -44,15 +45,18 @@ class TierCounters:
 
 
 class OffloadTier:
-    def __init__(self, store: OffloadStore, pages: Sequence[torch.Tensor], *, queue_pages: int = QUEUE_PAGES,
+    def __init__(self, store: OffloadStore, pages: Sequence[torch.Tensor], *, queue_bytes: int = QUEUE_BYTES,
                  rescan_s: float = RESCAN_S) -> None:
         """`pages`: each group's block tensor ([num_blocks, page_bytes] int8), loads are copied into."""
         self.store = store
         self.pages = tuple(pages)
+        self._page_arrays = tuple(p.numpy() for p in self.pages)   # the same memory: a numpy row copy is cheaper
         self.counters = TierCounters()
         self._present: tuple[set[bytes], ...] = store.scan()
         store.on_removed = self._forget
-        self._writes: queue.Queue = queue.Queue(maxsize=queue_pages)
+        self._writes: queue.Queue = queue.Queue()
+        self._queue_bytes = queue_bytes
+        self._queued = 0   # page bytes in the queue (the engine thread adds, the writer subtracts: ints under the GIL)
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
         self._pending = 0
@@ -69,17 +73,21 @@ class OffloadTier:
     def has(self, group: int, block_hash: bytes) -> bool:
         return block_hash in self._present[group]
 
-    def offer(self, group: int, block_hash: bytes, block_id: int) -> None:
-        """Write block `block_id` of `group` behind, as `block_hash` (a copy is queued; a full queue drops it)."""
-        if block_hash in self._present[group]:
+    def offer(self, group: int, blocks: Sequence[tuple[bytes, int]]) -> None:
+        """Write `group`'s blocks (hash, block id) behind: one copy of their pages into the queue, as many as its
+        byte budget takes (the rest dropped and counted); blocks storage holds already are skipped."""
+        present = self._present[group]
+        todo = [(h, b) for h, b in blocks if h not in present]
+        page_bytes = self.pages[group].shape[1]
+        room = max(0, (self._queue_bytes - self._queued) // page_bytes)
+        if len(todo) > room:
+            self.counters.dropped_queue_full += len(todo) - room
+            todo = todo[:room]
+        if not todo:
             return
-        if self._writes.full():
-            self.counters.dropped_queue_full += 1
-            return
-        try:
-            self._writes.put_nowait((group, block_hash, self.pages[group][block_id].clone()))
-        except queue.Full:
-            self.counters.dropped_queue_full += 1
+        ids = torch.tensor([b for _, b in todo], dtype=torch.int64)
+        self._queued += len(todo) * page_bytes
+        self._writes.put((group, [h for h, _ in todo], self.pages[group].index_select(0, ids)))
 
     def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
         """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
@@ -127,14 +135,17 @@ class OffloadTier:
             item = self._writes.get()
             if item is None:
                 return
-            group, block_hash, page = item
-            try:
-                if self.store.write(group, block_hash, memoryview(page.numpy()).cast("B")):
-                    self.counters.written += 1
-                self._present[group].add(block_hash)
-            except OSError as exc:
-                self.counters.dropped_write_error += 1
-                log.warning("kv offload: write dropped (%s)", exc)
+            group, hashes, pages = item
+            rows = pages.numpy()
+            for block_hash, row in zip(hashes, rows):
+                try:
+                    if self.store.write(group, block_hash, memoryview(row)):
+                        self.counters.written += 1
+                    self._present[group].add(block_hash)
+                except OSError as exc:
+                    self.counters.dropped_write_error += 1
+                    log.warning("kv offload: write dropped (%s)", exc)
+            self._queued -= rows.nbytes
 
     def _load_loop(self) -> None:
         while True:
@@ -151,8 +162,7 @@ class OffloadTier:
                         self.counters.load_misses += 1
                         ok = False
                         break
-                    target = self.pages[item.group][item.block_id]
-                    target.copy_(torch.frombuffer(payload, dtype=torch.int8))
+                    self._page_arrays[item.group][item.block_id] = np.frombuffer(payload, dtype=np.int8)
                     self.counters.loaded_blocks += 1
             except Exception:  # noqa: BLE001 - any failure is a miss: the request is recomputed, never served wrong
                 log.exception("kv offload: load of %s failed", request_id)

@@ -17,7 +17,7 @@ PAGE = 32
 def make(tmp_path, queue_pages=8):
     store = OffloadStore(tmp_path, b"m" * 32, (GroupLayout(b"g" * 16, PAGE),), 1 << 20)
     pages = torch.arange(4 * PAGE, dtype=torch.int64).remainder(100).to(torch.int8).view(4, PAGE)
-    return store, pages, OffloadTier(store, [pages], queue_pages=queue_pages, rescan_s=3600)
+    return store, pages, OffloadTier(store, [pages], queue_bytes=queue_pages * PAGE, rescan_s=3600)
 
 
 def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
@@ -39,18 +39,19 @@ def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(OffloadStore, "write", slow_write)
     _, _, tier = make(tmp_path, queue_pages=1)
     for i in range(4):
-        tier.offer(0, bytes([i]) * 32, i)
-    assert tier.counters.dropped_queue_full >= 2   # one being written, one queued, the rest dropped
+        tier.offer(0, [(bytes([i]) * 32, i)])
+    assert tier.counters.dropped_queue_full == 3   # the first is being written (its bytes still counted), the rest
+    tier.offer(0, [(bytes([9]) * 32, 0), (bytes([8]) * 32, 1)])
+    assert tier.counters.dropped_queue_full == 5
     release.set()
     tier.close()
-    assert tier.counters.written + tier.counters.dropped_queue_full == 4
+    assert tier.counters.written == 1 and tier.counters.dropped_queue_full == 5
 
 
 def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
     store, pages, tier = make(tmp_path)
     original = pages.clone()
-    tier.offer(0, b"a" * 32, 1)
-    tier.offer(0, b"b" * 32, 2)
+    tier.offer(0, [(b"a" * 32, 1), (b"b" * 32, 2)])
     tier.close()   # flushes the writes
     assert tier.has(0, b"a" * 32) and tier.has(0, b"b" * 32)
 
