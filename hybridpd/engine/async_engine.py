@@ -159,7 +159,7 @@ class AsyncEngine:
                         self._sink.deliver(outputs)
                 self.engine.refresh_stats()
                 if self._kv_event_sink is not None:
-                    events = self.engine.kv.take_events()
+                    events = self.engine.kv.take_events() + self.engine.storage_events()
                     if events:
                         self._kv_event_sink(events)
         except BaseException as exc:  # the engine is broken: fail everyone, report unhealthy

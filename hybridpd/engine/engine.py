@@ -17,6 +17,7 @@ from hybridpd.config import EngineConfig, MambaCacheMode
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
+from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Medium
 from hybridpd.engine.kv_cache.capacity import capacity_report
 from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
@@ -149,6 +150,20 @@ class LLMEngine:
         self.scheduler.storage = tier
         log.info("storage tier: %s (%s bytes at most)", store.model_dir, cache.kv_offload_size)
         return tier
+
+    def storage_events(self) -> list[KVCacheEvent]:
+        """The storage tier's changes as KV events (medium DISK): what a request here could now load, or no more."""
+        if self.offload is None or not self.config.cache.enable_kv_cache_events:
+            return []
+        events: list[KVCacheEvent] = []
+        for held, group, block_hash in self.offload.take_changes():
+            if held:
+                events.append(BlockStored(group_idx=group, block_hashes=(block_hash,), parent_block_hash=None,
+                                          token_ids=(), block_size=self.groups[group].spec.block_size,
+                                          medium=Medium.STORAGE))
+            else:
+                events.append(BlockRemoved(group_idx=group, block_hashes=(block_hash,), medium=Medium.STORAGE))
+        return events
 
     def close(self) -> None:
         """Stop the storage tier's threads (its queued writes get a few seconds to reach the disk)."""

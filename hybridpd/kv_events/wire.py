@@ -2,8 +2,9 @@
 
 A batch is an array `[ts, events, data_parallel_rank]`; each event is a map tagged `"type": "BlockStored" |
 "BlockRemoved" | "AllBlocksCleared"`, default-valued fields omitted. Block hashes are bytes (vLLM's default;
-ours are 32-byte chained BLAKE2b hashes, see engine/kv_cache/hashing.py). `medium` is "GPU", the name vLLM gives
-its primary KV tier on every platform (its CPU build too), so that consumers that filter on it keep working.
+ours are 32-byte chained BLAKE2b hashes, see engine/kv_cache/hashing.py). `medium` is "GPU" for the memory pool, the
+name vLLM gives its primary KV tier on every platform (its CPU build too), so that consumers that filter on it keep
+working, and "DISK" for the storage tier (--kv-offload-dir), whose BlockStored events carry no token ids.
 On ZMQ a message is three frames: topic, 8-byte big-endian sequence number, payload.
 """
 
@@ -18,7 +19,7 @@ import msgspec
 from hybridpd.engine.kv_cache import events as engine_events
 from hybridpd.kv_events.groups import GroupInfo
 
-MEDIUM_PRIMARY = "GPU"
+MEDIUM_STORAGE = engine_events.Medium.STORAGE.value
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -70,12 +71,12 @@ def to_wire(event: engine_events.KVCacheEvent, groups: Sequence[GroupInfo]) -> K
         info = groups[event.group_idx]
         return BlockStored(
             block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
-            token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None, medium=MEDIUM_PRIMARY,
+            token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None, medium=event.medium.value,
             lora_name=None, group_idx=event.group_idx, kv_cache_spec_kind=info.kind,
             kv_cache_spec_sliding_window=info.sliding_window,
         )
     if isinstance(event, engine_events.BlockRemoved):
-        return BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM_PRIMARY, group_idx=event.group_idx)
+        return BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium.value, group_idx=event.group_idx)
     return AllBlocksCleared()
 
 

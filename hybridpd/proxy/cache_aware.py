@@ -3,6 +3,7 @@
 The rule (`CostRule`), one for both roles, in tokens of work:
 
     cost(node) = (prompt tokens - predicted hit on node)          # what this request makes it compute (or pull)
+               - storage_hit_weight * (storage hit - memory hit)  # what it reads from its storage tier instead
                + queued_tokens_weight * queued_tokens(node)       # the same, over its calls in flight that have
                                                                   # not produced their first token yet
                + load_tokens_per_request * outstanding(node)      # every call in flight also costs its decode
@@ -22,6 +23,11 @@ and the copy it makes there evicts other prefixes: on `benchmarks/routing.py` (2
 prefill nodes' hit rate was 0.55-0.62 at weight 1 and 0.69 at 0.5 (0.706 is every repeat hitting), and the mean
 TTFT against round robin's 0.77-0.88 and 0.73-0.75 (0.58-0.78, ~0.65 on average, since the first token comes from
 the prefill call).
+
+The storage hit is the same rule over the hashes the node's storage tier announced (KV events of medium "DISK")
+and its memory together; reading a block back costs more than finding it in memory and less than computing it
+(`--storage-hit-weight`, 0.5: benchmarks/offload_io.py reads the small preset's blocks at ~80 MB/s here, where
+computing them runs at a few thousand tokens a second).
 
 The prompt is tokenized once per request: token-id prompts as they are; text and chat through a node's
 `POST /tokenize`, which renders and tokenizes exactly as the node will (same chat template, same special tokens).
@@ -47,10 +53,20 @@ class Choice:
     work_tokens: int
 
 
-def predicted_hit(index: NodeIndex | None, prompt: PromptHashes, role: Role) -> int | None:
+def predicted_hit(index: NodeIndex | None, prompt: PromptHashes, role: Role, with_storage: bool = False) -> int | None:
     if index is None:
         return None
-    return index.prefill_hit(prompt) if role is Role.PREFILL else index.decode_hit(prompt)
+    if role is Role.PREFILL:
+        return index.prefill_hit(prompt, with_storage)
+    return index.decode_hit(prompt, with_storage)
+
+
+def _storage_saving(index: NodeIndex | None, prompt: PromptHashes, role: Role, memory_hit: int | None,
+                    weight: float) -> float:
+    """The tokens a storage hit beyond the memory hit saves, weighed."""
+    if index is None or not weight or not index.has_storage:
+        return 0.0
+    return weight * max(0, (predicted_hit(index, prompt, role, with_storage=True) or 0) - (memory_hit or 0))
 
 
 def choose(router: Router, role: Role, prompt: PromptHashes, index_of: Callable[[Upstream], NodeIndex | None],
@@ -58,8 +74,10 @@ def choose(router: Router, role: Role, prompt: PromptHashes, index_of: Callable[
     hits: dict[Upstream, int | None] = {}
 
     def cost(upstream: Upstream) -> float:
-        hit = hits.setdefault(upstream, predicted_hit(index_of(upstream), prompt, role))
-        return ((prompt.num_tokens - (hit or 0)) + rule.queued_tokens_weight * router.queued_tokens(upstream)
+        index = index_of(upstream)
+        hit = hits.setdefault(upstream, predicted_hit(index, prompt, role))
+        saving = _storage_saving(index, prompt, role, hit, rule.storage_hit_weight)
+        return ((prompt.num_tokens - (hit or 0)) - saving + rule.queued_tokens_weight * router.queued_tokens(upstream)
                 + rule.load_tokens_per_request * router.outstanding(upstream))
 
     upstream = router.pick(exclude=exclude, cost=cost)

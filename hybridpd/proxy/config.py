@@ -28,12 +28,15 @@ class CostRule:
 
     load_tokens_per_request: int = 32
     queued_tokens_weight: float = 0.5
+    storage_hit_weight: float = 0.5   # a token the node reads from its storage tier, against one it computes
 
     def __post_init__(self) -> None:
         if self.load_tokens_per_request < 0:
             raise ValueError(f"--load-tokens-per-request must be >= 0, got {self.load_tokens_per_request}")
         if not 0 <= self.queued_tokens_weight <= 1:
             raise ValueError(f"--queued-tokens-weight must be in [0, 1], got {self.queued_tokens_weight}")
+        if not 0 <= self.storage_hit_weight <= 1:
+            raise ValueError(f"--storage-hit-weight must be in [0, 1], got {self.storage_hit_weight}")
 
 
 @dataclass(frozen=True, kw_only=True)

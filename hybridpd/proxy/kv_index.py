@@ -7,12 +7,14 @@ the engine's own per-kind rules (`hit_rules`): no second copy of either.
   remotely prefilled prompt, so that is exactly its local hit.
 - `prefill_hit`: the hybrid hit over every group (full attention, each window, Mamba states at their interval).
 Both are capped at `num_prompt_tokens - 1`, as the engine caps them (the last prompt token is always computed).
+Events of the storage tier (medium "DISK") go to a set of their own per group: `*_hit(..., with_storage=True)` is
+the same rule over memory and storage together, as the engine searches both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
 from hybridpd.engine.kv_cache.hit_rules import HitRule, rule_for
@@ -23,11 +25,17 @@ from hybridpd.kv_events.wire import GroupInfo
 
 @dataclass
 class _IndexedGroup:
-    """One group as `find_common_hit` asks it: its rule over the hashes the node announced."""
+    """One group as `find_common_hit` asks it: its rule over the hashes the node announced (memory, and with
+    `with_storage` storage too)."""
 
     info: GroupInfo
     rule: HitRule
     hashes: set[bytes]
+    stored: set[bytes] = field(default_factory=set)
+    with_storage: bool = False
+
+    def present(self, block_hash: bytes) -> bool:
+        return block_hash in self.hashes or (self.with_storage and block_hash in self.stored)
 
     @property
     def block_size(self) -> int:
@@ -38,7 +46,8 @@ class _IndexedGroup:
         return self.rule.downward_closed
 
     def longest_hit(self, chain: Sequence[BlockHash], max_tokens: int, alignment: int) -> int:
-        return self.rule.longest_hit(self.hashes.__contains__, chain, max_tokens, alignment)
+        present = self.present if self.with_storage else self.hashes.__contains__
+        return self.rule.longest_hit(present, chain, max_tokens, alignment)
 
 
 class PromptHashes:
@@ -74,36 +83,46 @@ class NodeIndex:
         return frozenset(self._groups[group_idx].hashes)
 
     def clear(self) -> None:
+        """Forget everything (the node's feed starts over)."""
         for g in self._groups:
             g.hashes.clear()
+            g.stored.clear()
 
     def apply(self, events: Iterable[wire.KVCacheEvent]) -> None:
         """Apply a batch in order. An event for a group this node does not have is a protocol error (ValueError)."""
         for event in events:
-            if isinstance(event, wire.AllBlocksCleared):
-                self.clear()
+            if isinstance(event, wire.AllBlocksCleared):   # the memory pool was reset; storage keeps its files
+                for g in self._groups:
+                    g.hashes.clear()
                 continue
             group = self._group(event.group_idx)
+            target = group.stored if event.medium == wire.MEDIUM_STORAGE else group.hashes
             if isinstance(event, wire.BlockStored):
-                group.hashes.update(_as_bytes(h) for h in event.block_hashes)
+                target.update(_as_bytes(h) for h in event.block_hashes)
             else:
-                group.hashes.difference_update(_as_bytes(h) for h in event.block_hashes)
+                target.difference_update(_as_bytes(h) for h in event.block_hashes)
 
     def _group(self, group_idx: int | None) -> _IndexedGroup:
         if group_idx is None or not 0 <= group_idx < len(self._groups):
             raise ValueError(f"a KV event for group {group_idx}, the node has {len(self._groups)} groups")
         return self._groups[group_idx]
 
-    def decode_hit(self, prompt: PromptHashes) -> int:
-        return self._hit(prompt, [g for g in self._groups if g.info.kind == "full_attention"])
+    def decode_hit(self, prompt: PromptHashes, with_storage: bool = False) -> int:
+        return self._hit(prompt, [g for g in self._groups if g.info.kind == "full_attention"], with_storage)
 
-    def prefill_hit(self, prompt: PromptHashes) -> int:
-        return self._hit(prompt, self._groups)
+    def prefill_hit(self, prompt: PromptHashes, with_storage: bool = False) -> int:
+        return self._hit(prompt, self._groups, with_storage)
+
+    @property
+    def has_storage(self) -> bool:
+        return any(g.stored for g in self._groups)
 
     @staticmethod
-    def _hit(prompt: PromptHashes, groups: Sequence[_IndexedGroup]) -> int:
+    def _hit(prompt: PromptHashes, groups: Sequence[_IndexedGroup], with_storage: bool) -> int:
         if not groups or prompt.num_tokens <= 1:
             return 0
+        if with_storage:
+            groups = [replace(g, with_storage=True) for g in groups]
         chains = [prompt.chain(g.block_size) for g in groups]
         return find_common_hit(groups, chains, prompt.num_tokens - 1)
 

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queued-tokens-weight", type=float, default=0.5, metavar="W",
                         help="cache_aware: how much the miss tokens queued on a node weigh against the request's "
                              "own, in [0, 1] (0.5: a request waits for about half the work ahead of it)")
+    parser.add_argument("--storage-hit-weight", type=float, default=0.5, metavar="W",
+                        help="cache_aware: how much a prompt token a node would read from its storage tier "
+                             "(--kv-offload-dir) saves against one held in memory, in [0, 1]")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")
     parser.add_argument("--prefill-first-byte-timeout", type=float, default=5.0,
                         help="seconds for a prefill node's first byte (its HTTP front's 100 Continue); a node "
@@ -142,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         nodes_file=args.nodes_file,
         routing=RoutingPolicy(args.routing),
         cost_rule=CostRule(load_tokens_per_request=args.load_tokens_per_request,
-                           queued_tokens_weight=args.queued_tokens_weight),
+                           queued_tokens_weight=args.queued_tokens_weight,
+                           storage_hit_weight=args.storage_hit_weight),
         prefill_timeout=args.prefill_timeout,
         prefill_first_byte_timeout=args.prefill_first_byte_timeout,
         decode_timeout=args.decode_timeout,

@@ -53,6 +53,9 @@ class OffloadTier:
         self._page_arrays = tuple(p.numpy() for p in self.pages)   # the same memory: a numpy row copy is cheaper
         self.counters = TierCounters()
         self._present: tuple[set[bytes], ...] = store.scan()
+        # Changes of `_present`, for KV events: (True: now held / False: gone, group, hash), oldest first.
+        self._changes: deque[tuple[bool, int, bytes]] = deque(
+            (True, g, h) for g, hashes in enumerate(self._present) for h in hashes)
         store.on_removed = self._forget
         self._writes: queue.Queue = queue.Queue()
         self._queue_bytes = queue_bytes
@@ -100,6 +103,13 @@ class OffloadTier:
     def snapshot(self) -> TierCounters:
         return replace(self.counters)
 
+    def take_changes(self) -> list[tuple[bool, int, bytes]]:
+        """What the tier came to hold or lost since the last call: (held, group, hash), oldest first."""
+        changes = []
+        while self._changes:
+            changes.append(self._changes.popleft())
+        return changes
+
     def take_finished(self) -> list[tuple[str, bool]]:
         done = []
         while self._finished:
@@ -128,7 +138,14 @@ class OffloadTier:
 
     # -- threads --------------------------------------------------------------------------------------------------
     def _forget(self, group: int, block_hash: bytes) -> None:
-        self._present[group].discard(block_hash)
+        if block_hash in self._present[group]:
+            self._present[group].discard(block_hash)
+            self._changes.append((False, group, block_hash))
+
+    def _hold(self, group: int, block_hash: bytes) -> None:
+        if block_hash not in self._present[group]:
+            self._present[group].add(block_hash)
+            self._changes.append((True, group, block_hash))
 
     def _write_loop(self) -> None:
         while True:
@@ -141,7 +158,7 @@ class OffloadTier:
                 try:
                     if self.store.write(group, block_hash, memoryview(row)):
                         self.counters.written += 1
-                    self._present[group].add(block_hash)
+                    self._hold(group, block_hash)
                 except OSError as exc:
                     self.counters.dropped_write_error += 1
                     log.warning("kv offload: write dropped (%s)", exc)
@@ -179,4 +196,8 @@ class OffloadTier:
             except OSError as exc:
                 log.warning("kv offload: scan failed (%s)", exc)
                 continue
-            self._present = tuple(disk for disk in on_disk)
+            for group, (held, disk) in enumerate(zip(self._present, on_disk)):
+                for block_hash in disk - held:       # written by another node sharing the directory
+                    self._hold(group, block_hash)
+                for block_hash in held - disk:       # evicted or removed by another node
+                    self._forget(group, block_hash)

@@ -13,9 +13,12 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, Medium
 from hybridpd.engine.kv_offload import block_file
 from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.scheduler import SchedulerPlan
+from hybridpd.kv_events.groups import GroupInfo
+from hybridpd.kv_events.wire import to_wire
 
 from tests.unit.engine.engine_harness import all_free, drive, greedy, prompt
 
@@ -135,3 +138,33 @@ def test_files_carry_their_checksummed_header(tiny_dir, tmp_path):
     header = path.read_bytes()[: block_file.HEADER_SIZE]
     assert header.startswith(block_file.MAGIC)
     assert bytes.fromhex(path.stem) in header   # the block hash the name says
+
+
+def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir, tmp_path):
+    def with_events(root: Path) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model_dir=tiny_dir, cache=CacheConfig(block_size=4, num_blocks=400, kv_offload_dir=root,
+                                                  enable_kv_cache_events=True),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
+        ))
+
+    writer = with_events(tmp_path)
+    drive(writer, FIRST)
+    writer.close()
+    stored = [e for e in writer.storage_events() if isinstance(e, BlockStored)]
+    assert stored and all(e.medium is Medium.STORAGE and e.token_ids == () for e in stored)
+    assert {e.block_hashes[0] for e in stored} == {bytes.fromhex(p.stem) for p in tmp_path.rglob("*.kv")}
+    assert all(e.medium is Medium.MEMORY for e in writer.kv.take_events())   # the memory pool's own, as before
+    on_wire = to_wire(stored[0], [GroupInfo.of(i, g) for i, g in enumerate(writer.groups)])
+    assert on_wire.medium == "DISK" and on_wire.group_idx == stored[0].group_idx
+
+    restarted = with_events(tmp_path)   # what a node starts with on a shared directory is announced too
+    assert {e.block_hashes[0] for e in restarted.storage_events()} == {e.block_hashes[0] for e in stored}
+    path = next(tmp_path.rglob("*.kv"))
+    path.write_bytes(b"torn")
+    group = [layout.key.hex() for layout in restarted.offload.store.groups].index(path.parent.parent.name)
+    assert restarted.offload.store.read(group, bytes.fromhex(path.stem)) is None   # a bad file read: removed
+    removed = restarted.storage_events()
+    assert [(type(e), e.medium, e.block_hashes) for e in removed] == [
+        (BlockRemoved, Medium.STORAGE, (bytes.fromhex(path.stem),))]
+    restarted.close()

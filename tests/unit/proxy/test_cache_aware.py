@@ -25,12 +25,12 @@ def _node(port: int) -> Upstream:
     return Upstream(role=Role.DECODE, host="127.0.0.1", port=port)
 
 
-def _index_holding(tokens: list[int], mamba_upto: int | None = None) -> NodeIndex:
+def _index_holding(tokens: list[int], mamba_upto: int | None = None, medium: str = "GPU") -> NodeIndex:
     index = NodeIndex(GROUPS)
     hashes = RequestBlockHashes(None)
     fa = hashes.chain(B, tokens)
     events: list = [wire.BlockStored(block_hashes=fa, parent_block_hash=None, token_ids=tokens[: len(fa) * B],
-                                     block_size=B, lora_id=None, medium="GPU", lora_name=None, group_idx=0)]
+                                     block_size=B, lora_id=None, medium=medium, lora_name=None, group_idx=0)]
     if mamba_upto:
         state = hashes.chain(2 * B, tokens)[mamba_upto // (2 * B) - 1]
         events.append(wire.BlockStored(block_hashes=[state], parent_block_hash=None, token_ids=[], block_size=2 * B,
@@ -48,6 +48,24 @@ def test_predicted_hits(held, role, expected):
     router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
     choice = choose(router, role, PromptHashes(PROMPT, None), lambda u: _index_holding(held), CostRule())
     assert choice.predicted_hit == expected and choice.work_tokens == len(PROMPT) - expected
+
+
+def test_storage_blocks_count_apart_from_memory_and_weigh_half():
+    index = _index_holding(PROMPT[:24], medium="DISK")
+    index.apply([wire.AllBlocksCleared()])   # a reset of the memory pool leaves the storage tier's files
+    prompt = PromptHashes(PROMPT, None)
+    assert index.decode_hit(prompt) == 0 and index.decode_hit(prompt, with_storage=True) == 24
+    reader, other = _node(1), _node(2)
+    router = Router((reader, other), RoutingPolicy.CACHE_AWARE)
+    indexes = {reader: index, other: NodeIndex(GROUPS)}
+    choice = choose(router, Role.DECODE, prompt, indexes.get, CostRule())
+    assert choice.upstream == reader and choice.predicted_hit == 0   # 33 - 0.5 x 24 < 33
+    with router.in_flight(reader, work_tokens=1):   # one call in flight (32 tokens of load) outweighs 12 saved
+        assert choose(router, Role.DECODE, prompt, indexes.get, CostRule()).upstream == other
+    removal = wire.BlockRemoved(block_hashes=RequestBlockHashes(None).chain(B, PROMPT)[:1], medium="DISK",
+                                group_idx=0)
+    index.apply([removal])
+    assert index.decode_hit(prompt, with_storage=True) == 0
 
 
 def test_prefill_hit_needs_a_mamba_state_at_the_hit():
