@@ -256,9 +256,13 @@ class Scheduler:
 
     def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
         """Allocate for the remotely prefilled prompt and hand it to the loader; the part of it the storage tier
-        holds beyond the memory hit (full-attention blocks, under `skip_mamba_align`) is read from there first."""
+        holds beyond the memory hit (full-attention blocks, under `skip_mamba_align`), up to what the prefill node
+        itself found cached, is read from there first. (What the prefill node computed for this request it may have
+        written behind moments ago; that is pulled from it, not read back from the disk.)"""
         external = seq.num_prompt_tokens - hit.num_tokens
-        stored = self.kv.storage_hit(seq, hit) if self.storage is not None else 0
+        assert seq.remote_prefill is not None
+        existed = seq.remote_prefill.remote_cached_tokens or 0
+        stored = self.kv.storage_hit(seq, hit, at_most=existed) if self.storage is not None and existed else 0
         blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external, remote=True)
         if blocks is None:
             return False

@@ -37,6 +37,9 @@ class RemotePrefillParams:
     remote_host: str
     remote_port: int
     remote_num_tokens: int
+    # Tokens of the prompt the prefill node found cached (memory or storage) rather than computed: what existed
+    # before this request. A decode node reads at most these from its storage tier; the rest it pulls. None: unknown.
+    remote_cached_tokens: int | None = None
     remote_lease_expiry: float | None = None
     remote_lease_secret: str | None = field(default=None, repr=False)  # proves this request holds the lease
     first_token_id: int
@@ -56,6 +59,7 @@ class RemotePrefillParams:
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
             "remote_num_tokens": self.remote_num_tokens,
+            "remote_cached_tokens": self.remote_cached_tokens,
             "remote_lease_expiry": self.remote_lease_expiry,
             "remote_lease_secret": self.remote_lease_secret,
             "first_token_id": self.first_token_id,
@@ -161,6 +165,10 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
     first_token_id = _field(raw, "first_token_id", int)
     if first_token_id < 0:
         raise InvalidRequestError("kv_transfer_params.first_token_id must be >= 0", "kv_transfer_params.first_token_id")
+    cached = _field(raw, "remote_cached_tokens", int, optional=True)
+    if cached is not None and not 0 <= cached <= num_tokens:
+        raise InvalidRequestError("kv_transfer_params.remote_cached_tokens must be in [0, remote_num_tokens]",
+                                  "kv_transfer_params.remote_cached_tokens")
     return RemotePrefillParams(
         remote_engine_id=_field(raw, "remote_engine_id", str),
         remote_request_id=_field(raw, "remote_request_id", str),
@@ -168,6 +176,7 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams | None:
         remote_host=_field(raw, "remote_host", str),
         remote_port=port,
         remote_num_tokens=num_tokens,
+        remote_cached_tokens=cached,
         remote_lease_expiry=_field(raw, "remote_lease_expiry", float, optional=True),
         remote_lease_secret=_field(raw, "remote_lease_secret", str, optional=True),
         first_token_id=first_token_id,

@@ -73,6 +73,7 @@ class PrefillRole:
             remote_host=self.advertised_host,
             remote_port=self.side_channel_port,
             remote_num_tokens=num_tokens,
+            remote_cached_tokens=seq.num_cached_tokens,
             remote_lease_expiry=self.leases.unix_time(lease.expiry),
             remote_lease_secret=lease.secret,
             first_token_id=seq.output_token_ids[0],

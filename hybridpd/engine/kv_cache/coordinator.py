@@ -124,16 +124,17 @@ class KVCacheManager:
     def use_storage(self, offloaded: Offloaded) -> None:
         self._offloaded = offloaded
 
-    def storage_hit(self, req: CacheRequest, hit: CacheHit) -> int:
-        """The longest prefix < num_prompt_tokens that the deciding groups (every group, or the full-attention ones
-        under `skip_mamba_align`, as for the memory hit) serve from memory and storage together, if it is longer
-        than the memory `hit` (else 0)."""
+    def storage_hit(self, req: CacheRequest, hit: CacheHit, at_most: int | None = None) -> int:
+        """The longest prefix < num_prompt_tokens (and <= `at_most`) that the deciding groups (every group, or the
+        full-attention ones under `skip_mamba_align`, as for the memory hit) serve from memory and storage together,
+        if it is longer than the memory `hit` (else 0)."""
         if self._offloaded is None or not self.caching or req.num_prompt_tokens <= 1:
             return 0
         deciding = self._remote_groups if req.skip_mamba_align else self._all_groups
         chains = self._chains(req)
         union = [WithStorage(self._managers[g], g, self._offloaded) for g in deciding]
-        found = find_common_hit(union, [chains[g] for g in deciding], req.num_prompt_tokens - 1)
+        limit = req.num_prompt_tokens - 1 if at_most is None else min(req.num_prompt_tokens - 1, at_most)
+        found = find_common_hit(union, [chains[g] for g in deciding], limit)
         return found if found > hit.num_tokens else 0
 
     def storage_sources(self, req: CacheRequest, blocks: StepBlocks, num_tokens: int) -> list[tuple[int, int, BlockHash]]:

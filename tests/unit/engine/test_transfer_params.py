@@ -64,6 +64,10 @@ def without(base: dict[str, Any], name: str) -> dict[str, Any]:
      RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((0, 2**31 - 1),),
                          remote_host="10.0.0.5", remote_port=65535, remote_num_tokens=40,
                          remote_lease_expiry=1_700_000_000.5, first_token_id=42)),
+    (with_(DECODE_SHAPE, remote_cached_tokens=32),
+     RemotePrefillParams(remote_engine_id="engine-a", remote_request_id="req-1", remote_block_ids=((1, 2, 3), (), (7,)),
+                         remote_host="10.0.0.5", remote_port=7001, remote_num_tokens=40, remote_cached_tokens=32,
+                         remote_lease_expiry=1_700_000_000.5, first_token_id=42)),
     ({}, None),                                                   # both flags absent: colocated
     ({"do_remote_decode": False, "do_remote_prefill": False}, None),
 ])
@@ -97,6 +101,9 @@ def test_well_formed(raw, expected):
     (without(DECODE_SHAPE, "remote_num_tokens"), "kv_transfer_params.remote_num_tokens"),
     (with_(DECODE_SHAPE, remote_num_tokens=-1), "kv_transfer_params.remote_num_tokens"),
     (with_(DECODE_SHAPE, remote_num_tokens=0), "kv_transfer_params.remote_num_tokens"),
+    (with_(DECODE_SHAPE, remote_cached_tokens=-1), "kv_transfer_params.remote_cached_tokens"),
+    (with_(DECODE_SHAPE, remote_cached_tokens=41), "kv_transfer_params.remote_cached_tokens"),   # > remote_num_tokens
+    (with_(DECODE_SHAPE, remote_cached_tokens="all"), "kv_transfer_params.remote_cached_tokens"),
     (without(DECODE_SHAPE, "first_token_id"), "kv_transfer_params.first_token_id"),
     (with_(DECODE_SHAPE, first_token_id=-1), "kv_transfer_params.first_token_id"),
     (with_(DECODE_SHAPE, first_token_id="42"), "kv_transfer_params.first_token_id"),
