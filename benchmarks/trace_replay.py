@@ -1,5 +1,6 @@
 """A slice of the Mooncake conversation trace through a 2 prefill + 2 decode cluster: round robin with memory only,
-against cache_aware routing with the storage tier (every node on one shared `--kv-offload-dir`).
+against cache_aware routing with the storage tier (every node on one shared `--kv-offload-dir`), and cache_aware
+without it (what the tier adds to the routing).
 
 The slice (`--trace-start`, `--trace-duration`, `--max-requests` of `../shared/traces/mooncake_conversation_trace.
 jsonl`, `--tokens-per-hash` tokens per hash id, arrival times times `--time-scale`, outputs capped at `--max-tokens`)
@@ -12,6 +13,11 @@ p90 TTFT at the client, and each request's token ids, compared across setups.
 Last line: JSON with `hit_rate_over_ideal` (the tier's decode-side hit rate over the slice's ideal, an unbounded
 cache's; goal >= 0.9), `mean_ttft_ratio` (tier / round robin; goal <= 0.6), `outputs_identical`, the raw figures
 per setup and round, the tier's counters, the CPU model and the date.
+
+With `--restart-at S` it runs the tier setup alone and SIGKILLs every node S seconds into the replay (the
+supervisor restarts them, as `hybridpd up` does); requests that fail meanwhile are counted, not retried. Last line:
+`restart_hit_ratio`, the decode-side hit rate of the requests sent in the minute after every node answers /health
+again over the minute before the kill (goal >= 0.8).
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import asyncio
 import json
 import statistics
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +41,25 @@ from hybridpd.engine.model.loader import read_model_config
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec
+from hybridpd.launcher.supervisor import RestartPolicy, Supervisor
 from hybridpd.presets.checkpoints import default_model_dir
 
+SETUPS = ("round_robin", "cache_aware", "tier")   # the last: cache_aware with the storage tier
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                      delay: float) -> dict[str, Any]:
+                      delay: float, tolerate_errors: bool = False) -> dict[str, Any]:
     await asyncio.sleep(delay)
+    try:
+        return await _request(session, url, prompt, max_tokens) | {"sent_at": delay}
+    except (RuntimeError, aiohttp.ClientError, KeyError, TypeError) as exc:
+        if not tolerate_errors:
+            raise
+        return {"sent_at": delay, "error": str(exc)[:200]}
+
+
+async def _request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
@@ -65,13 +84,50 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "token_ids": ids}
 
 
-async def replay(url: str, prompts: list[list[int]], offsets: list[float], max_tokens: int) -> list[dict]:
+async def replay(url: str, prompts: list[list[int]], offsets: list[float], max_tokens: int,
+                 tolerate_errors: bool = False) -> list[dict]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        return await asyncio.gather(*(one_request(session, url, p, max_tokens, t) for p, t in zip(prompts, offsets)))
+        return await asyncio.gather(*(one_request(session, url, p, max_tokens, t, tolerate_errors)
+                                      for p, t in zip(prompts, offsets)))
+
+
+def crash_and_restart(cluster: LocalCluster, info: Any, at: float, started: float, back: list[float],
+                      replayed: threading.Event) -> None:
+    """At `at` s into the replay SIGKILL every node; the supervisor restarts them; `back` gets the time (s into the
+    replay) when every node answers /health again. The thread lives until the replay ends: the restarted nodes die
+    with the thread that started them (PR_SET_PDEATHSIG, launcher/process.py)."""
+    nodes = [c for c in cluster.children if c.name != "proxy"]
+    time.sleep(max(0.0, started + at - time.monotonic()))
+    for child in nodes:
+        child.kill()
+    supervisor = Supervisor([c for c in cluster.children if c.name != "proxy"], RestartPolicy.ON_FAILURE,
+                            cluster.respawn, report=lambda line: print(line, flush=True))
+    urls = [n.url for n in (*info.prefill, *info.decode)]
+    while True:
+        supervisor.check()
+        if all(_healthy(url) for url in urls):
+            back.append(time.monotonic() - started)
+            replayed.wait()
+            return
+        time.sleep(0.2)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def window_hit_rate(results: list[dict], start: float, end: float) -> tuple[float | None, int]:
+    """Decode-side hit rate of the requests sent in [start, end) that were answered, and how many there were."""
+    done = [r for r in results if start <= r["sent_at"] < end and "error" not in r]
+    total = sum(r["prompt_tokens"] for r in done)
+    return (sum(r["cached_tokens"] for r in done) / total if total else None), len(done)
 
 
 def tier_counters(metrics_urls: list[str]) -> dict[str, float]:
-    import urllib.request
     totals: dict[str, float] = {}
     for url in metrics_urls:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -83,19 +139,34 @@ def tier_counters(metrics_urls: list[str]) -> dict[str, float]:
 
 
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
-              offload_root: Path) -> dict[str, Any]:
+              offload_root: Path, restart_at: float | None = None) -> dict[str, Any]:
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
     spec = ClusterSpec(
         num_prefill=2, num_decode=2, model_dir=default_model_dir(args.preset), port=proxy_port, base_port=base_port,
-        kv_events=name == "tier",
+        kv_events=name != "round_robin",
         serve_args=("--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len), *tier),
-        proxy_args=("--routing", "cache_aware" if name == "tier" else "round_robin", "--prefill-timeout", "1200",
-                    "--decode-timeout", "1200"),
+        proxy_args=("--routing", "round_robin" if name == "round_robin" else "cache_aware", "--prefill-timeout",
+                    "1200", "--decode-timeout", "1200"),
     )
-    with LocalCluster(spec) as info:
-        results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens))
+    cluster = LocalCluster(spec)
+    with cluster as info:
+        back: list[float] = []
+        replayed = threading.Event()
+        if restart_at is not None:
+            crasher = threading.Thread(target=crash_and_restart, args=(cluster, info, restart_at, time.monotonic(),
+                                                                        back, replayed), daemon=True)
+            crasher.start()
+        results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         counters = tier_counters([n.metrics_url for n in (*info.prefill, *info.decode)]) if tier else {}
+        replayed.set()
+    if restart_at is not None:
+        before = window_hit_rate(results, restart_at - 60, restart_at)
+        after = window_hit_rate(results, back[0], back[0] + 60) if back else (None, 0)
+        return {"restart_at_s": restart_at, "back_at_s": back[0] if back else None,
+                "hit_rate_minute_before": before[0], "requests_before": before[1],
+                "hit_rate_minute_after": after[0], "requests_after": after[1],
+                "failed_requests": sum("error" in r for r in results), "tier": counters}
     ttfts = [r["ttft"] for r in results]
     return {
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
@@ -124,6 +195,10 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="48MiB")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--restart-at", type=float, default=None, metavar="S",
+                        help="instead: the tier setup alone, every node SIGKILLed S seconds into the replay and "
+                             "restarted by the supervisor; the decode-side hit rate of the minute after they are back "
+                             "against the minute before")
     args = parser.parse_args()
 
     trace = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, time_scale=args.time_scale,
@@ -140,10 +215,19 @@ def main() -> int:
     print(f"{len(prompts)} requests over {offsets[-1]:.0f} s, {total} prompt tokens, ideal hit rate {ideal:.3f}",
           flush=True)
 
-    runs: dict[str, list[dict[str, Any]]] = {"round_robin": [], "tier": []}
+    if args.restart_at is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv", restart_at=args.restart_at)
+        before, after = result["hit_rate_minute_before"], result["hit_rate_minute_after"]
+        print(json.dumps({"restart_hit_ratio": round(after / before, 3) if before and after is not None else None,
+                          **result, "ideal_hit_rate": round(ideal, 4), "slice": vars(args) | {"trace": str(args.trace)},
+                          "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}))
+        return 0
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name in ("round_robin", "tier") if r % 2 == 0 else ("tier", "round_robin"):
+            for name in SETUPS if r % 2 == 0 else SETUPS[::-1]:
                 runs[name].append(run_setup(name, args, prompts, offsets, Path(tmp) / f"kv-{r}"))
                 last = runs[name][-1]
                 print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, mean TTFT "
@@ -156,6 +240,7 @@ def main() -> int:
     print(json.dumps({
         "hit_rate_over_ideal": round(mean("tier", "decode_hit_rate") / ideal, 3),
         "mean_ttft_ratio": round(mean("tier", "mean_ttft_ms") / mean("round_robin", "mean_ttft_ms"), 3),
+        "tier_over_cache_aware_ttft": round(mean("tier", "mean_ttft_ms") / mean("cache_aware", "mean_ttft_ms"), 3),
         "outputs_identical": all(o == outputs[0] for o in outputs),
         "ideal_hit_rate": round(ideal, 4), "requests": len(prompts), "prompt_tokens": total,
         "setups": {name: [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "token_ids"}

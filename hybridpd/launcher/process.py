@@ -61,6 +61,11 @@ class ChildProcess:
         except ProcessLookupError:
             pass
 
+    def kill(self) -> None:
+        """SIGKILL to the group (a crash, for chaos runs): nothing is flushed."""
+        if self._popen.poll() is None:
+            self._signal_group(signal.SIGKILL)
+
     def terminate(self) -> None:
         """SIGTERM to the group, if the child is still running."""
         if self._popen.poll() is None:

@@ -23,7 +23,7 @@ from hybridpd.engine.kv_offload.store import OffloadStore
 log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20   # page bytes waiting to be written at most; more are dropped (and counted), never waited for
-RESCAN_S = 2.0
+RESCAN_S = 5.0      # how often the directory is read again for blocks other nodes wrote (or removed)
 
 
 @dataclass(frozen=True)
