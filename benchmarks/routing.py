@@ -40,10 +40,11 @@ from hybridpd.launcher.spec import ClusterSpec
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: its TTFT at the client, prompt and cached tokens, and its token ids."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
-    ttft, usage = None, None
+    ttft, usage, ids = None, None, []
     async with session.post(url + "/v1/completions", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:300]!r}")
@@ -54,12 +55,14 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
             event = json.loads(text[6:])
             if "error" in event:
                 raise RuntimeError(event["error"])
-            if event.get("choices") and ttft is None:
-                ttft = time.perf_counter() - start
+            for choice in event.get("choices") or ():
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                ids.extend(choice.get("token_ids") or ())
             if event.get("usage"):
                 usage = event["usage"]
     return {"ttft": ttft, "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "token_ids": ids}
 
 
 async def run_workload(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[dict]:

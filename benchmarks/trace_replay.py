@@ -43,51 +43,27 @@ from hybridpd.launcher.ports import free_cluster_ports
 from hybridpd.launcher.spec import ClusterSpec
 from hybridpd.launcher.supervisor import RestartPolicy, Supervisor
 from hybridpd.presets.checkpoints import default_model_dir
+from routing import one_request   # benchmarks/routing.py: one streamed greedy completion
 
 SETUPS = ("round_robin", "cache_aware", "tier")   # the last: cache_aware with the storage tier
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                      delay: float, tolerate_errors: bool = False) -> dict[str, Any]:
+async def timed_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+                        delay: float, tolerate_errors: bool = False) -> dict[str, Any]:
     await asyncio.sleep(delay)
     try:
-        return await _request(session, url, prompt, max_tokens) | {"sent_at": delay}
+        return await one_request(session, url, prompt, max_tokens) | {"sent_at": delay}
     except (RuntimeError, aiohttp.ClientError, KeyError, TypeError) as exc:
         if not tolerate_errors:
             raise
         return {"sent_at": delay, "error": str(exc)[:200]}
 
 
-async def _request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
-    start = time.perf_counter()
-    ttft, usage, ids = None, None, []
-    async with session.post(url + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:300]!r}")
-        async for line in response.content:
-            text = line.decode().strip()
-            if not text.startswith("data: ") or text == "data: [DONE]":
-                continue
-            event = json.loads(text[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            for choice in event.get("choices") or ():
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                ids.extend(choice.get("token_ids") or ())
-            if event.get("usage"):
-                usage = event["usage"]
-    return {"ttft": ttft, "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "token_ids": ids}
-
-
 async def replay(url: str, prompts: list[list[int]], offsets: list[float], max_tokens: int,
                  tolerate_errors: bool = False) -> list[dict]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        return await asyncio.gather(*(one_request(session, url, p, max_tokens, t, tolerate_errors)
+        return await asyncio.gather(*(timed_request(session, url, p, max_tokens, t, tolerate_errors)
                                       for p, t in zip(prompts, offsets)))
 
 
