@@ -1,4 +1,4 @@
-"""`hybridpd serve | proxy | up | bench | make-checkpoint`: each command lives in its own module, imported only
+"""`hybridpd serve | proxy | up | bench | make-checkpoint | replay`: each command lives in its own module, imported only
 when that command runs (so one command's dependencies never break another)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ COMMANDS = {
     "up": ("hybridpd.up", "start a local cluster: N prefill + M decode nodes and a proxy"),
     "bench": ("hybridpd.bench.main", "benchmark a server like `vllm bench serve`"),
     "make-checkpoint": ("hybridpd.presets.checkpoints", "write a tiny random checkpoint"),
+    "replay": ("hybridpd.replay.cli", "simulate a cluster on a Mooncake trace (real KV cache and routers)"),
 }
 
 

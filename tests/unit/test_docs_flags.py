@@ -9,6 +9,7 @@ import pytest
 
 from hybridpd.bench.cli_args import add_benchmark_arguments as bench_arguments
 from hybridpd.proxy.main import add_arguments as proxy_arguments
+from hybridpd.replay.cli import add_arguments as replay_arguments
 from hybridpd.server.args import add_arguments as serve_arguments
 from hybridpd.up import add_arguments as up_arguments
 
@@ -23,7 +24,8 @@ def flags_of(add) -> list[str]:
 
 
 @pytest.mark.parametrize("command, add", [("serve", serve_arguments), ("proxy", proxy_arguments),
-                                          ("up", up_arguments), ("bench", bench_arguments)])
+                                          ("up", up_arguments), ("bench", bench_arguments),
+                                          ("replay", replay_arguments)])
 def test_every_flag_is_named_in_docs_flags(command, add):
     missing = [flag for flag in flags_of(add) if flag not in FLAGS_PAGE
                and flag.replace("--no-", "--") not in FLAGS_PAGE]

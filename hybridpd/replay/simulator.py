@@ -1,0 +1,165 @@
+"""`hybridpd replay`: a trace through N simulated nodes (node.py) and the proxy's real routers, on a modelled clock.
+
+Each request arrives at its trace time. Disaggregated (`--prefill P --decode D`): the prefill router picks a node
+(round robin, least outstanding, or cache_aware with `proxy/cache_aware.choose` over the indexes the nodes' own KV
+events built), the node serves the prompt (its hit over every group; the rest computed), then the decode router picks
+a node, which takes its full-attention hit, pulls the rest and decodes. Colocated (`--colocated N`): one router, one
+node does both. Clock (time_model.py): a node computes one prompt at a time (a FIFO queue), so TTFT = queueing +
+prefill; a call stays in flight for the router until its node is done with it; decode steps are batched (each request
+gets `decode_step_s` per token), so ITL is that step plus a pull spread over the outputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import time
+import tracemalloc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridpd.bench import mooncake
+from hybridpd.proxy.cache_aware import choose
+from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
+from hybridpd.proxy.kv_index import PromptHashes
+from hybridpd.proxy.routing import Router
+from hybridpd.replay.node import NodeLayout, SimNode
+from hybridpd.replay.time_model import TimeModel
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+
+    def __post_init__(self) -> None:
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("--colocated and --prefill/--decode exclude each other")
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("give --prefill and --decode (each >= 1), or --colocated N")
+
+
+class _Role:
+    """The nodes of one role, their router, and the calls it counts as in flight (closed as the clock passes)."""
+
+    def __init__(self, role: Role, count: int, layout: NodeLayout, policy: RoutingPolicy, first_port: int) -> None:
+        self.role = role
+        self.upstreams = tuple(Upstream(role=role, host="sim", port=first_port + i) for i in range(count))
+        self.nodes = {u: SimNode(f"{role.value}-{i}", layout) for i, u in enumerate(self.upstreams)}
+        self.router = Router(self.upstreams, policy)
+        self._calls: list[tuple[float, int, Any]] = []
+        self._order = 0
+        self.decisions = 0
+        self.deciding_s = 0.0
+
+    def advance(self, now: float) -> None:
+        while self._calls and self._calls[0][0] <= now:
+            _, _, call = heapq.heappop(self._calls)
+            call.__exit__(None, None, None)
+
+    def pick(self, prompt: PromptHashes, rule: CostRule) -> Upstream:
+        start = time.perf_counter()
+        if self.router.policy is RoutingPolicy.CACHE_AWARE:
+            upstream = choose(self.router, self.role, prompt, lambda u: self.nodes[u].index, rule).upstream
+        else:
+            upstream = self.router.pick()
+        self.deciding_s += time.perf_counter() - start
+        self.decisions += 1
+        return upstream
+
+    def in_flight_until(self, upstream: Upstream, work_tokens: int, end: float) -> None:
+        call = self.router.in_flight(upstream, work_tokens)
+        call.__enter__()
+        self._order += 1
+        heapq.heappush(self._calls, (end, self._order, call))
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _index_bytes_per_block(roles: Sequence[_Role]) -> float | None:
+    """What the proxy's indexes hold per block hash, measured: the same sets rebuilt under tracemalloc."""
+    hashes = [h for role in roles for node in role.nodes.values()
+              for g in range(len(node.index.groups)) for h in node.index.hashes(g)]
+    if not hashes:
+        return None
+    tracemalloc.start()
+    copy = {bytes(bytearray(h)) for h in hashes}
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return size / len(copy)
+
+
+def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice, layout: NodeLayout,
+             shape: ClusterShape, policy: RoutingPolicy, clock: TimeModel, vocab_size: int,
+             rule: CostRule = CostRule(), seed: int = 0) -> dict[str, Any]:
+    rng = np.random.Generator(np.random.PCG64(seed))
+    offsets = mooncake.arrival_offsets(records, trace)
+    if shape.colocated:
+        roles = [_Role(Role.DECODE, shape.colocated, layout, policy, 1)]
+    else:
+        roles = [_Role(Role.PREFILL, shape.prefill, layout, policy, 1), _Role(Role.DECODE, shape.decode, layout,
+                                                                               policy, 1001)]
+    prompt_total = output_total = 0
+    prefill_hits = decode_hits = 0
+    ttfts, itls, finishes = [], [], []
+    for i, (record, arrival) in enumerate(zip(records, offsets)):
+        prompt = list(mooncake.prompt_tokens(record, trace.tokens_per_hash, vocab_size, rng))
+        n_out = max(1, min(record.output_length, trace.max_output_len or record.output_length))
+        outputs = [int(t) for t in rng.integers(0, vocab_size, size=n_out)]
+        hashes = PromptHashes(prompt, None)
+        rid = f"r{i}"
+        for role in roles:
+            role.advance(arrival)
+        first = roles[0]
+        upstream = first.pick(hashes, rule)
+        node = first.nodes[upstream]
+        if shape.colocated:
+            hit = node.colocated(rid, prompt, outputs)
+            decode_hits += hit
+            pulled = 0
+        else:
+            hit = node.prefill(rid, prompt)
+        start = max(arrival, node.busy_until)
+        prefilled = start + clock.prefill_s(len(prompt) - hit)
+        node.busy_until = prefilled
+        first.in_flight_until(upstream, len(prompt) - hit, prefilled)
+        prefill_hits += hit
+        if not shape.colocated:
+            decode_role = roles[1]
+            decode_role.advance(prefilled)
+            d_upstream = decode_role.pick(hashes, rule)
+            d_hit, pulled = decode_role.nodes[d_upstream].decode(rid, prompt, outputs)
+            decode_hits += d_hit
+        pull_s = clock.pull_s(pulled)
+        done = prefilled + pull_s + clock.decode_step_s * (n_out - 1)
+        if not shape.colocated:
+            decode_role.in_flight_until(d_upstream, 0, done)
+        ttfts.append(prefilled - arrival)
+        if n_out > 1:
+            itls.append(clock.decode_step_s + pull_s / (n_out - 1))
+        finishes.append(done)
+        prompt_total += len(prompt)
+        output_total += n_out
+    hits, total = mooncake.ideal_hit_tokens(records, trace.tokens_per_hash)
+    deciding = sum(r.deciding_s for r in roles)
+    decisions = sum(r.decisions for r in roles)
+    span = max(finishes) - min(offsets) if finishes else 0.0
+    return {
+        "requests": len(records), "prompt_tokens": prompt_total, "output_tokens": output_total,
+        "ideal_hit_rate": hits / total if total else None,
+        "prefill_hit_rate": None if shape.colocated else prefill_hits / prompt_total,
+        "decode_hit_rate": decode_hits / prompt_total,
+        "mean_ttft_s": statistics.mean(ttfts), "p90_ttft_s": _percentile(ttfts, 0.9),
+        "mean_itl_s": statistics.mean(itls) if itls else None,
+        "output_throughput": output_total / span if span > 0 else None,
+        "routing_decisions_per_s": decisions / deciding if deciding > 0 else None,
+        "index_bytes_per_block": _index_bytes_per_block(roles),
+        "blocks_per_node": list(layout.num_blocks),
+    }

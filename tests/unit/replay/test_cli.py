@@ -1,0 +1,60 @@
+"""`hybridpd replay` as a user runs it: a JSON line with the figures, or a clear message and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridpd.cli import main
+from hybridpd.presets.checkpoints import write_checkpoint
+
+TRACE = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [0, 1]},
+    {"timestamp": 500, "input_length": 1536, "output_length": 8, "hash_ids": [0, 1, 2]},
+    {"timestamp": 900, "input_length": 600, "output_length": 3, "hash_ids": [5, 6]},
+    {"timestamp": 1500, "input_length": 2048, "output_length": 8, "hash_ids": [0, 1, 2, 3]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.set_num_threads(1)
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in TRACE))
+    return path
+
+
+@pytest.mark.parametrize("shape", [["--prefill", "1", "--decode", "2"], ["--colocated", "2"]])
+@pytest.mark.parametrize("routing", ["round_robin", "cache_aware"])
+def test_a_run_prints_its_figures(tiny, trace, shape, routing, capsys):
+    code = main(["replay", str(trace), "--model", str(tiny), "--kv-cache-memory", "4MiB", "--max-model-len", "512",
+                 "--trace-tokens-per-hash", "64", "--routing", routing, *shape])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    assert result["requests"] == 4 and result["output_tokens"] == 27
+    assert 0 < result["decode_hit_rate"] <= result["ideal_hit_rate"]   # the repeated prefixes hit, no more
+    assert result["mean_ttft_s"] > 0 and result["routing_decisions_per_s"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--colocated", "2", "--prefill", "1"], "--colocated and --prefill/--decode exclude each other"),
+    (["--prefill", "1"], "give --prefill and --decode"),
+    (["--colocated", "1", "--kv-cache-memory", "64KiB"], "--kv-cache-memory"),
+])
+def test_bad_runs_say_why(tiny, trace, args, message, capsys):
+    assert main(["replay", str(trace), "--model", str(tiny), "--max-model-len", "512", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_trace_line_is_named(tiny, tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(TRACE[0]) + "\n{not json\n")
+    assert main(["replay", str(path), "--model", str(tiny), "--colocated", "1"]) == 2
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
