@@ -146,7 +146,7 @@ class LLMEngine:
             cache.kv_offload_size,
         )
         tier = OffloadTier(store, self.storage.tensors)
-        self.kv.use_storage(tier.has)
+        self.kv.use_storage(tier)
         self.scheduler.storage = tier
         log.info("storage tier: %s (%s bytes at most)", store.model_dir, cache.kv_offload_size)
         return tier
@@ -155,15 +155,16 @@ class LLMEngine:
         """The storage tier's changes as KV events (medium DISK): what a request here could now load, or no more."""
         if self.offload is None or not self.config.cache.enable_kv_cache_events:
             return []
-        events: list[KVCacheEvent] = []
+        runs: list[tuple[bool, int, list[bytes]]] = []   # consecutive changes of one kind and group: one event
         for held, group, block_hash in self.offload.take_changes():
-            if held:
-                events.append(BlockStored(group_idx=group, block_hashes=(block_hash,), parent_block_hash=None,
-                                          token_ids=(), block_size=self.groups[group].spec.block_size,
-                                          medium=Medium.STORAGE))
+            if runs and runs[-1][:2] == (held, group):
+                runs[-1][2].append(block_hash)
             else:
-                events.append(BlockRemoved(group_idx=group, block_hashes=(block_hash,), medium=Medium.STORAGE))
-        return events
+                runs.append((held, group, [block_hash]))
+        return [BlockStored(group_idx=group, block_hashes=tuple(hashes), parent_block_hash=None, token_ids=(),
+                            block_size=self.groups[group].spec.block_size, medium=Medium.STORAGE) if held
+                else BlockRemoved(group_idx=group, block_hashes=tuple(hashes), medium=Medium.STORAGE)
+                for held, group, hashes in runs]
 
     def close(self) -> None:
         """Stop the storage tier's threads (its queued writes get a few seconds to reach the disk)."""

@@ -17,7 +17,7 @@ from hybridpd.engine.kv_cache.cache_types import CacheHit, CacheRequest, GroupSt
 from hybridpd.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
 from hybridpd.engine.kv_cache.hit_search import find_common_hit
-from hybridpd.engine.kv_cache.offload_hits import Offloaded, WithStorage
+from hybridpd.engine.kv_cache.offload_hits import StorageIndex, WithStorage
 from hybridpd.engine.kv_cache.mamba import MambaManager
 from hybridpd.engine.kv_cache.managers import make_manager
 from hybridpd.engine.kv_cache.single_type import TokenRange
@@ -50,7 +50,7 @@ class KVCacheManager:
         # not quiet; `_quiet_end`: the commit point of an allocated quiet step, whose commit is then a no-op.
         self._quiet_blocks: dict[str, StepBlocks] = {}
         self._quiet_end: dict[str, int] = {}
-        self._offloaded: Offloaded | None = None
+        self._storage: StorageIndex | None = None
         self._new_cached: list[tuple[int, BlockHash, int]] = []   # (group, hash, block id), with a storage tier
         self._queries = [0] * len(groups)
         self._query_tokens = [0] * len(groups)
@@ -121,18 +121,18 @@ class KVCacheManager:
         return CacheHit(num_tokens=hit, blocks=tuple(blocks), shared_tokens=shared)
 
     # --- the storage tier ---
-    def use_storage(self, offloaded: Offloaded) -> None:
-        self._offloaded = offloaded
+    def use_storage(self, storage: StorageIndex) -> None:
+        self._storage = storage
 
     def storage_hit(self, req: CacheRequest, hit: CacheHit, at_most: int | None = None) -> int:
         """The longest prefix < num_prompt_tokens (and <= `at_most`) that the deciding groups (every group, or the
         full-attention ones under `skip_mamba_align`, as for the memory hit) serve from memory and storage together,
         if it is longer than the memory `hit` (else 0)."""
-        if self._offloaded is None or not self.caching or req.num_prompt_tokens <= 1:
+        if self._storage is None or self._storage.empty or not self.caching or req.num_prompt_tokens <= 1:
             return 0
         deciding = self._remote_groups if req.skip_mamba_align else self._all_groups
         chains = self._chains(req)
-        union = [WithStorage(self._managers[g], g, self._offloaded) for g in deciding]
+        union = [WithStorage(self._managers[g], g, self._storage.has) for g in deciding]
         limit = req.num_prompt_tokens - 1 if at_most is None else min(req.num_prompt_tokens - 1, at_most)
         found = find_common_hit(union, [chains[g] for g in deciding], limit)
         return found if found > hit.num_tokens else 0
@@ -224,7 +224,7 @@ class KVCacheManager:
                 stored = m.commit(rid, num_computed_tokens, hashes)
                 if stored and self._events is not None:
                     self._record_stored(req, g, hashes, stored)
-                if stored and self._offloaded is not None:
+                if stored and self._storage is not None:
                     pool = self._pools[g]
                     self._new_cached.extend((g, hashes[i], pool.lookup(hashes[i])) for i in stored)
             self._quiet_blocks.pop(rid, None)

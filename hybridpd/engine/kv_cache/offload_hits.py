@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from hybridpd.engine.kv_cache.hashing import BlockHash
 from hybridpd.engine.kv_cache.single_type import SingleTypeManager
 
 Offloaded = Callable[[int, BlockHash], bool]   # (group index, block hash) -> the storage tier holds it
+
+
+class StorageIndex(Protocol):
+    """What the hit search asks of the storage tier (kv_offload/tier.py): no I/O in either."""
+
+    def has(self, group: int, block_hash: bytes) -> bool: ...
+
+    @property
+    def empty(self) -> bool:
+        """It holds no block at all (then no search over it is needed)."""
 
 
 @dataclass(frozen=True)

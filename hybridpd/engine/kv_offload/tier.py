@@ -76,6 +76,10 @@ class OffloadTier:
     def has(self, group: int, block_hash: bytes) -> bool:
         return block_hash in self._present[group]
 
+    @property
+    def empty(self) -> bool:
+        return not any(self._present)
+
     def offer(self, group: int, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Write `group`'s blocks (hash, block id) behind: one copy of their pages into the queue, as many as its
         byte budget takes (the rest dropped and counted); blocks storage holds already are skipped."""
