@@ -266,22 +266,17 @@ class Scheduler:
         blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=external, remote=True)
         if blocks is None:
             return False
-        self._leave_queue(self.waiting.popleft())
+        self._park_loading(seq, hit.num_tokens)
         seq.num_cached_tokens = stored or hit.num_tokens
-        seq.num_computed_tokens = hit.num_tokens
-        seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.loading[seq.request_id] = seq
         assert self.loader is not None
         if not stored:
             self.loader.start_load(seq, hit.num_tokens, blocks)
             return True
-        items = [LoadItem(*source) for source in self.kv.storage_sources(seq, blocks, stored)]
+        items = self._read_from_storage(seq, blocks, hit.num_tokens, stored)
         taken = {(item.group, item.block_id) for item in items}
         rest = replace(blocks, load=tuple(tuple(pair for pair in loads if (g, pair[1]) not in taken)
                                           for g, loads in enumerate(blocks.load)))
         self._then_pull[seq.request_id] = _StagedPull(blocks, rest, hit.num_tokens, stored)
-        assert self.storage is not None
-        self.storage.start_load(seq.request_id, items, stored - hit.num_tokens)
         return True
 
     def _pull_after_storage(self, request_id: str, ok: bool, staged: _StagedPull) -> None:
@@ -305,17 +300,26 @@ class Scheduler:
         blocks = self.kv.allocate_slots(seq, 0, hit, num_external_tokens=upto - hit.num_tokens, remote=True)
         if blocks is None:
             return False
-        self._leave_queue(self.waiting.popleft())
+        self._park_loading(seq, hit.num_tokens)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = upto
-        seq.num_computed_tokens = hit.num_tokens
+        self._load_upto[seq.request_id] = upto
+        self._read_from_storage(seq, blocks, hit.num_tokens, upto)
+        return True
+
+    def _park_loading(self, seq: Sequence, hit_tokens: int) -> None:
+        """`seq` leaves the waiting queue for `loading` (its KV arrives from a loader), computed up to its hit."""
+        self._leave_queue(self.waiting.popleft())
+        seq.num_computed_tokens = hit_tokens
         seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[seq.request_id] = seq
-        self._load_upto[seq.request_id] = upto
+
+    def _read_from_storage(self, seq: Sequence, blocks: StepBlocks, hit_tokens: int, upto: int) -> list[LoadItem]:
+        """Have the storage tier read the blocks of `blocks.load` that a storage hit of `upto` tokens brings."""
         assert self.storage is not None
         items = [LoadItem(*source) for source in self.kv.storage_sources(seq, blocks, upto)]
-        self.storage.start_load(seq.request_id, items, upto - hit.num_tokens)
-        return True
+        self.storage.start_load(seq.request_id, items, upto - hit_tokens)
+        return items
 
     @staticmethod
     def _leave_queue(seq: Sequence) -> None:
