@@ -59,7 +59,10 @@ class OffloadTier:
         store.on_removed = self._forget
         self._writes: queue.Queue = queue.Queue()
         self._queue_bytes = queue_bytes
-        self._queued = 0   # page bytes in the queue (the engine thread adds, the writer subtracts: ints under the GIL)
+        # Page bytes in the queue: the engine thread adds, the writer subtracts, both under the lock (a `-=` lost
+        # to a thread switch would shrink the budget for good).
+        self._queued = 0
+        self._queued_lock = threading.Lock()
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
         self._pending = 0
@@ -86,14 +89,16 @@ class OffloadTier:
         present = self._present[group]
         todo = [(h, b) for h, b in blocks if h not in present]
         page_bytes = self.pages[group].shape[1]
-        room = max(0, (self._queue_bytes - self._queued) // page_bytes)
+        with self._queued_lock:
+            room = max(0, (self._queue_bytes - self._queued) // page_bytes)
         if len(todo) > room:
             self.counters.dropped_queue_full += len(todo) - room
             todo = todo[:room]
         if not todo:
             return
         ids = torch.tensor([b for _, b in todo], dtype=torch.int64)
-        self._queued += len(todo) * page_bytes
+        with self._queued_lock:
+            self._queued += len(todo) * page_bytes
         self._writes.put((group, [h for h, _ in todo], self.pages[group].index_select(0, ids)))
 
     def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
@@ -166,7 +171,8 @@ class OffloadTier:
                 except OSError as exc:
                     self.counters.dropped_write_error += 1
                     log.warning("kv offload: write dropped (%s)", exc)
-            self._queued -= rows.nbytes
+            with self._queued_lock:
+                self._queued -= rows.nbytes
 
     def _load_loop(self) -> None:
         while True:
