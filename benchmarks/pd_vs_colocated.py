@@ -25,10 +25,18 @@ machine 4 req/s is still under 1% (p99 ITL equal on both sides); the default 8 r
 colocated node) puts it well above, while the lone P/D prefill node stays under saturation (a 1,024-token
 prefill of the default preset takes ~0.1 s on one thread here; output throughput stays equal).
 
-Last line: JSON with p99_itl_ratio (P/D over colocated, pooled over the rounds; goal <= 0.5),
-p99_itl_ratio_median_of_rounds (the medians of each side's per-round p99 ITL: robust to one round hit by
-a burst of outside load), mean_ttft_ratio, output_throughput_ratio, decode_hit_rate_ratio (P/D decode-side
-over colocated, goal >= 0.95) and the raw figures of every run.
+What isolation is measured on: every gap after a request's second token. Its first gap (first token -> second)
+is where P/D pays for the disaggregation itself: the first token is streamed from the prefill node, and the second
+waits for the decode node to admit the request, pull its KV and run a step (vLLM's P/D counts that wait in TTFT,
+as its decode node produces the first token). Each long prompt has one such gap among its 3, so in P/D they are
+~1.5% of all gaps at the default shape and set the pooled p99 ITL by themselves, whatever the stalls; they are
+reported apart (`*_second_token_gap_ms`), the same split on both sides.
+
+Last line: JSON with p99_itl_after_second_token_ratio (P/D over colocated, pooled over the rounds; goal <= 0.3),
+p99_itl_ratio (every gap), p99_itl_ratio_median_of_rounds (the medians of each side's per-round p99 ITL: robust
+to one round hit by a burst of outside load), mean_second_token_gap_ratio, mean_ttft_ratio,
+output_throughput_ratio, decode_hit_rate_ratio (P/D decode-side over colocated, goal >= 0.95) and the raw figures
+of every run.
 """
 
 from __future__ import annotations
@@ -150,6 +158,8 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
     every run, throughputs as totals over the summed durations (vLLM's definitions, pooled)."""
     ttfts = [t * 1000 for r in results for t in r["ttfts"]]
     itls = [gap * 1000 for r in results for request in r["itls"] for gap in request]
+    later = [gap * 1000 for r in results for request in r["itls"] for gap in request[1:]]
+    second = [request[0] * 1000 for r in results for request in r["itls"] if request]
     tpots = [(lat - ttft) * 1000 / (n - 1) for r in results
              for lat, ttft, n in zip(r["latencies"], r["ttfts"], r["output_lens"]) if n > 1]
     duration = sum(r["duration"] for r in results)
@@ -162,6 +172,9 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
         "p99_ttft_ms": float(np.percentile(ttfts, 99)), "mean_itl_ms": float(np.mean(itls)),
         "p50_itl_ms": float(np.percentile(itls, 50)), "p99_itl_ms": float(np.percentile(itls, 99)),
         "mean_tpot_ms": float(np.mean(tpots)),
+        "p99_itl_after_second_token_ms": float(np.percentile(later, 99)),
+        "mean_second_token_gap_ms": float(np.mean(second)), "p50_second_token_gap_ms": float(np.percentile(second, 50)),
+        "p99_second_token_gap_ms": float(np.percentile(second, 99)),
         "kv_bytes_read": sum(r["kv_bytes_read"] or 0 for r in results),
         "p99_itl_ms_per_round": [r["p99_itl_ms"] for r in results],
     }
@@ -231,10 +244,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "p99_itl_ratio": ratio(pd_mixed["p99_itl_ms"], colo_mixed["p99_itl_ms"]),
         "p99_itl_ratio_median_of_rounds": ratio(float(np.median(pd_mixed["p99_itl_ms_per_round"])),
                                                 float(np.median(colo_mixed["p99_itl_ms_per_round"]))),
+        "p99_itl_after_second_token_ratio": ratio(pd_mixed["p99_itl_after_second_token_ms"],
+                                                  colo_mixed["p99_itl_after_second_token_ms"]),
+        "mean_second_token_gap_ratio": ratio(pd_mixed["mean_second_token_gap_ms"],
+                                             colo_mixed["mean_second_token_gap_ms"]),
         "mean_ttft_ratio": ratio(pd_mixed["mean_ttft_ms"], colo_mixed["mean_ttft_ms"]),
         "output_throughput_ratio": ratio(pd_mixed["output_throughput"], colo_mixed["output_throughput"]),
         "decode_hit_rate_ratio": ratio(pd_prefix["prefix_cache_hit_rate"], colo_prefix["prefix_cache_hit_rate"]),
-        "goals": {"p99_itl_ratio": "<= 0.5", "decode_hit_rate_ratio": ">= 0.95"},
+        "goals": {"p99_itl_after_second_token_ratio": "<= 0.3", "decode_hit_rate_ratio": ">= 0.95"},
         "workload": {key: getattr(args, key) for key in (
             "num_prompts", "rounds", "request_rate", "long_prompt", "short_output", "short_prompt", "long_output",
             "prefix_prompts", "prefix_len", "num_prefixes", "prefix_concurrency")},

@@ -12,6 +12,11 @@ Start order: engine (model + KV cache) -> transport registers the group tensors 
 pulling from us release their leases within the grace; release the leases left (freeing their blocks), abort the
 requests left, stop the side channel, close the transport and the publisher, answer `Drained`, exit 0.
 
+The GIL changes hands every 0.5 ms here instead of CPython's 5 ms (`GIL_SWITCH_INTERVAL_S`): while the engine thread
+runs Python between its torch calls, the side channel's answers (a decode node's lease heartbeat waits for a busy
+prefill node's), a pull's start and its end wait for the GIL, and at 5 ms a decode node's second token (the one that
+carries the pull) waited ~12 ms on average for those hand-overs alone (benchmarks/README.md, `pd_vs_colocated.py`).
+
 The process dies with its front (PR_SET_PDEATHSIG), and ignores SIGINT / SIGTERM: a Ctrl-C or a signal to the
 process group reaches the front, which drains both.
 """
@@ -74,6 +79,7 @@ from hybridpd.server.engine_link import (
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+GIL_SWITCH_INTERVAL_S = 0.0005   # see the module docstring
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -248,6 +254,7 @@ class EngineSide:
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
     die_with_parent(parent_pid)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
