@@ -61,30 +61,31 @@ def predicted_hit(index: NodeIndex | None, prompt: PromptHashes, role: Role, wit
     return index.decode_hit(prompt, with_storage)
 
 
-def _storage_saving(index: NodeIndex | None, prompt: PromptHashes, role: Role, memory_hit: int | None,
-                    weight: float) -> float:
-    """The tokens a storage hit beyond the memory hit saves, weighed."""
-    if index is None or not weight or not index.has_storage:
-        return 0.0
-    return weight * max(0, (predicted_hit(index, prompt, role, with_storage=True) or 0) - (memory_hit or 0))
-
-
 def choose(router: Router, role: Role, prompt: PromptHashes, index_of: Callable[[Upstream], NodeIndex | None],
            rule: CostRule, exclude: tuple[Upstream, ...] = ()) -> Choice:
     hits: dict[Upstream, int | None] = {}
+    num_tokens = prompt.num_tokens
+    queued_weight, load_weight = rule.queued_tokens_weight, rule.load_tokens_per_request
+    storage_weight = rule.storage_hit_weight
 
-    def cost(upstream: Upstream) -> float:
+    hit_of = NodeIndex.prefill_hit if role is Role.PREFILL else NodeIndex.decode_hit
+    outstanding, queued = router.loads()
+
+    def cost(upstream: Upstream) -> float:   # once per node and decision: kept to a few lookups
         index = index_of(upstream)
-        hit = hits.setdefault(upstream, predicted_hit(index, prompt, role))
-        saving = _storage_saving(index, prompt, role, hit, rule.storage_hit_weight)
-        return ((prompt.num_tokens - (hit or 0)) - saving + rule.queued_tokens_weight * router.queued_tokens(upstream)
-                + rule.load_tokens_per_request * router.outstanding(upstream))
+        if index is None:
+            hits[upstream] = None
+            work = float(num_tokens)
+        else:
+            hit = hits[upstream] = hit_of(index, prompt)
+            work = num_tokens - hit
+            if storage_weight and index.has_storage:   # what its storage tier holds beyond memory, read not computed
+                work -= storage_weight * max(0, predicted_hit(index, prompt, role, with_storage=True) - hit)
+        return work + queued_weight * queued.get(upstream, 0) + load_weight * outstanding.get(upstream, 0)
 
     upstream = router.pick(exclude=exclude, cost=cost)
-    hit = hits.get(upstream)
-    if upstream not in hits:
-        hit = predicted_hit(index_of(upstream), prompt, role)
-    return Choice(upstream=upstream, predicted_hit=hit, work_tokens=prompt.num_tokens - (hit or 0))
+    hit = hits[upstream] if upstream in hits else predicted_hit(index_of(upstream), prompt, role)
+    return Choice(upstream=upstream, predicted_hit=hit, work_tokens=num_tokens - (hit or 0))
 
 
 _MAX_TOKEN_ID = 2 ** 63 - 1   # what the nodes' block hashes encode; a larger id is the node's 400, not our prediction

@@ -52,6 +52,11 @@ class Upstream:
             raise ValueError(f"{self.role.value} host must not be empty")
         if not 0 < self.port < 65536:
             raise ValueError(f"{self.role.value} port out of range: {self.port}")
+        # A routing decision looks every upstream up in a few dicts: hash the fields once, not at every lookup.
+        object.__setattr__(self, "_hash", hash((self.role, self.host, self.port)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def address(self) -> str:

@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from hybridpd.kv_events.wire import END_OF_REPLAY, GroupInfo, decode_batch, seq_bytes, seq_of
 from hybridpd.proxy.config import Upstream
+from hybridpd.proxy.block_holders import BlockHolders
 from hybridpd.proxy.kv_index import NodeIndex
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,10 @@ class _StartOver(Exception):
 
 class NodeFeed:
     def __init__(self, address: tuple[str, int], base_url: str, session: aiohttp.ClientSession,
-                 ctx: zmq.asyncio.Context, *, check_interval: float = 1.0, timeout: float = 2.0) -> None:
+                 ctx: zmq.asyncio.Context, *, check_interval: float = 1.0, timeout: float = 2.0,
+                 holders: BlockHolders | None = None) -> None:
         self.address = address
+        self._holders = holders
         self._url = base_url + "/kv_events"
         self._session = session
         self._ctx = ctx
@@ -117,35 +120,43 @@ class NodeFeed:
         try:
             sub.setsockopt_string(zmq.SUBSCRIBE, info.topic)
             sub.connect(info.endpoint)
-            index = NodeIndex(info.groups)
-            last = await self._replay(info, index, 0, -1)
-            self.index = index
-            loop = asyncio.get_running_loop()
-            next_check = loop.time() + self._check_interval
-            while True:
-                timeout_ms = max(0, int((next_check - loop.time()) * 1000))
-                if await sub.poll(timeout_ms):
-                    _topic, seq_frame, payload = await sub.recv_multipart()
-                    seq = seq_of(seq_frame)
-                    if seq <= last:
-                        continue
-                    if seq > last + 1:
-                        self.gaps += 1
-                        last = await self._replay(info, index, last + 1, last)
-                        if seq <= last:
-                            continue
-                    index.apply(decode_batch(payload).events)
-                    self.batches += 1
-                    last = seq
-                if loop.time() >= next_check:
-                    now = await self._info()
-                    if now is None:
-                        raise _StartOver("the node does not answer")
-                    if now.instance_id != info.instance_id:
-                        raise _StartOver("the node restarted")
-                    next_check = loop.time() + self._check_interval
+            index = NodeIndex(info.groups, self._holders)
+            try:
+                await self._follow_with(info, sub, index)
+            finally:
+                self.index = None
+                index.close()
         finally:
             sub.close(linger=0)
+
+    async def _follow_with(self, info: EventsInfo, sub: zmq.asyncio.Socket, index: NodeIndex) -> None:
+        """Replay what the node buffered, then apply its live batches in order (a gap is filled by a replay)."""
+        last = await self._replay(info, index, 0, -1)
+        self.index = index
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + self._check_interval
+        while True:
+            timeout_ms = max(0, int((next_check - loop.time()) * 1000))
+            if await sub.poll(timeout_ms):
+                _topic, seq_frame, payload = await sub.recv_multipart()
+                seq = seq_of(seq_frame)
+                if seq <= last:
+                    continue
+                if seq > last + 1:
+                    self.gaps += 1
+                    last = await self._replay(info, index, last + 1, last)
+                    if seq <= last:
+                        continue
+                index.apply(decode_batch(payload).events)
+                self.batches += 1
+                last = seq
+            if loop.time() >= next_check:
+                now = await self._info()
+                if now is None:
+                    raise _StartOver("the node does not answer")
+                if now.instance_id != info.instance_id:
+                    raise _StartOver("the node restarted")
+                next_check = loop.time() + self._check_interval
 
     async def _replay(self, info: EventsInfo, index: NodeIndex, start: int, last: int) -> int:
         """Apply every buffered batch from `start` on; returns the last applied number. Without a replay endpoint,
@@ -188,6 +199,7 @@ class KVFeeds:
         self._check_interval = check_interval
         self._timeout = timeout
         self._feeds: dict[tuple[str, int], tuple[NodeFeed, asyncio.Task]] = {}
+        self.holders = BlockHolders()   # shared by every node's index (block_holders.py)
 
     def index(self, upstream: Upstream) -> NodeIndex | None:
         entry = self._feeds.get((upstream.host, upstream.port))
@@ -205,7 +217,7 @@ class KVFeeds:
         for address, upstream in wanted.items():
             if address not in self._feeds:
                 feed = NodeFeed(address, self._base_url(upstream), self._session, self._ctx,
-                                check_interval=self._check_interval, timeout=self._timeout)
+                                check_interval=self._check_interval, timeout=self._timeout, holders=self.holders)
                 self._feeds[address] = (feed, asyncio.create_task(feed.run(), name=f"kv-feed-{upstream.address}"))
 
     async def close(self) -> None:

@@ -85,6 +85,9 @@ class OutlierDetector:
         return self.health(node).state
 
     def available(self, node: object) -> bool:
+        record = self._nodes.get(node)   # asked for every node at every routing decision: the common case first
+        if record is not None and record.state is NodeState.HEALTHY:
+            return True
         return self.state(node) is NodeState.HEALTHY
 
     def retain(self, nodes: set[object] | frozenset[object]) -> None:

@@ -9,7 +9,8 @@ failed calls or probes, or still probing) gets no new calls while a healthy node
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from types import MappingProxyType
 
 from hybridpd.proxy.config import RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierDetector, OutlierPolicy
@@ -67,19 +68,25 @@ class Router:
     def queued_tokens(self, upstream: Upstream) -> int:
         return self._queued_tokens.get(upstream, 0)
 
+    def loads(self) -> tuple[Mapping[Upstream, int], Mapping[Upstream, int]]:
+        """Read-only views of the calls in flight and the queued tokens per upstream (absent: 0), for a cost rule
+        that reads every upstream's at every decision."""
+        return MappingProxyType(self._outstanding), MappingProxyType(self._queued_tokens)
+
     def pick(self, exclude: Collection[Upstream] = (), cost: Callable[[Upstream], float] | None = None) -> Upstream:
-        count = len(self._upstreams)
-        order = [(self._next + k) % count for k in range(count)]
-        candidates = [i for i in order if self._upstreams[i] not in exclude]
-        up = [i for i in candidates if self.outliers.available(self._upstreams[i])]
+        upstreams, count = self._upstreams, len(self._upstreams)
+        order = [*range(self._next, count), *range(self._next)]
+        candidates = [i for i in order if upstreams[i] not in exclude] if exclude else order
+        available = self.outliers.available
+        up = [i for i in candidates if available(upstreams[i])]
         candidates = up or candidates  # every candidate down: try one anyway (it may be back)
         if not candidates:
             role = self._role_name
             raise NoUpstreamError(f"no {role} node known" if not count else f"no {role} node left to try")
         if self._policy is RoutingPolicy.CACHE_AWARE and cost is not None:
-            chosen = min(candidates, key=lambda i: cost(self._upstreams[i]))  # min keeps the first
+            chosen = min(candidates, key=lambda i: cost(upstreams[i]))  # min keeps the first
         elif self._policy is not RoutingPolicy.ROUND_ROBIN:
-            chosen = min(candidates, key=lambda i: self.outstanding(self._upstreams[i]))
+            chosen = min(candidates, key=lambda i: self.outstanding(upstreams[i]))
         else:
             chosen = candidates[0]
         self._next = (chosen + 1) % count

@@ -18,6 +18,7 @@ from hybridpd.engine.kv_cache.spec import KVCacheGroup, group_layers
 from hybridpd.engine.model.loader import read_model_config
 from hybridpd.kv_events.groups import GroupInfo
 from hybridpd.kv_events.wire import to_wire
+from hybridpd.proxy.block_holders import BlockHolders
 from hybridpd.proxy.kv_index import NodeIndex
 
 
@@ -62,6 +63,7 @@ class NodeLayout:
 class SimNode:
     name: str
     layout: NodeLayout
+    holders: BlockHolders | None = None    # shared by the indexes of one simulated proxy
     busy_until: float = 0.0
     kv: KVCacheManager = field(init=False)
     index: NodeIndex = field(init=False)
@@ -69,7 +71,7 @@ class SimNode:
     def __post_init__(self) -> None:
         self.kv = KVCacheManager(self.layout.groups, self.layout.num_blocks, replace(self.layout.cache))
         self._infos = [GroupInfo.of(i, g) for i, g in enumerate(self.layout.groups)]
-        self.index = NodeIndex(self._infos)
+        self.index = NodeIndex(self._infos, self.holders)
 
     def _publish(self) -> None:
         self.index.apply([to_wire(event, self._infos) for event in self.kv.take_events()])

@@ -11,6 +11,7 @@ gets `decode_step_s` per token), so ITL is that step plus a pull spread over the
 
 from __future__ import annotations
 
+import gc
 import heapq
 import statistics
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hybridpd.bench import mooncake
+from hybridpd.proxy.block_holders import BlockHolders
 from hybridpd.proxy.cache_aware import choose
 from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import PromptHashes
@@ -46,10 +48,11 @@ class ClusterShape:
 class _Role:
     """The nodes of one role, their router, and the calls it counts as in flight (closed as the clock passes)."""
 
-    def __init__(self, role: Role, count: int, layout: NodeLayout, policy: RoutingPolicy, first_port: int) -> None:
+    def __init__(self, role: Role, count: int, layout: NodeLayout, policy: RoutingPolicy, first_port: int,
+                 holders: BlockHolders) -> None:
         self.role = role
         self.upstreams = tuple(Upstream(role=role, host="sim", port=first_port + i) for i in range(count))
-        self.nodes = {u: SimNode(f"{role.value}-{i}", layout) for i, u in enumerate(self.upstreams)}
+        self.nodes = {u: SimNode(f"{role.value}-{i}", layout, holders) for i, u in enumerate(self.upstreams)}
         self.router = Router(self.upstreams, policy)
         self._calls: list[tuple[float, int, Any]] = []
         self._order = 0
@@ -62,12 +65,20 @@ class _Role:
             call.__exit__(None, None, None)
 
     def pick(self, prompt: PromptHashes, rule: CostRule) -> Upstream:
+        # The collector waits while a decision is timed: its passes here walk the simulated nodes' block objects,
+        # which a proxy's heap does not hold (its indexes are sets of bytes, which the collector does not track).
+        collecting = gc.isenabled()
+        gc.disable()
         start = time.perf_counter()
-        if self.router.policy is RoutingPolicy.CACHE_AWARE:
-            upstream = choose(self.router, self.role, prompt, lambda u: self.nodes[u].index, rule).upstream
-        else:
-            upstream = self.router.pick()
-        self.deciding_s += time.perf_counter() - start
+        try:
+            if self.router.policy is RoutingPolicy.CACHE_AWARE:
+                upstream = choose(self.router, self.role, prompt, lambda u: self.nodes[u].index, rule).upstream
+            else:
+                upstream = self.router.pick()
+        finally:
+            self.deciding_s += time.perf_counter() - start
+            if collecting:
+                gc.enable()
         self.decisions += 1
         return upstream
 
@@ -101,11 +112,12 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
              rule: CostRule = CostRule(), seed: int = 0) -> dict[str, Any]:
     rng = np.random.Generator(np.random.PCG64(seed))
     offsets = mooncake.arrival_offsets(records, trace)
+    holders = BlockHolders()   # the simulated proxy's, shared by its indexes of every node
     if shape.colocated:
-        roles = [_Role(Role.DECODE, shape.colocated, layout, policy, 1)]
+        roles = [_Role(Role.DECODE, shape.colocated, layout, policy, 1, holders)]
     else:
-        roles = [_Role(Role.PREFILL, shape.prefill, layout, policy, 1), _Role(Role.DECODE, shape.decode, layout,
-                                                                               policy, 1001)]
+        roles = [_Role(Role.PREFILL, shape.prefill, layout, policy, 1, holders),
+                 _Role(Role.DECODE, shape.decode, layout, policy, 1001, holders)]
     prompt_total = output_total = 0
     prefill_hits = decode_hits = 0
     ttfts, itls, finishes = [], [], []
