@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", type=int, default=0, help="colocated nodes instead of prefill and decode")
     parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy], default="round_robin")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20, help="per node (512MiB, 2GiB)")
+    parser.add_argument("--kv-offload-size", type=parse_size, default=None,
+                        help="a storage tier of this size (one directory every node shares, as --kv-offload-dir on "
+                             "a shared volume); default: none")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         layout = NodeLayout.of(model_dir, args.kv_cache_memory, args.block_size, args.max_num_seqs,
                                args.max_model_len)
         vocab = read_model_config(model_dir)[0].vocab_size
-        result = simulate(records, trace, layout, shape, RoutingPolicy(args.routing), clock, vocab, CostRule())
+        result = simulate(records, trace, layout, shape, RoutingPolicy(args.routing), clock, vocab, CostRule(),
+                          offload_bytes=args.kv_offload_size)
     except (ValueError, TypeError, OSError, SimulationError) as exc:
         print(f"hybridpd replay: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,8 @@ from hybridpd.proxy.cache_aware import choose
 from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.routing import Router
-from hybridpd.replay.node import NodeLayout, SimNode
+from hybridpd.replay.node import NodeLayout, Served, SimNode
+from hybridpd.replay.storage import SimStorage
 from hybridpd.replay.time_model import TimeModel
 
 
@@ -49,10 +50,10 @@ class _Role:
     """The nodes of one role, their router, and the calls it counts as in flight (closed as the clock passes)."""
 
     def __init__(self, role: Role, count: int, layout: NodeLayout, policy: RoutingPolicy, first_port: int,
-                 holders: BlockHolders) -> None:
+                 holders: BlockHolders, storage: SimStorage | None) -> None:
         self.role = role
         self.upstreams = tuple(Upstream(role=role, host="sim", port=first_port + i) for i in range(count))
-        self.nodes = {u: SimNode(f"{role.value}-{i}", layout, holders) for i, u in enumerate(self.upstreams)}
+        self.nodes = {u: SimNode(f"{role.value}-{i}", layout, holders, storage) for i, u in enumerate(self.upstreams)}
         self.router = Router(self.upstreams, policy)
         self._calls: list[tuple[float, int, Any]] = []
         self._order = 0
@@ -107,19 +108,37 @@ def _index_bytes_per_block(roles: Sequence[_Role]) -> float | None:
     return size / len(copy)
 
 
+def _count(hits: dict[str, int], served: Served) -> None:
+    hits["memory"] += served.memory_tokens
+    hits["storage"] += served.storage_tokens
+
+
+def _storage_seen(storage: SimStorage | None, nodes: Sequence[SimNode]) -> None:
+    """Every node announces what the shared directory came to hold or lost (its scan's DISK KV events)."""
+    changes = storage.take_changes() if storage is not None else []
+    if changes:
+        for node in nodes:
+            node.see_storage(changes)
+
+
 def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice, layout: NodeLayout,
              shape: ClusterShape, policy: RoutingPolicy, clock: TimeModel, vocab_size: int,
-             rule: CostRule = CostRule(), seed: int = 0) -> dict[str, Any]:
+             rule: CostRule = CostRule(), seed: int = 0, offload_bytes: int | None = None) -> dict[str, Any]:
+    """`offload_bytes`: the storage tier's capacity (`--kv-offload-size`), one directory every node shares."""
     rng = np.random.Generator(np.random.PCG64(seed))
     offsets = mooncake.arrival_offsets(records, trace)
     holders = BlockHolders()   # the simulated proxy's, shared by its indexes of every node
+    storage = (SimStorage([g.spec.page_size_bytes for g in layout.groups], offload_bytes)
+               if offload_bytes is not None else None)
     if shape.colocated:
-        roles = [_Role(Role.DECODE, shape.colocated, layout, policy, 1, holders)]
+        roles = [_Role(Role.DECODE, shape.colocated, layout, policy, 1, holders, storage)]
     else:
-        roles = [_Role(Role.PREFILL, shape.prefill, layout, policy, 1, holders),
-                 _Role(Role.DECODE, shape.decode, layout, policy, 1001, holders)]
+        roles = [_Role(Role.PREFILL, shape.prefill, layout, policy, 1, holders, storage),
+                 _Role(Role.DECODE, shape.decode, layout, policy, 1001, holders, storage)]
+    nodes = [node for role in roles for node in role.nodes.values()]
     prompt_total = output_total = 0
-    prefill_hits = decode_hits = 0
+    prefill = {"memory": 0, "storage": 0}
+    decode = {"memory": 0, "storage": 0}
     ttfts, itls, finishes = [], [], []
     for i, (record, arrival) in enumerate(zip(records, offsets)):
         prompt = list(mooncake.prompt_tokens(record, trace.tokens_per_hash, vocab_size, rng))
@@ -132,30 +151,29 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         first = roles[0]
         upstream = first.pick(hashes, rule)
         node = first.nodes[upstream]
-        if shape.colocated:
-            hit = node.colocated(rid, prompt, outputs)
-            decode_hits += hit
-            pulled = 0
-        else:
-            hit = node.prefill(rid, prompt)
+        served = node.colocated(rid, prompt, outputs) if shape.colocated else node.prefill(rid, prompt)
+        _count(decode if shape.colocated else prefill, served)
+        _storage_seen(storage, nodes)
         start = max(arrival, node.busy_until)
-        prefilled = start + clock.prefill_s(len(prompt) - hit)
+        computed = len(prompt) - served.cached_tokens
+        prefilled = start + clock.prefill_s(computed) + clock.storage_s(served.read_bytes)
         node.busy_until = prefilled
-        first.in_flight_until(upstream, len(prompt) - hit, prefilled)
-        prefill_hits += hit
+        first.in_flight_until(upstream, computed, prefilled)
+        fetch_s = 0.0
         if not shape.colocated:
             decode_role = roles[1]
             decode_role.advance(prefilled)
             d_upstream = decode_role.pick(hashes, rule)
-            d_hit, pulled = decode_role.nodes[d_upstream].decode(rid, prompt, outputs)
-            decode_hits += d_hit
-        pull_s = clock.pull_s(pulled)
-        done = prefilled + pull_s + clock.decode_step_s * (n_out - 1)
+            pulled = decode_role.nodes[d_upstream].decode(rid, prompt, outputs, served.cached_tokens)
+            _count(decode, pulled)
+            _storage_seen(storage, nodes)
+            fetch_s = clock.pull_s(pulled.pulled_bytes) + clock.storage_s(pulled.read_bytes)
+        done = prefilled + fetch_s + clock.decode_step_s * (n_out - 1)
         if not shape.colocated:
             decode_role.in_flight_until(d_upstream, 0, done)
         ttfts.append(prefilled - arrival)
         if n_out > 1:
-            itls.append(clock.decode_step_s + pull_s / (n_out - 1))
+            itls.append(clock.decode_step_s + fetch_s / (n_out - 1))
         finishes.append(done)
         prompt_total += len(prompt)
         output_total += n_out
@@ -166,8 +184,13 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
     return {
         "requests": len(records), "prompt_tokens": prompt_total, "output_tokens": output_total,
         "ideal_hit_rate": hits / total if total else None,
-        "prefill_hit_rate": None if shape.colocated else prefill_hits / prompt_total,
-        "decode_hit_rate": decode_hits / prompt_total,
+        "prefill_hit_rate": None if shape.colocated else sum(prefill.values()) / prompt_total,
+        "decode_hit_rate": sum(decode.values()) / prompt_total,
+        "prefill_storage_hit_rate": None if shape.colocated or storage is None else prefill["storage"] / prompt_total,
+        "decode_storage_hit_rate": None if storage is None else decode["storage"] / prompt_total,
+        "storage": None if storage is None else {
+            "capacity_bytes": storage.capacity, "used_bytes": storage.used, "blocks_written": storage.blocks_written,
+            "blocks_read": storage.blocks_read, "blocks_evicted": storage.blocks_evicted},
         "mean_ttft_s": statistics.mean(ttfts), "p90_ttft_s": _percentile(ttfts, 0.9),
         "mean_itl_s": statistics.mean(itls) if itls else None,
         "output_throughput": output_total / span if span > 0 else None,

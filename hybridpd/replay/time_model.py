@@ -2,10 +2,12 @@
 
 A prefill costs `prefill_s_per_token` per prompt token computed plus `step_s` per request; a decode step costs
 `decode_step_s` (a step's sequences share it: the simulator gives each request that step time per output token, as
-continuous batching does while a node is not saturated); a pull costs `pull_s_per_byte` per byte of KV read.
-`calibrate` measures the first three on this machine with the real engine on the checkpoint, one thread, warmed up,
-and the pull as a memory copy of 256 MiB (the transport's own peak on one host: benchmarks/transfer.py reads at
-about that speed).
+continuous batching does while a node is not saturated); a pull costs `pull_s_per_byte` per byte of KV read, and a
+read from the storage tier `storage_s_per_byte` per byte (by default what benchmarks/offload_io.py measures of the
+tier's loader on the small preset's block files here, ~80 MB/s; it depends on the disk and the page size: give
+yours in the JSON). `calibrate` measures the first three on this machine with the real engine on the checkpoint,
+one thread, warmed up, and the pull as a memory copy of 256 MiB (the transport's own peak on one host:
+benchmarks/transfer.py reads at about that speed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ DEFAULT_PREFILL_S_PER_TOKEN = 1.0e-3
 DEFAULT_STEP_S = 5.0e-3
 DEFAULT_DECODE_STEP_S = 1.0e-2
 DEFAULT_PULL_S_PER_BYTE = 1.0 / 4e9
+DEFAULT_STORAGE_S_PER_BYTE = 1.0 / 8e7   # benchmarks/offload_io.py: ~80 MB/s of the small preset's block files
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +29,7 @@ class TimeModel:
     step_s: float = DEFAULT_STEP_S
     decode_step_s: float = DEFAULT_DECODE_STEP_S
     pull_s_per_byte: float = DEFAULT_PULL_S_PER_BYTE
+    storage_s_per_byte: float = DEFAULT_STORAGE_S_PER_BYTE
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -37,6 +41,9 @@ class TimeModel:
 
     def pull_s(self, num_bytes: int) -> float:
         return self.pull_s_per_byte * num_bytes
+
+    def storage_s(self, num_bytes: int) -> float:
+        return self.storage_s_per_byte * num_bytes
 
     def as_json(self) -> dict[str, float]:
         return asdict(self)

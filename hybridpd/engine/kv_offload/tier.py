@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -62,7 +63,7 @@ class OffloadTier:
         # Page bytes in the queue: the engine thread adds, the writer subtracts, both under the lock (a `-=` lost
         # to a thread switch would shrink the budget for good).
         self._queued = 0
-        self._queued_lock = threading.Lock()
+        self._queued_lock = threading.Condition()   # notified as the writer takes bytes off
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
         self._pending = 0
@@ -136,6 +137,17 @@ class OffloadTier:
             if not self._finished:
                 self._pending_lock.wait(timeout)
 
+    def wait_written(self, timeout: float) -> bool:
+        """Wait up to `timeout` until every write queued so far has reached the disk (or failed); True if so."""
+        deadline = time.monotonic() + timeout
+        with self._queued_lock:
+            while self._queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queued_lock.wait(left)
+        return True
+
     def close(self, flush_s: float = 5.0) -> None:
         """Stop the threads; queued writes get up to `flush_s` to reach the disk."""
         self._writes.put(None)
@@ -173,6 +185,7 @@ class OffloadTier:
                     log.warning("kv offload: write dropped (%s)", exc)
             with self._queued_lock:
                 self._queued -= rows.nbytes
+                self._queued_lock.notify_all()
 
     def _load_loop(self) -> None:
         while True:

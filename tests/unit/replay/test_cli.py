@@ -43,6 +43,20 @@ def test_a_run_prints_its_figures(tiny, trace, shape, routing, capsys):
     assert result["mean_ttft_s"] > 0 and result["routing_decisions_per_s"] > 0
 
 
+@pytest.mark.parametrize("shape", [["--prefill", "1", "--decode", "2"], ["--colocated", "2"]])
+def test_a_storage_tier_serves_what_memory_lost(tiny, trace, shape, capsys):
+    def run(*extra: str) -> dict:
+        assert main(["replay", str(trace), "--model", str(tiny), "--kv-cache-memory", "1MiB", "--max-model-len",
+                     "512", "--max-num-seqs", "1", "--trace-tokens-per-hash", "64", *shape, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    without, tiered = run(), run("--kv-offload-size", "1GiB")
+    assert without["storage"] is None and without["decode_storage_hit_rate"] is None
+    assert tiered["storage"]["blocks_written"] > 0 and tiered["storage"]["blocks_evicted"] == 0
+    assert tiered["decode_storage_hit_rate"] > 0
+    assert without["decode_hit_rate"] < tiered["decode_hit_rate"] <= tiered["ideal_hit_rate"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--colocated", "2", "--prefill", "1"], "--colocated and --prefill/--decode exclude each other"),
     (["--prefill", "1"], "give --prefill and --decode"),
@@ -58,3 +72,9 @@ def test_a_bad_trace_line_is_named(tiny, tmp_path, capsys):
     path.write_text(json.dumps(TRACE[0]) + "\n{not json\n")
     assert main(["replay", str(path), "--model", str(tiny), "--colocated", "1"]) == 2
     assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_a_storage_tier_of_no_size_is_refused(tiny, trace, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", str(trace), "--model", str(tiny), "--colocated", "1", "--kv-offload-size", "0"])
+    assert exit_.value.code == 2 and "--kv-offload-size: not a positive size" in capsys.readouterr().err
