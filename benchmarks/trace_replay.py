@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,9 @@ def tier_counters(metrics_urls: list[str]) -> dict[str, float]:
 
 
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
-              offload_root: Path, restart_at: float | None = None) -> dict[str, Any]:
+              offload_root: Path, restart_at: float | None = None,
+              probe: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """`probe`: called with the proxy's URL on the idle cluster before the replay; what it returns is kept."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
     spec = ClusterSpec(
@@ -133,6 +136,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
             crasher = threading.Thread(target=crash_and_restart, args=(cluster, info, restart_at, time.monotonic(),
                                                                         back, replayed), daemon=True)
             crasher.start()
+        probed = probe(info.proxy_url) if probe is not None else None
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         counters = tier_counters([n.metrics_url for n in (*info.prefill, *info.decode)]) if tier else {}
         replayed.set()
@@ -147,7 +151,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
     return {
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
-        "token_ids": [r["token_ids"] for r in results], "tier": counters,
+        "token_ids": [r["token_ids"] for r in results], "tier": counters, "probe": probed,
     }
 
 

@@ -108,6 +108,22 @@ def _index_bytes_per_block(roles: Sequence[_Role]) -> float | None:
     return size / len(copy)
 
 
+class _Cores:
+    """The CPU cores a cluster's nodes share (`TimeModel.cores`; 0: one per node, never waited for): a prefill runs
+    on the core that frees first and holds it until it is done."""
+
+    def __init__(self, count: int) -> None:
+        self._free_at = [0.0] * count   # a heap of the times each core is free again
+
+    def run(self, ready: float, seconds: float) -> float:
+        """A prefill of `seconds`, ready at `ready`: when it ends."""
+        if not self._free_at:
+            return ready + seconds
+        end = max(ready, heapq.heappop(self._free_at)) + seconds
+        heapq.heappush(self._free_at, end)
+        return end
+
+
 def _count(hits: dict[str, int], served: Served) -> None:
     hits["memory"] += served.memory_tokens
     hits["storage"] += served.storage_tokens
@@ -136,6 +152,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         roles = [_Role(Role.PREFILL, shape.prefill, layout, policy, 1, holders, storage),
                  _Role(Role.DECODE, shape.decode, layout, policy, 1001, holders, storage)]
     nodes = [node for role in roles for node in role.nodes.values()]
+    cores = _Cores(clock.cores)
     prompt_total = output_total = 0
     prefill = {"memory": 0, "storage": 0}
     decode = {"memory": 0, "storage": 0}
@@ -154,9 +171,9 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         served = node.colocated(rid, prompt, outputs) if shape.colocated else node.prefill(rid, prompt)
         _count(decode if shape.colocated else prefill, served)
         _storage_seen(storage, nodes)
-        start = max(arrival, node.busy_until)
         computed = len(prompt) - served.cached_tokens
-        prefilled = start + clock.prefill_s(computed) + clock.storage_s(served.read_bytes)
+        prefilled = cores.run(max(arrival + clock.request_s, node.busy_until),
+                              clock.prefill_s(computed) + clock.storage_s(served.read_bytes))
         node.busy_until = prefilled
         first.in_flight_until(upstream, computed, prefilled)
         fetch_s = 0.0

@@ -7,7 +7,10 @@ read from the storage tier `storage_s_per_byte` per byte (by default what benchm
 tier's loader on the small preset's block files here, ~80 MB/s; it depends on the disk and the page size: give
 yours in the JSON). `calibrate` measures the first three on this machine with the real engine on the checkpoint,
 one thread, warmed up, and the pull as a memory copy of 256 MiB (the transport's own peak on one host:
-benchmarks/transfer.py reads at about that speed).
+benchmarks/transfer.py reads at about that speed). Two terms describe the cluster rather than the model: `request_s`,
+what a request pays outside the engine (the proxy's and the nodes' HTTP hops), and `cores`, the CPU cores all nodes
+share (nodes of one host: a prefill waits for a free core as well as for its node; 0, the default, gives every node
+its own). benchmarks/replay_vs_live.py measures both against a live cluster.
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ class TimeModel:
     decode_step_s: float = DEFAULT_DECODE_STEP_S
     pull_s_per_byte: float = DEFAULT_PULL_S_PER_BYTE
     storage_s_per_byte: float = DEFAULT_STORAGE_S_PER_BYTE
+    request_s: float = 0.0   # per request, outside the engine: the HTTP hops through the proxy and node fronts
+    cores: int = 0           # CPU cores the whole cluster shares (a prefill takes one); 0: one per node
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if not isinstance(self.cores, int):
+            raise ValueError(f"cores must be a whole number, got {self.cores!r}")
 
     def prefill_s(self, computed_tokens: int) -> float:
         return self.step_s + self.prefill_s_per_token * computed_tokens

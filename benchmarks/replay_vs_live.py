@@ -1,0 +1,125 @@
+"""The cluster simulator against the live cluster: the same trace slice, per routing policy, side by side, one run.
+
+Live: `trace_replay.py`'s replay (a fresh 2 prefill + 2 decode `LocalCluster` per policy on the default preset, the
+slice sent at its arrival times through the proxy, streamed, greedy; decode-side hit rate from the decode nodes'
+cached tokens, TTFT at the client). Simulated: `hybridpd replay`'s `simulate` on the same records, the same node
+memory and max length, the same policy, under a clock measured in this run: the model's step costs (`calibrate`,
+the real engine here, one thread), the cores the nodes share (this machine's), and what a request pays outside the
+engine (the proxy's and nodes' HTTP hops: the median TTFT of a 16-token request on the idle live cluster, less the
+clock's prefill of it). `--offload` adds the storage tier to both (a fresh shared directory live, `--kv-offload-size`
+simulated).
+
+Last line: JSON per policy with live and simulated decode-side hit rate and mean TTFT and their relative errors
+(goals: hit rate within +-10%, mean TTFT within +-25%), the clock, the slice, the CPU model and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from hybridpd.bench import mooncake
+from hybridpd.engine.model.loader import read_model_config
+from hybridpd.presets.checkpoints import default_model_dir
+from hybridpd.proxy.config import CostRule, RoutingPolicy
+from hybridpd.replay.node import NodeLayout
+from hybridpd.replay.simulator import ClusterShape, simulate
+from hybridpd.replay.time_model import TimeModel, calibrate
+from hybridpd.server.args import parse_size
+from routing import one_request       # benchmarks/routing.py: one streamed greedy completion
+from trace_replay import TRACE, cpu_model, run_setup
+
+PROBE_TOKENS = 16
+
+
+def probe_request_s(url: str, repeats: int = 7) -> list[float]:
+    """TTFTs of a 16-token request on the idle cluster (distinct prompts: no hit)."""
+    async def run() -> list[float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return [(await one_request(session, url, [1 + k] * PROBE_TOKENS, 1))["ttft"] for k in range(repeats)]
+    return asyncio.run(run())
+
+
+def relative_error(simulated: float, live: float) -> float | None:
+    return (simulated - live) / live if live else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--tokens-per-hash", type=int, default=16)
+    parser.add_argument("--trace-start", type=float, default=0.0)
+    parser.add_argument("--trace-duration", type=float, default=300.0)
+    parser.add_argument("--max-requests", type=int, default=400)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--kv-cache-memory", default="48MiB")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"],
+                        choices=["round_robin", "cache_aware"])
+    parser.add_argument("--offload", action="store_true", help="the storage tier on both sides (4GiB)")
+    args = parser.parse_args()
+    args.preset, args.rounds = "small", 1   # what trace_replay.run_setup reads
+
+    model = default_model_dir(args.preset)
+    trace = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, time_scale=args.time_scale,
+                                start_s=args.trace_start, duration_s=args.trace_duration,
+                                max_requests=args.max_requests, max_output_len=args.max_tokens)
+    records = [r for r in mooncake.select(mooncake.read_trace(args.trace), trace)
+               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
+    vocab = read_model_config(model)[0].vocab_size
+    rng = np.random.Generator(np.random.PCG64(0))
+    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
+    offsets = mooncake.arrival_offsets(records, trace)
+    print(f"replay_vs_live: {len(records)} requests over {offsets[-1]:.0f} s; calibrating the clock ...", file=sys.stderr,
+          flush=True)
+    measured = calibrate(model)
+    memory = parse_size(args.kv_cache_memory)
+    layout = NodeLayout.of(model, memory, 16, 32, args.max_model_len)
+
+    out: dict[str, Any] = {}
+    for policy in args.policies:
+        setup = "tier" if args.offload else policy
+        if args.offload and policy == "round_robin":
+            parser.error("--offload compares cache_aware with the tier: give --policies cache_aware")
+        print(f"replay_vs_live: {policy} live ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=probe_request_s)
+        request_s = max(0.0, statistics.median(live["probe"]) - measured.prefill_s(PROBE_TOKENS))
+        clock = TimeModel(**(measured.as_json() | {"request_s": request_s, "cores": os.cpu_count() or 1}))
+        sim = simulate(records, trace, layout, ClusterShape(prefill=2, decode=2), RoutingPolicy(policy), clock, vocab,
+                       CostRule(), offload_bytes=(4 << 30) if args.offload else None)
+        live_ttft, sim_ttft = live["mean_ttft_ms"], sim["mean_ttft_s"] * 1e3
+        out[setup] = {
+            "live_decode_hit_rate": live["decode_hit_rate"], "simulated_decode_hit_rate": sim["decode_hit_rate"],
+            "hit_rate_error": relative_error(sim["decode_hit_rate"], live["decode_hit_rate"]),
+            "live_mean_ttft_ms": live_ttft, "simulated_mean_ttft_ms": sim_ttft,
+            "mean_ttft_error": relative_error(sim_ttft, live_ttft),
+            "live_p90_ttft_ms": live["p90_ttft_ms"], "simulated_p90_ttft_ms": sim["p90_ttft_s"] * 1e3,
+            "clock": clock.as_json(),
+        }
+    print(json.dumps({**out, "goals": {"hit_rate_error": "within +-0.10", "mean_ttft_error": "within +-0.25"},
+                      "requests": len(records), "ideal_hit_rate": ideal_hit_rate(records, args.tokens_per_hash),
+                      "slice": {k: v for k, v in vars(args).items() if k != "trace"} | {"trace": str(args.trace)},
+                      "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}))
+    return 0
+
+
+def ideal_hit_rate(records: list[mooncake.TraceRecord], tokens_per_hash: int) -> float:
+    hits, total = mooncake.ideal_hit_tokens(records, tokens_per_hash)
+    return hits / total if total else 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
