@@ -4,9 +4,10 @@ Live: `trace_replay.py`'s replay (a fresh 2 prefill + 2 decode `LocalCluster` pe
 slice sent at its arrival times through the proxy, streamed, greedy; decode-side hit rate from the decode nodes'
 cached tokens, TTFT at the client). Simulated: `hybridpd replay`'s `simulate` on the same records, the same node
 memory and max length, the same policy, under a clock measured in this run: the model's step costs (`calibrate`,
-the real engine here, one thread), the cores the nodes share (this machine's), and what a request pays outside the
+the real engine here, one thread), the cores the nodes share (this machine's), what a request waits outside the
 engine (the proxy's and nodes' HTTP hops: the median TTFT of a 16-token request on the idle live cluster, less the
-clock's prefill of it). `--offload` adds the storage tier to both (a fresh shared directory live, `--kv-offload-size`
+clock's prefill of it), and the CPU it costs there (the CPU seconds the cluster's processes and this client used
+over the replay, less what the clock charges the engines for, per request). `--offload` adds the storage tier to both (a fresh shared directory live, `--kv-offload-size`
 simulated).
 
 Last line: JSON per policy with live and simulated decode-side hit rate and mean TTFT and their relative errors
@@ -43,12 +44,38 @@ from trace_replay import TRACE, cpu_model, run_setup
 PROBE_TOKENS = 16
 
 
-def probe_request_s(url: str, repeats: int = 7) -> list[float]:
+def idle_ttfts(url: str, repeats: int = 7) -> list[float]:
     """TTFTs of a 16-token request on the idle cluster (distinct prompts: no hit)."""
     async def run() -> list[float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             return [(await one_request(session, url, [1 + k] * PROBE_TOKENS, 1))["ttft"] for k in range(repeats)]
     return asyncio.run(run())
+
+
+def sessions_cpu_s(sessions: set[int]) -> float:
+    """CPU seconds (user + system) used so far by the live processes of these sessions (a node's front and engine
+    process, the proxy: each child of the cluster leads a session of its own)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) in sessions:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def probe(info: Any):
+    """On the idle cluster: the TTFTs of a short request; then the CPU the cluster and this client use over the
+    replay."""
+    ttfts = idle_ttfts(info.proxy_url)
+    sessions = {node.pid for node in info.nodes} | {info.proxy_pid}
+    cluster, client = sessions_cpu_s(sessions), time.process_time()
+
+    def after() -> dict[str, Any]:
+        return {"idle_ttfts": ttfts, "cpu_s": sessions_cpu_s(sessions) - cluster + time.process_time() - client}
+    return after
 
 
 def relative_error(simulated: float, live: float) -> float | None:
@@ -95,11 +122,19 @@ def main() -> int:
             parser.error("--offload compares cache_aware with the tier: give --policies cache_aware")
         print(f"replay_vs_live: {policy} live ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=probe_request_s)
-        request_s = max(0.0, statistics.median(live["probe"]) - measured.prefill_s(PROBE_TOKENS))
+            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=probe)
+        request_s = max(0.0, statistics.median(live["probe"]["idle_ttfts"]) - measured.prefill_s(PROBE_TOKENS))
         clock = TimeModel(**(measured.as_json() | {"request_s": request_s, "cores": os.cpu_count() or 1}))
-        sim = simulate(records, trace, layout, ClusterShape(prefill=2, decode=2), RoutingPolicy(policy), clock, vocab,
-                       CostRule(), offload_bytes=(4 << 30) if args.offload else None)
+
+        def run_sim(clock: TimeModel) -> dict[str, Any]:
+            return simulate(records, trace, layout, ClusterShape(prefill=2, decode=2), RoutingPolicy(policy), clock,
+                            vocab, CostRule(), offload_bytes=(4 << 30) if args.offload else None)
+
+        # What the cluster's CPU did beyond the engines' work the clock charges: per request, on the shared cores.
+        engine_cpu_s = run_sim(clock)["engine_cpu_s"]
+        request_cpu_s = max(0.0, live["probe"]["cpu_s"] - engine_cpu_s) / len(records)
+        clock = TimeModel(**(clock.as_json() | {"request_cpu_s": request_cpu_s}))
+        sim = run_sim(clock)
         live_ttft, sim_ttft = live["mean_ttft_ms"], sim["mean_ttft_s"] * 1e3
         out[setup] = {
             "live_decode_hit_rate": live["decode_hit_rate"], "simulated_decode_hit_rate": sim["decode_hit_rate"],
@@ -107,7 +142,7 @@ def main() -> int:
             "live_mean_ttft_ms": live_ttft, "simulated_mean_ttft_ms": sim_ttft,
             "mean_ttft_error": relative_error(sim_ttft, live_ttft),
             "live_p90_ttft_ms": live["p90_ttft_ms"], "simulated_p90_ttft_ms": sim["p90_ttft_s"] * 1e3,
-            "clock": clock.as_json(),
+            "clock": clock.as_json(), "live_cpu_s": live["probe"]["cpu_s"], "engine_cpu_s": engine_cpu_s,
         }
     print(json.dumps({**out, "goals": {"hit_rate_error": "within +-0.10", "mean_ttft_error": "within +-0.25"},
                       "requests": len(records), "ideal_hit_rate": ideal_hit_rate(records, args.tokens_per_hash),

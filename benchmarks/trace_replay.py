@@ -117,8 +117,9 @@ def tier_counters(metrics_urls: list[str]) -> dict[str, float]:
 
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
               offload_root: Path, restart_at: float | None = None,
-              probe: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """`probe`: called with the proxy's URL on the idle cluster before the replay; what it returns is kept."""
+              probe: Callable[[Any], Callable[[], Any]] | None = None) -> dict[str, Any]:
+    """`probe`: called with the cluster's info while it is idle, before the replay; what the function it returns
+    gives after the replay is kept."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
     spec = ClusterSpec(
@@ -136,8 +137,9 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
             crasher = threading.Thread(target=crash_and_restart, args=(cluster, info, restart_at, time.monotonic(),
                                                                         back, replayed), daemon=True)
             crasher.start()
-        probed = probe(info.proxy_url) if probe is not None else None
+        after = probe(info) if probe is not None else None
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
+        probed = after() if after is not None else None
         counters = tier_counters([n.metrics_url for n in (*info.prefill, *info.decode)]) if tier else {}
         replayed.set()
     if restart_at is not None:

@@ -58,6 +58,14 @@ class Upstream:
     def __hash__(self) -> int:
         return self._hash
 
+    def __getstate__(self) -> dict[str, object]:   # a string's hash is per process: never carry one across
+        return {"role": self.role, "host": self.host, "port": self.port}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_hash", hash((self.role, self.host, self.port)))
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"

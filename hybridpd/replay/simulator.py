@@ -109,19 +109,36 @@ def _index_bytes_per_block(roles: Sequence[_Role]) -> float | None:
 
 
 class _Cores:
-    """The CPU cores a cluster's nodes share (`TimeModel.cores`; 0: one per node, never waited for): a prefill runs
-    on the core that frees first and holds it until it is done."""
+    """The CPU cores a cluster's nodes share (`TimeModel.cores`; 0: one per node, never waited for). A prefill runs
+    on the core where it can start first and holds it until it is done; so does each request's decoding, for its
+    decode steps counted one by one, and at its arrival the CPU it costs outside the engines (`request_cpu_s`). Work
+    fills the first gap long enough on a core, so work placed for later leaves the core free before it."""
 
     def __init__(self, count: int) -> None:
-        self._free_at = [0.0] * count   # a heap of the times each core is free again
+        self._busy: list[list[tuple[float, float]]] = [[] for _ in range(count)]   # per core: (start, end), sorted
+
+    def forget_before(self, now: float) -> None:
+        """Nothing placed from here on is ready before `now` (requests come in arrival order)."""
+        for intervals in self._busy:
+            while intervals and intervals[0][1] <= now:
+                intervals.pop(0)
 
     def run(self, ready: float, seconds: float) -> float:
-        """A prefill of `seconds`, ready at `ready`: when it ends."""
-        if not self._free_at:
+        """Work of `seconds`, ready at `ready`: when it ends."""
+        if not self._busy or seconds <= 0:
             return ready + seconds
-        end = max(ready, heapq.heappop(self._free_at)) + seconds
-        heapq.heappush(self._free_at, end)
-        return end
+        best, best_start, best_at = 0, float("inf"), 0
+        for core, intervals in enumerate(self._busy):
+            start, at = ready, len(intervals)
+            for k, (begin, end) in enumerate(intervals):
+                if start + seconds <= begin:
+                    at = k
+                    break
+                start = max(start, end)
+            if start < best_start:
+                best, best_start, best_at = core, start, at
+        self._busy[best].insert(best_at, (best_start, best_start + seconds))
+        return best_start + seconds
 
 
 def _count(hits: dict[str, int], served: Served) -> None:
@@ -153,6 +170,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
                  _Role(Role.DECODE, shape.decode, layout, policy, 1001, holders, storage)]
     nodes = [node for role in roles for node in role.nodes.values()]
     cores = _Cores(clock.cores)
+    engine_cpu_s = 0.0   # the engines' work the clock charged (prefills, reads, decode steps)
     prompt_total = output_total = 0
     prefill = {"memory": 0, "storage": 0}
     decode = {"memory": 0, "storage": 0}
@@ -165,6 +183,8 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         rid = f"r{i}"
         for role in roles:
             role.advance(arrival)
+        cores.forget_before(arrival)
+        cores.run(arrival, clock.request_cpu_s)
         first = roles[0]
         upstream = first.pick(hashes, rule)
         node = first.nodes[upstream]
@@ -172,8 +192,8 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         _count(decode if shape.colocated else prefill, served)
         _storage_seen(storage, nodes)
         computed = len(prompt) - served.cached_tokens
-        prefilled = cores.run(max(arrival + clock.request_s, node.busy_until),
-                              clock.prefill_s(computed) + clock.storage_s(served.read_bytes))
+        prefill_s = clock.prefill_s(computed) + clock.storage_s(served.read_bytes)
+        prefilled = cores.run(max(arrival + clock.request_s, node.busy_until), prefill_s)
         node.busy_until = prefilled
         first.in_flight_until(upstream, computed, prefilled)
         fetch_s = 0.0
@@ -186,6 +206,8 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
             _storage_seen(storage, nodes)
             fetch_s = clock.pull_s(pulled.pulled_bytes) + clock.storage_s(pulled.read_bytes)
         done = prefilled + fetch_s + clock.decode_step_s * (n_out - 1)
+        cores.run(prefilled + fetch_s, clock.decode_step_s * (n_out - 1))   # the decode node's CPU, shared
+        engine_cpu_s += prefill_s + clock.decode_step_s * (n_out - 1)
         if not shape.colocated:
             decode_role.in_flight_until(d_upstream, 0, done)
         ttfts.append(prefilled - arrival)
@@ -210,6 +232,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
             "blocks_read": storage.blocks_read, "blocks_evicted": storage.blocks_evicted},
         "mean_ttft_s": statistics.mean(ttfts), "p90_ttft_s": _percentile(ttfts, 0.9),
         "mean_itl_s": statistics.mean(itls) if itls else None,
+        "engine_cpu_s": engine_cpu_s,
         "output_throughput": output_total / span if span > 0 else None,
         "routing_decisions_per_s": decisions / deciding if deciding > 0 else None,
         "index_bytes_per_block": _index_bytes_per_block(roles),

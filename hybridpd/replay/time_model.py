@@ -7,10 +7,12 @@ read from the storage tier `storage_s_per_byte` per byte (by default what benchm
 tier's loader on the small preset's block files here, ~80 MB/s; it depends on the disk and the page size: give
 yours in the JSON). `calibrate` measures the first three on this machine with the real engine on the checkpoint,
 one thread, warmed up, and the pull as a memory copy of 256 MiB (the transport's own peak on one host:
-benchmarks/transfer.py reads at about that speed). Two terms describe the cluster rather than the model: `request_s`,
-what a request pays outside the engine (the proxy's and the nodes' HTTP hops), and `cores`, the CPU cores all nodes
-share (nodes of one host: a prefill waits for a free core as well as for its node; 0, the default, gives every node
-its own). benchmarks/replay_vs_live.py measures both against a live cluster.
+benchmarks/transfer.py reads at about that speed). Three terms describe the cluster rather than the model:
+`request_s`, what a request waits outside the engine (the proxy's and the nodes' HTTP hops), `cores`, the CPU cores
+all nodes share (nodes of one host: a prefill waits for a free core as well as for its node; 0, the default, gives
+every node its own), and `request_cpu_s`, the CPU a request takes on those cores outside the engine's steps (node
+fronts, the proxy, the transfers, a client on the same host). benchmarks/replay_vs_live.py measures all three on a
+live cluster.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class TimeModel:
     decode_step_s: float = DEFAULT_DECODE_STEP_S
     pull_s_per_byte: float = DEFAULT_PULL_S_PER_BYTE
     storage_s_per_byte: float = DEFAULT_STORAGE_S_PER_BYTE
-    request_s: float = 0.0   # per request, outside the engine: the HTTP hops through the proxy and node fronts
-    cores: int = 0           # CPU cores the whole cluster shares (a prefill takes one); 0: one per node
+    request_s: float = 0.0       # per request, outside the engine: the HTTP hops through the proxy and node fronts
+    request_cpu_s: float = 0.0   # per request, the CPU those hops (and the client) take on the shared cores
+    cores: int = 0               # CPU cores the whole cluster shares (a prefill takes one); 0: one per node
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

@@ -29,16 +29,21 @@ def _records(*spec: tuple[float, tuple[int, ...]]) -> list[mooncake.TraceRecord]
             for t, ids in spec]
 
 
-@pytest.mark.parametrize("records, cores, request_s, ttfts", [
+@pytest.mark.parametrize("records, cores, request_s, request_cpu_s, ttfts", [
     # two prompts of 128 tokens at once, a prefill node each: in parallel, unless one core is all the nodes have
-    (_records((0, (1, 2)), (0, (3, 4))), 0, 0.0, [0.128, 0.128]),
-    (_records((0, (1, 2)), (0, (3, 4))), 1, 0.0, [0.128, 0.256]),
-    (_records((0, (1, 2)), (0, (3, 4))), 2, 0.01, [0.138, 0.138]),
+    (_records((0, (1, 2)), (0, (3, 4))), 0, 0.0, 0.0, [0.128, 0.128]),
+    (_records((0, (1, 2)), (0, (3, 4))), 1, 0.0, 0.0, [0.128, 0.256]),
+    (_records((0, (1, 2)), (0, (3, 4))), 2, 0.01, 0.0, [0.138, 0.138]),
+    # each request's own CPU comes first on the one core: r1's [0, .05), its prefill [.05, .178), r2's [.178, .228),
+    # its prefill [.228, .356)
+    (_records((0, (1, 2)), (0, (3, 4))), 1, 0.0, 0.05, [0.178, 0.356]),
+    (_records((0, (1, 2)), (0, (3, 4))), 0, 0.0, 0.05, [0.128, 0.128]),   # no shared cores: nothing to wait for
     # the second arrives once the first is done: no wait, whatever the cores
-    (_records((0, (1, 2)), (500, (3, 4))), 1, 0.0, [0.128, 0.128]),
+    (_records((0, (1, 2)), (500, (3, 4))), 1, 0.0, 0.0, [0.128, 0.128]),
 ])
-def test_prefills_wait_for_their_node_and_a_shared_core(layout, records, cores, request_s, ttfts):
-    clock = TimeModel(prefill_s_per_token=PER_TOKEN, step_s=0.0, decode_step_s=0.0, request_s=request_s, cores=cores)
+def test_prefills_wait_for_their_node_and_a_shared_core(layout, records, cores, request_s, request_cpu_s, ttfts):
+    clock = TimeModel(prefill_s_per_token=PER_TOKEN, step_s=0.0, decode_step_s=0.0, request_s=request_s,
+                      request_cpu_s=request_cpu_s, cores=cores)
     result = simulate(records, SLICE, layout, ClusterShape(prefill=2, decode=1), RoutingPolicy.ROUND_ROBIN, clock, 256)
     assert result["prompt_tokens"] == 256
     assert result["mean_ttft_s"] == pytest.approx(sum(ttfts) / len(ttfts))
