@@ -24,6 +24,18 @@ from pathlib import Path
 from hybridpd.engine.kv_offload import block_file
 
 STALE_TEMP_S = 60.0
+SETTLE_S = 2.0           # a shard folder changed this recently is listed again at the next scan
+FULL_SCAN_EVERY = 12     # every 12th scan lists every folder (1 min at the tier's 5 s)
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """One shard folder as a scan listed it."""
+
+    mtime_ns: int
+    hashes: frozenset[bytes]
+    temporary: bool             # it held temporary files (they age without touching the folder's time)
+    settled: bool = False       # its time was older than SETTLE_S at the listing
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,8 @@ class OffloadStore:
         self._shards: set[str] = set()                              # shard folders known to exist
         self._lock = threading.Lock()
         self._used = 0   # bytes under the model's folder: the last scan's sum, plus writes, minus evictions
+        self._listings: dict[str, _Listing] = {}   # shard folder -> its last listing (scan lists only what moved)
+        self._scans = 0
         self.on_removed: Callable[[int, bytes], None] = lambda group, block_hash: None
 
     def path(self, group: int, block_hash: bytes) -> Path:
@@ -113,27 +127,55 @@ class OffloadStore:
         return payload
 
     def scan(self) -> tuple[set[bytes], ...]:
-        """Every group's block hashes on disk now (and the bytes they use, for the capacity)."""
+        """Every group's block hashes on disk now (and the bytes they use, for the capacity).
+
+        Only shard folders whose modification time moved since they were last listed are listed again (a file
+        added, renamed in or removed changes its folder's time), with three guards: a folder whose time is within
+        `SETTLE_S` of its listing is listed again next time (two changes inside the clock's tick look like one), a
+        folder holding temporary files is listed until they are gone (they age without touching it), and every
+        `FULL_SCAN_EVERY`-th scan lists everything (clocks of other hosts on a shared volume may be off). What a scan
+        misses is only a miss or a failed read, never wrong bytes: reads are checked."""
+        self._scans += 1
+        full = self._scans % FULL_SCAN_EVERY == 1
         present: list[set[bytes]] = []
         used = 0
         now = time.time()
         for group, d in enumerate(self._group_dirs):
             hashes: set[bytes] = set()
-            for entry in _files(d):
-                if entry.name.endswith(".tmp"):
-                    if now - _mtime(entry) > STALE_TEMP_S:
-                        self._remove(Path(entry.path))
-                    continue
-                try:
-                    hashes.add(bytes.fromhex(entry.name.removesuffix(".kv")))
-                except ValueError:
-                    continue
-                used += self.file_bytes(group)
+            for shard in _shards(d):
+                listing = self._listing(shard, now, full)
+                hashes |= listing.hashes
             present.append(hashes)
+            used += len(hashes) * self.file_bytes(group)
         with self._lock:
             self._used = used
         self._evict_over_capacity()
         return tuple(present)
+
+    def _listing(self, shard: os.DirEntry, now: float, full: bool) -> _Listing:
+        """What `shard` holds: its last listing if its time has not moved, else a new one."""
+        try:
+            mtime_ns = shard.stat().st_mtime_ns
+        except OSError:
+            return _Listing(-1, frozenset(), False)
+        known = self._listings.get(shard.path)
+        if not full and known is not None and known.mtime_ns == mtime_ns and known.settled and not known.temporary:
+            return known
+        hashes: set[bytes] = set()
+        temporary = False
+        for entry in _entries(shard.path):
+            if entry.name.endswith(".tmp"):
+                temporary = True
+                if now - _mtime(entry) > STALE_TEMP_S:
+                    self._remove(Path(entry.path))
+                continue
+            try:
+                hashes.add(bytes.fromhex(entry.name.removesuffix(".kv")))
+            except ValueError:
+                continue
+        listing = _Listing(mtime_ns, frozenset(hashes), temporary, settled=mtime_ns < (now - SETTLE_S) * 1e9)
+        self._listings[shard.path] = listing
+        return listing
 
     def _evict_over_capacity(self) -> None:
         with self._lock:
@@ -160,18 +202,23 @@ class OffloadStore:
             return False
 
 
-def _files(group_dir: Path) -> Iterator[os.DirEntry]:
+def _shards(group_dir: Path) -> list[os.DirEntry]:
     try:
-        shards = list(os.scandir(group_dir))
+        return [entry for entry in os.scandir(group_dir) if entry.is_dir()]
     except OSError:
-        return
-    for shard in shards:
-        if not shard.is_dir():
-            continue
-        try:
-            yield from os.scandir(shard.path)
-        except OSError:
-            continue
+        return []
+
+
+def _entries(shard: str) -> list[os.DirEntry]:
+    try:
+        return list(os.scandir(shard))
+    except OSError:
+        return []
+
+
+def _files(group_dir: Path) -> Iterator[os.DirEntry]:
+    for shard in _shards(group_dir):
+        yield from _entries(shard.path)
 
 
 def _mtime(entry: os.DirEntry) -> float:

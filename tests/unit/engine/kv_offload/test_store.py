@@ -121,3 +121,45 @@ def test_a_stale_temporary_file_is_removed_by_a_scan(tmp_path):
     os.utime(temp, (time.time() - 3600, time.time() - 3600))
     s.scan()
     assert not temp.exists()
+
+
+def _age_folder(path, seconds_ago: float) -> int:
+    """Set a shard folder's time back (as if nothing had changed in it for a while); its time in ns."""
+    stamp = time.time() - seconds_ago
+    os.utime(path, (stamp, stamp))
+    return os.stat(path).st_mtime_ns
+
+
+def _sneak_in(s: OffloadStore, i: int) -> bytes:
+    """A file that lands in block 1's shard without moving the folder's time (as a clock's tick can hide it)."""
+    h = bytes([1]) + bytes([i]) * 31                # the same first byte: the same shard as block(1)
+    folder = s.path(0, h).parent
+    stamp = os.stat(folder).st_mtime_ns
+    s.path(0, h).write_bytes(encoded(h, bytes(PAGE)))
+    os.utime(folder, ns=(stamp, stamp))
+    return h
+
+
+def test_a_scan_lists_again_only_the_folders_that_moved(tmp_path, monkeypatch):
+    monkeypatch.setattr("hybridpd.engine.kv_offload.store.FULL_SCAN_EVERY", 3)
+    s = store(tmp_path)
+    h, payload = block(1)
+    s.write(0, h, payload)
+    _age_folder(s.path(0, h).parent, 60)
+    assert s.scan()[0] == {h}                        # a full scan (the first) lists it: settled now
+    hidden = _sneak_in(s, 7)
+    assert s.scan()[0] == {h}                        # the folder's time did not move: its listing is reused
+    other = store(tmp_path)
+    h2, payload2 = block(2)
+    other.write(0, h2, payload2)                     # another writer: a new shard folder
+    assert s.scan()[0] == {h, h2}
+    assert s.scan()[0] == {h, hidden, h2}            # every third scan lists everything
+
+
+def test_a_folder_changed_within_the_settling_time_is_listed_again(tmp_path):
+    s = store(tmp_path)
+    h, payload = block(1)
+    s.write(0, h, payload)
+    assert s.scan()[0] == {h}                        # just written: not settled
+    hidden = _sneak_in(s, 8)                         # the same folder time as at the listing
+    assert s.scan()[0] == {h, hidden}
