@@ -47,33 +47,32 @@ def test_the_simulated_node_caches_what_the_engine_caches(tiny):
     node = SimNode("sim", NodeLayout.of(tiny, MEMORY, 16, SEQS, MAX_LEN))
     assert node.layout.num_blocks == engine.num_blocks
     for i, prompt in enumerate(trace_prompts()):
-        engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(prompt),
-                                         sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
-        outputs, cached = [], None
-        while engine.has_work():
-            for out in engine.step():
-                outputs.extend(out.new_token_ids)
-                cached = out.num_cached_tokens
+        outputs, cached = _serve(engine, i, prompt)
         assert node.colocated(f"r{i}", prompt, outputs).cached_tokens == cached, f"request {i}"
         for g in range(len(engine.groups)):
             assert node.kv.cached_hashes(g) == engine.kv.cached_hashes(g), f"request {i}, group {g}"
     assert cached > 0   # the trace's sharing was hit
 
 
-def _run(engine: LLMEngine, prompts: list[tuple[int, list[int]]]) -> dict[int, tuple[list[int], int]]:
+def _serve(engine: LLMEngine, i: int, prompt: list[int]) -> tuple[list[int], int | None]:
+    """Request `r{i}` to its end, alone: its outputs and its cached tokens."""
+    engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(prompt),
+                                     sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    outputs, cached = [], None
+    while engine.has_work():
+        for out in engine.step():
+            outputs.extend(out.new_token_ids)
+            cached = out.num_cached_tokens
+    return outputs, cached
+
+
+def _run(engine: LLMEngine, prompts: list[tuple[int, list[int]]]) -> dict[int, tuple[list[int], int | None]]:
     """Each prompt to the end, one after another, its writes on disk before the next starts (the simulated tier
     writes at once): its outputs and its cached tokens."""
     done = {}
     for i, prompt in prompts:
-        engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=tuple(prompt),
-                                         sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
-        outputs, cached = [], None
-        while engine.has_work():
-            for out in engine.step():
-                outputs.extend(out.new_token_ids)
-                cached = out.num_cached_tokens
+        done[i] = _serve(engine, i, prompt)
         assert engine.offload is not None and engine.offload.wait_written(30.0)
-        done[i] = (outputs, cached)
     return done
 
 
