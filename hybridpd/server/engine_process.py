@@ -14,8 +14,8 @@ requests left, stop the side channel, close the transport and the publisher, ans
 
 The GIL changes hands every 0.5 ms here instead of CPython's 5 ms (`GIL_SWITCH_INTERVAL_S`): while the engine thread
 runs Python between its torch calls, the side channel's answers (a decode node's lease heartbeat waits for a busy
-prefill node's), a pull's start and its end wait for the GIL, and at 5 ms a decode node's second token (the one that
-carries the pull) waited ~12 ms on average for those hand-overs alone (benchmarks/README.md, `pd_vs_colocated.py`).
+prefill node's), a pull's start and its end wait for the GIL: on `pd_vs_colocated.py`'s load the pull's start took
+7.1 ms and the heartbeat's round trip 11.6 ms on average at 5 ms, 5.1 and 5.9 ms at 0.5 ms (benchmarks/README.md).
 
 The process dies with its front (PR_SET_PDEATHSIG), and ignores SIGINT / SIGTERM: a Ctrl-C or a signal to the
 process group reaches the front, which drains both.
