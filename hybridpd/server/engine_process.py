@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -134,6 +135,10 @@ class EngineSide:
             log.exception("the engine process could not start")
             self.link.send(StartFailed(f"{type(exc).__name__}: {exc}", bad_configuration=False))
             return 1
+        # What start-up made (the model, the cache's block objects, the modules) lives as long as the process: out of
+        # the collector's sight, so that its full passes while serving walk only what serving makes.
+        gc.collect()
+        gc.freeze()
         self.link.send(EngineStarted(self.info))
         self._loop = asyncio.get_running_loop()
         self._drain: asyncio.Future[float] = self._loop.create_future()
