@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from hybridpd.bench import mooncake
 from hybridpd.engine.model.loader import read_model_config
@@ -39,7 +38,7 @@ from hybridpd.replay.simulator import ClusterShape, simulate
 from hybridpd.replay.time_model import TimeModel, calibrate
 from hybridpd.server.args import parse_size
 from routing import one_request       # benchmarks/routing.py: one streamed greedy completion
-from trace_replay import TRACE, cpu_model, run_setup
+from trace_replay import TRACE, cpu_model, load_slice, run_setup
 
 PROBE_TOKENS = 16
 
@@ -100,15 +99,8 @@ def main() -> int:
     args.preset, args.rounds = "small", 1   # what trace_replay.run_setup reads
 
     model = default_model_dir(args.preset)
-    trace = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, time_scale=args.time_scale,
-                                start_s=args.trace_start, duration_s=args.trace_duration,
-                                max_requests=args.max_requests, max_output_len=args.max_tokens)
-    records = [r for r in mooncake.select(mooncake.read_trace(args.trace), trace)
-               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
+    trace, records, prompts, offsets = load_slice(args)
     vocab = read_model_config(model)[0].vocab_size
-    rng = np.random.Generator(np.random.PCG64(0))
-    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
-    offsets = mooncake.arrival_offsets(records, trace)
     print(f"replay_vs_live: {len(records)} requests over {offsets[-1]:.0f} s; calibrating the clock ...", file=sys.stderr,
           flush=True)
     measured = calibrate(model)

@@ -157,6 +157,21 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
     }
 
 
+def load_slice(args: argparse.Namespace) -> tuple[mooncake.TraceSlice, list[mooncake.TraceRecord], list[list[int]],
+                                                  list[float]]:
+    """The slice the flags name (prompts that leave room for `--max-tokens` under `--max-model-len`), its prompts
+    as `hybridpd bench` synthesizes them, and their arrival times."""
+    trace = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, time_scale=args.time_scale,
+                                start_s=args.trace_start, duration_s=args.trace_duration,
+                                max_requests=args.max_requests, max_output_len=args.max_tokens)
+    records = [r for r in mooncake.select(mooncake.read_trace(args.trace), trace)
+               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
+    vocab = read_model_config(default_model_dir(args.preset))[0].vocab_size
+    rng = np.random.Generator(np.random.PCG64(0))
+    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
+    return trace, records, prompts, mooncake.arrival_offsets(records, trace)
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -183,15 +198,7 @@ def main() -> int:
                              "against the minute before")
     args = parser.parse_args()
 
-    trace = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, time_scale=args.time_scale,
-                                start_s=args.trace_start, duration_s=args.trace_duration,
-                                max_requests=args.max_requests, max_output_len=args.max_tokens)
-    records = [r for r in mooncake.select(mooncake.read_trace(args.trace), trace)
-               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
-    vocab = read_model_config(default_model_dir(args.preset))[0].vocab_size
-    rng = np.random.Generator(np.random.PCG64(0))
-    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
-    offsets = mooncake.arrival_offsets(records, trace)
+    _, records, prompts, offsets = load_slice(args)
     hits, total = mooncake.ideal_hit_tokens(records, args.tokens_per_hash)
     ideal = hits / total
     print(f"{len(prompts)} requests over {offsets[-1]:.0f} s, {total} prompt tokens, ideal hit rate {ideal:.3f}",
