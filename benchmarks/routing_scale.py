@@ -16,11 +16,9 @@ the indexes' bytes per block hash.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,19 +32,9 @@ from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.routing import Router
 from hybridpd.replay.node import NodeLayout, SimNode
+from hybridpd.replay.simulator import timed_decision
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-
-
-def timed_choose(router: Router, prompt: PromptHashes, index_of, rule: CostRule) -> tuple[Upstream, float]:
-    gc.disable()
-    start = time.perf_counter()
-    try:
-        upstream = choose(router, Role.DECODE, prompt, index_of, rule).upstream
-    finally:
-        elapsed = time.perf_counter() - start
-        gc.enable()
-    return upstream, elapsed
 
 
 def main() -> int:
@@ -82,13 +70,15 @@ def main() -> int:
     print(f"routing_scale: {len(records)} requests through {args.nodes} nodes ...", file=sys.stderr, flush=True)
     filling = 0.0
     for i, prompt in enumerate(prompts):
-        upstream, elapsed = timed_choose(router, PromptHashes(prompt, None), index_of, rule)
+        upstream, elapsed = timed_decision(lambda: choose(router, Role.DECODE, PromptHashes(prompt, None), index_of,
+                                                          rule).upstream)
         filling += elapsed
         nodes[upstream].colocated(f"r{i}", prompt, [1])
     timed = prompts[-args.timed:]
     rounds = []
     for _ in range(args.rounds):
-        spent = sum(timed_choose(router, PromptHashes(prompt, None), index_of, rule)[1] for prompt in timed)
+        spent = sum(timed_decision(lambda: choose(router, Role.DECODE, PromptHashes(prompt, None), index_of,
+                                                  rule).upstream)[1] for prompt in timed)
         rounds.append(len(timed) / spent)
     hashes = sum(node.index.num_hashes for node in nodes.values())
     print(json.dumps({

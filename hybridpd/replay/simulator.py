@@ -16,7 +16,7 @@ import heapq
 import statistics
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,20 +66,12 @@ class _Role:
             call.__exit__(None, None, None)
 
     def pick(self, prompt: PromptHashes, rule: CostRule) -> Upstream:
-        # The collector waits while a decision is timed: its passes here walk the simulated nodes' block objects,
-        # which a proxy's heap does not hold (its indexes are sets of bytes, which the collector does not track).
-        collecting = gc.isenabled()
-        gc.disable()
-        start = time.perf_counter()
-        try:
-            if self.router.policy is RoutingPolicy.CACHE_AWARE:
-                upstream = choose(self.router, self.role, prompt, lambda u: self.nodes[u].index, rule).upstream
-            else:
-                upstream = self.router.pick()
-        finally:
-            self.deciding_s += time.perf_counter() - start
-            if collecting:
-                gc.enable()
+        if self.router.policy is RoutingPolicy.CACHE_AWARE:
+            upstream, seconds = timed_decision(
+                lambda: choose(self.router, self.role, prompt, lambda u: self.nodes[u].index, rule).upstream)
+        else:
+            upstream, seconds = timed_decision(self.router.pick)
+        self.deciding_s += seconds
         self.decisions += 1
         return upstream
 
@@ -88,6 +80,20 @@ class _Role:
         call.__enter__()
         self._order += 1
         heapq.heappush(self._calls, (end, self._order, call))
+
+
+def timed_decision(decide: Callable[[], Upstream]) -> tuple[Upstream, float]:
+    """A routing decision and the seconds it took. The collector waits meanwhile: its passes here walk the simulated
+    nodes' block objects, which a proxy's heap does not hold (its indexes are sets of bytes, which the collector does
+    not track)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    start = time.perf_counter()
+    try:
+        return decide(), time.perf_counter() - start
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
