@@ -167,9 +167,8 @@ class NodeIndex:
     def decode_hit(self, prompt: PromptHashes, with_storage: bool = False) -> int:
         if self._bit is not None:   # the run every full-attention group holds is the hit (asked of every node)
             block = self._run_block
-            held = prompt.held_blocks(self._holders, block, with_storage).get(self._bit, 0) * block
-            cap = len(prompt.token_ids) - 1
-            return (held if held <= cap else cap // block * block) if cap > 0 else 0
+            return _run_hit(prompt.held_blocks(self._holders, block, with_storage).get(self._bit, 0), block,
+                            len(prompt.token_ids) - 1)
         return self._hit(prompt, self._full_attention_stored if with_storage else self._full_attention, with_storage)
 
     def prefill_hit(self, prompt: PromptHashes, with_storage: bool = False) -> int:
@@ -187,6 +186,39 @@ class NodeIndex:
                 return 0
         chains = [prompt.chain(g.block_size) for g in groups]
         return find_common_hit(groups, chains, cap)
+
+    @staticmethod
+    def hits_of(indexes: Sequence[NodeIndex | None], prompt: PromptHashes, *, prefill: bool) -> list[int | None]:
+        """`prefill_hit` (or `decode_hit`) of each index in memory, None where there is no index: the same answers,
+        with the walk the indexes share read once for all of them. A node whose run is empty has no hit of either
+        kind; a decode hit is its run; a prefill node holding a run runs its own fixed point under it."""
+        cap = len(prompt.token_ids) - 1
+        hits: list[int | None] = []
+        holders, block, held = None, 0, {}
+        for index in indexes:
+            if index is None:
+                hits.append(None)
+                continue
+            bit = index._bit
+            if bit is None:
+                hits.append(index.prefill_hit(prompt) if prefill else index.decode_hit(prompt))
+                continue
+            if index._holders is not holders or index._run_block != block:
+                holders, block = index._holders, index._run_block
+                held = prompt.held_blocks(holders, block, False)
+            run = held.get(bit, 0)
+            if not run:
+                hits.append(0)
+            else:
+                hits.append(index.prefill_hit(prompt) if prefill else _run_hit(run, block, cap))
+        return hits
+
+
+def _run_hit(run: int, block: int, cap: int) -> int:
+    """A decode hit from a run of `run` leading blocks all full-attention groups hold, capped as the engine caps it
+    (`cap`: the prompt's tokens but the last, which is always computed; in whole blocks)."""
+    held = run * block
+    return (held if held <= cap else cap // block * block) if cap > 0 else 0
 
 
 def _as_bytes(block_hash: bytes | int) -> bytes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from dataclasses import dataclass, replace
 
 
@@ -71,6 +71,7 @@ class OutlierDetector:
         self.policy = policy
         self._clock = clock or time.monotonic
         self._nodes: dict[object, NodeHealth] = {}
+        self._unhealthy: set[object] = set()   # nodes whose record is not HEALTHY: only events move them in or out
         self.num_ejections = 0
 
     def health(self, node: object) -> NodeHealth:
@@ -78,21 +79,25 @@ class OutlierDetector:
         if record is None:
             record = self._nodes[node] = NodeHealth(healthy_since=self._clock())
         if record.state is NodeState.EJECTED and self._clock() >= record.ejected_until:
-            record = self._nodes[node] = replace(record, state=NodeState.PROBING)
+            record = self._nodes[node] = replace(record, state=NodeState.PROBING)   # unhealthy before and after
         return record
 
     def state(self, node: object) -> NodeState:
         return self.health(node).state
 
     def available(self, node: object) -> bool:
-        record = self._nodes.get(node)   # asked for every node at every routing decision: the common case first
-        if record is not None and record.state is NodeState.HEALTHY:
-            return True
-        return self.state(node) is NodeState.HEALTHY
+        return node not in self._unhealthy
+
+    @property
+    def unavailable(self) -> AbstractSet[object]:
+        """The nodes that take no calls now (ejected or probing): a routing decision reads it once, not per node.
+        Time alone moves a node only from EJECTED to PROBING, both unavailable, so events keep this exact."""
+        return self._unhealthy
 
     def retain(self, nodes: set[object] | frozenset[object]) -> None:
         for gone in [n for n in self._nodes if n not in nodes]:
             del self._nodes[gone]
+            self._unhealthy.discard(gone)
 
     # -- evidence ---------------------------------------------------------------------------------------------------
     def call_succeeded(self, node: object) -> None:
@@ -144,3 +149,7 @@ class OutlierDetector:
 
     def _store(self, node: object, record: NodeHealth) -> None:
         self._nodes[node] = record
+        if record.state is NodeState.HEALTHY:
+            self._unhealthy.discard(node)
+        else:
+            self._unhealthy.add(node)

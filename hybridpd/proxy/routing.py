@@ -9,8 +9,7 @@ failed calls or probes, or still probing) gets no new calls while a healthy node
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from hybridpd.proxy.config import RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierDetector, OutlierPolicy
@@ -25,8 +24,8 @@ class Router:
 
     Round robin: the upstreams in turn, starting after the last one picked. Least outstanding: the
     fewest calls in flight; ties go to the first in round-robin order, so an idle cluster still
-    spreads calls. Cache aware: the lowest `cost` the caller gives (proxy/cache_aware.py), ties likewise; without
-    a cost (nothing known of the prompt) it is least outstanding. `exclude` skips upstreams that already failed
+    spreads calls. Cache aware: the lowest of the `costs` the caller gives (proxy/cache_aware.py), ties likewise;
+    without costs (nothing known of the prompt) it is least outstanding. `exclude` skips upstreams that already failed
     this request (the retry path). Each call in flight may carry `work_tokens` (the prompt tokens it makes the node
     compute), summed per upstream as `queued_tokens`.
     Single-threaded by design: all calls happen on the proxy's event loop.
@@ -36,6 +35,7 @@ class Router:
                  outliers: OutlierDetector | None = None) -> None:
         self._role_name = role_name or (upstreams[0].role.value if upstreams else "upstream")
         self._upstreams = upstreams
+        self._position = {u: i for i, u in enumerate(upstreams)}
         self._policy = policy
         self._outstanding: dict[Upstream, int] = {}
         self._queued_tokens: dict[Upstream, int] = {}
@@ -50,13 +50,15 @@ class Router:
         """The role's nodes are now `upstreams` (in-flight counts of nodes that stay are kept)."""
         if upstreams != self._upstreams:
             self._upstreams = upstreams
+            self._position = {u: i for i, u in enumerate(upstreams)}
             self._next = self._next % len(upstreams) if upstreams else 0
             self.outliers.retain(set(upstreams))
 
     @property
     def down(self) -> frozenset[Upstream]:
         """The nodes that take no calls now (ejected or probing)."""
-        return frozenset(u for u in self._upstreams if not self.outliers.available(u))
+        down = self.outliers.unavailable
+        return frozenset(u for u in self._upstreams if u in down)
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -68,23 +70,33 @@ class Router:
     def queued_tokens(self, upstream: Upstream) -> int:
         return self._queued_tokens.get(upstream, 0)
 
-    def loads(self) -> tuple[Mapping[Upstream, int], Mapping[Upstream, int]]:
-        """Read-only views of the calls in flight and the queued tokens per upstream (absent: 0), for a cost rule
-        that reads every upstream's at every decision."""
-        return MappingProxyType(self._outstanding), MappingProxyType(self._queued_tokens)
+    def loads(self) -> tuple[list[int], list[int]]:
+        """The calls in flight and the queued tokens of each upstream, in `upstreams` order: what a cost rule reads
+        of every upstream at every decision, in two lists."""
+        return self._per_position(self._outstanding), self._per_position(self._queued_tokens)
 
-    def pick(self, exclude: Collection[Upstream] = (), cost: Callable[[Upstream], float] | None = None) -> Upstream:
+    def _per_position(self, counts: dict[Upstream, int]) -> list[int]:
+        """`counts` (only upstreams with calls in flight are in it) as a list in `upstreams` order."""
+        out, position = [0] * len(self._upstreams), self._position
+        for upstream, count in counts.items():
+            i = position.get(upstream)
+            if i is not None:   # a node that left may still finish calls: counted, but not routed to
+                out[i] = count
+        return out
+
+    def pick(self, exclude: Collection[Upstream] = (), costs: Sequence[float] | None = None) -> Upstream:
+        """`costs`: one per upstream, in `upstreams` order (cache aware: the lowest wins)."""
         upstreams, count = self._upstreams, len(self._upstreams)
         order = [*range(self._next, count), *range(self._next)]
         candidates = [i for i in order if upstreams[i] not in exclude] if exclude else order
-        available = self.outliers.available
-        up = [i for i in candidates if available(upstreams[i])]
-        candidates = up or candidates  # every candidate down: try one anyway (it may be back)
+        down = self.outliers.unavailable
+        if down:
+            candidates = [i for i in candidates if upstreams[i] not in down] or candidates  # all down: try one anyway
         if not candidates:
             role = self._role_name
             raise NoUpstreamError(f"no {role} node known" if not count else f"no {role} node left to try")
-        if self._policy is RoutingPolicy.CACHE_AWARE and cost is not None:
-            chosen = min(candidates, key=lambda i: cost(upstreams[i]))  # min keeps the first
+        if self._policy is RoutingPolicy.CACHE_AWARE and costs is not None:
+            chosen = min(candidates, key=costs.__getitem__)  # min keeps the first
         elif self._policy is not RoutingPolicy.ROUND_ROBIN:
             chosen = min(candidates, key=lambda i: self.outstanding(upstreams[i]))
         else:

@@ -1,5 +1,6 @@
 """The shared holders (proxy/block_holders.py): indexes that read their runs from one walk answer exactly as indexes
-that run every group's rule themselves (the brute-force reference), for every node, through random event streams."""
+that run every group's rule themselves (the brute-force reference), for every node, through random event streams;
+so does the bulk answer a routing decision reads (`NodeIndex.hits_of`)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ def test_shared_runs_answer_as_each_index_alone(events, restart):
         prompt, reference = PromptHashes(tokens, None), PromptHashes(tokens, None)
         for with_holders, without in zip(shared, alone):
             assert _answers(with_holders, prompt) == _answers(without, reference)
+        mixed = [shared[0], None, alone[1], shared[2]]   # the bulk answer: the same, node for node
+        for prefill, hit in ((False, NodeIndex.decode_hit), (True, NodeIndex.prefill_hit)):
+            assert NodeIndex.hits_of(mixed, prompt, prefill=prefill) == [
+                None if index is None else hit(index, reference) for index in mixed]
     for index in shared:
         index.clear()
     for index in shared:

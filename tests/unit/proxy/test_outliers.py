@@ -12,7 +12,8 @@ POLICY = OutlierPolicy(threshold=3, base_ejection_s=2.0, max_ejection_s=8.0)
 
 def run(events: str) -> list[NodeState]:
     """Events, space separated: `ok` / `fail` / `refused` (calls), `up` / `down` (probes), `+N` (N seconds pass).
-    Returns the node's state after each event."""
+    Returns the node's state after each event; after each, the node takes calls exactly when it is HEALTHY (the
+    router reads the set of unavailable nodes, kept by events alone)."""
     now = [0.0]
     detector = OutlierDetector(POLICY, clock=lambda: now[0])
     states = []
@@ -30,6 +31,8 @@ def run(events: str) -> list[NodeState]:
         elif event == "down":
             detector.probe_failed("n", "timeout")
         states.append(detector.state("n"))
+        assert detector.available("n") is (states[-1] is NodeState.HEALTHY), events
+        assert ("n" in detector.unavailable) is (states[-1] is not NodeState.HEALTHY), events
     return states
 
 
@@ -65,8 +68,9 @@ def test_only_healthy_nodes_are_available_and_records_of_departed_nodes_are_drop
     assert not detector.available("a") and detector.available("b")
     assert detector.health("a").to_json()["state"] == "ejected"
     assert detector.health("a").last_error == "refused"
+    assert detector.unavailable == {"a"}
     detector.retain({"b"})
-    assert detector.available("a")   # a node that left and comes back starts with a clean record
+    assert detector.available("a") and not detector.unavailable   # a node that left and comes back starts with a clean record
     assert detector.num_ejections == 1
 
 
