@@ -98,7 +98,7 @@ class Router:
         if self._policy is RoutingPolicy.CACHE_AWARE and costs is not None:
             chosen = min(candidates, key=costs.__getitem__)  # min keeps the first
         elif self._policy is not RoutingPolicy.ROUND_ROBIN:
-            chosen = min(candidates, key=lambda i: self.outstanding(upstreams[i]))
+            chosen = min(candidates, key=self._per_position(self._outstanding).__getitem__)
         else:
             chosen = candidates[0]
         self._next = (chosen + 1) % count

@@ -50,6 +50,17 @@ def test_pick_order(policy, steps, expected):
     assert _run(Router(NODES, policy), steps) == expected
 
 
+def test_loads_are_read_in_the_order_of_the_upstreams_and_a_node_that_left_is_not_among_them():
+    router = Router(NODES, RoutingPolicy.CACHE_AWARE)
+    with router.in_flight(NODES[2], work_tokens=7), router.in_flight(NODES[0], work_tokens=3), \
+            router.in_flight(NODES[2], work_tokens=1):
+        assert router.loads() == ([1, 0, 2], [3, 0, 8])
+        router.replace((NODES[2], NODES[1]))   # node 0 left; its call still runs and is still counted
+        assert router.loads() == ([2, 0], [8, 0]) and router.outstanding(NODES[0]) == 1
+        assert router.pick(costs=[5.0, 4.0]) == NODES[1] and router.pick(costs=[4.0, 4.0]) == NODES[2]
+    assert router.loads() == ([0, 0], [0, 0])
+
+
 @pytest.mark.parametrize("policy", list(RoutingPolicy))
 def test_exclude_skips_failed_nodes_and_runs_out(policy):
     router = Router(NODES, policy)
