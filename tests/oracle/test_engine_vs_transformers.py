@@ -2,8 +2,9 @@
 
 At every step, each logits row the engine samples from must be within 1e-4 of the reference's logits at that
 position of the final sequence, and greedy tokens must be identical. Scenarios: one request, 8 concurrent
-requests of different lengths, one batched prefill step of 627 rows, chunked prefill under a small
-token budget, a request that hits the prefix cache in every group kind, and preempted-and-resumed requests.
+requests of different lengths (also with every projection of a few rows through the few-rows kernel), one batched
+prefill step of 627 rows, chunked prefill under a small token budget, a request that hits the prefix cache in every
+group kind, and preempted-and-resumed requests.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.presets.checkpoints import write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
@@ -100,7 +102,15 @@ def test_one_request(tiny):
     assert_drained(engine)
 
 
-def test_eight_concurrent_requests_of_different_lengths(tiny):
+@pytest.mark.parametrize("few_rows_kernel", [False, True])
+def test_eight_concurrent_requests_of_different_lengths(tiny, monkeypatch, few_rows_kernel):
+    """With `few_rows_kernel`, every projection of 2-8 rows goes through the few-rows kernel (on the tiny preset's
+    weights, which are below the size it is used for)."""
+    calls = []
+    if few_rows_kernel:
+        monkeypatch.setattr(linear_module, "FEW_ROWS_MIN_WEIGHT", 0)
+        kernel = linear_module.few_rows_linear
+        monkeypatch.setattr(linear_module, "few_rows_linear", lambda *a: calls.append(1) or kernel(*a))
     model_dir, reference = tiny
     recorder = Recorder()
     engine = make_engine(model_dir, recorder)
@@ -108,6 +118,7 @@ def test_eight_concurrent_requests_of_different_lengths(tiny):
     outputs = run(engine, requests, max_tokens=6)
     check_against_reference(reference, requests, outputs, recorder)
     assert_drained(engine)
+    assert bool(calls) is few_rows_kernel
 
 
 def test_one_large_batched_prefill_step(tiny):

@@ -1,4 +1,11 @@
-"""A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN.
+"""A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
+decode step's few rows times a large weight through the few-rows kernel (few_rows.py).
+
+The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
+there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
+costs ~15 us more than MKL's, which on the small presets' weights (128-1,024 wide) is more than it saves; at 16 rows
+the two are even, from 32 MKL is ahead. The bounds were measured on that AVX2 guest only: a CPU whose MKL does
+better on a few rows may want them lower (benchmarks/README.md).
 
 Measured on an x86 CPU with AVX-512, one thread (benchmarks/README.md names the machines): MKL, which `F.linear` calls, runs the model's projections
 (128-256 inputs, 128-580 outputs) at 75-85 GFLOP/s over 2,048-4,096 rows, where oneDNN's matmul
@@ -23,8 +30,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear
+
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
+FEW_ROWS_MAX = 8
+FEW_ROWS_MIN_WEIGHT = 2**20
 
 
 def _find_onednn() -> Callable[..., torch.Tensor] | None:
@@ -45,9 +56,13 @@ _onednn = _find_onednn()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS (float32,
-    contiguous), else MKL."""
+    """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS, through the
+    few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), else MKL."""
     rows = x.shape[0]
+    if (1 < rows <= FEW_ROWS_MAX and x.dim() == 2 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()
+            and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+        return few_rows_linear(x, weight, bias)
     if (rows % ONEDNN_ROWS or not rows or _onednn is None or x.dim() != 2 or x.dtype != torch.float32
             or weight.dtype != torch.float32 or not (x.is_contiguous() and weight.is_contiguous())):
         return F.linear(x, weight, bias)

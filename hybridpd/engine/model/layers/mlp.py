@@ -28,5 +28,5 @@ class DenseMLP(nn.Module):
             half = weight.shape[0] // 2
             gate, up = linear(x, weight[:half]), linear(x, weight[half:])
         else:
-            gate, up = F.linear(x, weight).chunk(2, dim=-1)
+            gate, up = linear(x, weight).chunk(2, dim=-1)
         return linear(F.silu(gate, inplace=True).mul_(up), self.output_linear.weight)  # in place: the projection is ours

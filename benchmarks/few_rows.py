@@ -1,0 +1,105 @@
+"""The few-rows kernel against MKL on a preset's decode steps, side by side in one process, rounds alternated.
+
+One `LLMEngine` (float32, one thread, the roofline script's settings) on `--preset` (default `granite-350m`, whose
+projections are large enough for the kernel). Each round measures a decode step at every `--batches` size (prompts of
+`--prompt-len` tokens; the median of the steps after the prefill) twice: with the few-rows kernel taking projections
+of 2..FEW_ROWS_MAX rows (the default) and with it off (every product through MKL), in alternating order. The kernel
+alone on the preset's projection shapes is timed the same way. Last line: JSON with `step_ratio` per batch (kernel
+over MKL, the median of the rounds; below 1 is faster), `projection_ratio` per row count, and every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hybridpd.engine.host_memory import keep_freed_memory
+from hybridpd.engine.model.kernels import linear as linear_module
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear
+from hybridpd.presets.checkpoints import write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import decode_step_s, engine_for  # noqa: E402  (the roofline script's engine and decode timing)
+
+
+def projection_shapes(engine) -> list[tuple[int, int]]:
+    """The distinct 2-D weights of at least FEW_ROWS_MIN_WEIGHT elements the model multiplies by."""
+    vocab, least = engine.model_config.vocab_size, linear_module.FEW_ROWS_MIN_WEIGHT
+    return sorted({tuple(p.shape) for p in engine.model.parameters()
+                   if p.dim() == 2 and p.numel() >= least and vocab not in p.shape})   # not the embedding / head
+
+
+def projections_s(shapes: list[tuple[int, int]], rows: int, kernel: bool, repeats: int = 20) -> float:
+    weights = [torch.randn(n, k) / k ** 0.5 for n, k in shapes]
+    xs = [torch.randn(rows, k) for _, k in shapes]
+    product = few_rows_linear if kernel else F.linear
+    for x, w in zip(xs, weights):
+        product(x, w)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for x, w in zip(xs, weights):
+            product(x, w)
+    return (time.perf_counter() - start) / repeats
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--preset", default="granite-350m")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=6, help="decode steps measured per batch")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    keep_freed_memory()
+    torch.set_num_threads(1)
+    enabled = linear_module.FEW_ROWS_MAX
+    steps: dict[tuple[bool, int], list[float]] = {}
+    projections: dict[tuple[bool, int], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_checkpoint(args.preset, Path(tmp) / args.preset)
+        engine = engine_for(model_dir, "float32", max(args.batches), 4096)
+        shapes = projection_shapes(engine)
+        for k in range(args.rounds):
+            print(f"round {k + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
+            for kernel in ((True, False) if k % 2 == 0 else (False, True)):
+                linear_module.FEW_ROWS_MAX = enabled if kernel else 0
+                for batch in args.batches:
+                    steps.setdefault((kernel, batch), []).append(decode_step_s(engine, batch, args.prompt_len,
+                                                                               args.steps))
+                    projections.setdefault((kernel, batch), []).append(projections_s(shapes, batch, kernel))
+    linear_module.FEW_ROWS_MAX = enabled
+
+    def median_ms(table, kernel, batch) -> float:
+        return statistics.median(table[kernel, batch]) * 1e3
+
+    print(json.dumps({
+        "preset": args.preset, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
+        "few_rows_max": enabled, "projection_shapes": shapes,
+        "step_ratio": {b: median_ms(steps, True, b) / median_ms(steps, False, b) for b in args.batches},
+        "projection_ratio": {b: median_ms(projections, True, b) / median_ms(projections, False, b)
+                             for b in args.batches},
+        "step_ms": {b: {"kernel": median_ms(steps, True, b), "mkl": median_ms(steps, False, b)} for b in args.batches},
+        "projection_ms": {b: {"kernel": median_ms(projections, True, b), "mkl": median_ms(projections, False, b)}
+                          for b in args.batches},
+        "note": "the kernel takes 2..few_rows_max rows; batch 1 runs MKL both ways",
+    }))
+
+
+if __name__ == "__main__":
+    main()

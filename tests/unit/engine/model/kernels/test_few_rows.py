@@ -1,0 +1,71 @@
+"""The few-rows kernel: it agrees with `F.linear` to float32 rounding, a row's result does not depend on the rows
+beside it, and `linear` sends it only what it is for (2..FEW_ROWS_MAX float32 contiguous rows, a large weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpd.engine.model.kernels import linear as linear_module
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear
+from hybridpd.engine.model.kernels.linear import FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, linear
+
+
+@pytest.mark.parametrize("rows, inputs, outputs, with_bias", [
+    (1, 64, 40, False), (2, 64, 40, True), (3, 7, 5, False), (4, 128, 33, True), (5, 256, 64, False),
+    (8, 768, 130, True), (13, 96, 17, False),
+])
+def test_agrees_with_f_linear(rows, inputs, outputs, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + inputs + outputs)
+    x = torch.randn(rows, inputs, generator=gen)
+    weight = torch.randn(outputs, inputs, generator=gen) / inputs ** 0.5
+    bias = torch.randn(outputs, generator=gen) if with_bias else None
+    got = few_rows_linear(x, weight, bias)
+    assert got.shape == (rows, outputs) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 200, generator=gen)
+    weight = torch.randn(24, 200, generator=gen)
+    alone = torch.cat([few_rows_linear(x[i : i + 1].contiguous(), weight) for i in range(8)])
+    for rows in range(2, 9):
+        for start in range(0, 8 - rows + 1):
+            batch = few_rows_linear(x[start : start + rows].contiguous(), weight)
+            assert torch.equal(batch, alone[start : start + rows]), (rows, start)
+    reversed_rows = few_rows_linear(x.flip(0).contiguous(), weight)
+    assert torch.equal(reversed_rows.flip(0), alone)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls: list[int] = []
+
+    def recorder(x, weight, bias=None):
+        calls.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "few_rows_linear", recorder)
+    return calls
+
+
+LARGE = (FEW_ROWS_MIN_WEIGHT // 64, 64)
+
+
+@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, taken", [
+    (2, LARGE, torch.float32, True, True),
+    (FEW_ROWS_MAX, LARGE, torch.float32, True, True),
+    (1, LARGE, torch.float32, True, False),                 # one row: MKL is as fast
+    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, False),  # MKL catches up
+    (4, (LARGE[0] // 2, 64), torch.float32, True, False),   # a small weight: the call costs more than it saves
+    (4, LARGE, torch.float64, True, False),
+    (4, LARGE, torch.float32, False, False),                # strided rows
+])
+def test_linear_sends_the_kernel_only_what_it_is_for(kernel_calls, rows, weight_shape, dtype, contiguous, taken):
+    weight = torch.randn(*weight_shape, dtype=dtype) / 8
+    x = torch.randn(rows, 128, dtype=dtype)[:, :64] if not contiguous else torch.randn(rows, 64, dtype=dtype)
+    out = linear(x, weight)
+    assert kernel_calls == ([rows] if taken else [])
+    torch.testing.assert_close(out, F.linear(x, weight))
