@@ -7,7 +7,9 @@ those k only, cast back to the activations' dtype.
 
 Dispatch: the (token, slot) pairs are sorted by expert once, and each expert that received tokens runs two matmuls
 over all of its rows (a grouped GEMM spelled as one matmul per expert); the weighted results are summed back into
-their tokens with one `index_add_`. The Python loop runs over experts that have work, never over tokens.
+their tokens with one `index_add_`. The Python loop runs over experts that have work, never over tokens. A float32
+step of at most `FUSED_MAX_ROWS` rows (a decode step) runs its experts in one compiled call instead
+(kernels/fused_moe.py): there the dozen operations per expert cost more than their arithmetic.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows
 
 ExpertForward = Callable[[int, torch.Tensor], torch.Tensor]  # (expert index, its rows [n, H]) -> [n, H]
 
@@ -71,8 +75,15 @@ class GraniteMoE(nn.Module):
         gate, up = F.linear(rows, self.input_linear.weight[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate).mul_(up), self.output_linear.weight[expert])
 
+    # Up to this many rows (a decode step) a float32 layer runs its experts in one compiled call (fused_moe.py).
+    FUSED_MAX_ROWS = 64
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_ids, top_weights = self.router.forward(x)
+        w_in, w_out = self.input_linear.weight, self.output_linear.weight
+        if (x.shape[0] <= self.FUSED_MAX_ROWS and x.dtype == torch.float32 and w_in.dtype == torch.float32
+                and x.is_contiguous() and w_in.is_contiguous() and w_out.is_contiguous()):
+            return fused_moe_rows(x, top_ids, top_weights, w_in, w_out)
         return grouped_experts(x, top_ids, top_weights, self._expert, self.num_experts)
 
 

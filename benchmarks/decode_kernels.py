@@ -1,11 +1,13 @@
-"""The few-rows kernel against MKL on a preset's decode steps, side by side in one process, rounds alternated.
+"""A decode step's compiled kernels on and off, on a preset, side by side in one process, rounds alternated.
 
-One `LLMEngine` (float32, one thread, the roofline script's settings) on `--preset` (default `granite-350m`, whose
-projections are large enough for the kernel). Each round measures a decode step at every `--batches` size (prompts of
-`--prompt-len` tokens; the median of the steps after the prefill) twice: with the few-rows kernel taking projections
-of 2..FEW_ROWS_MAX rows (the default) and with it off (every product through MKL), in alternating order. The kernel
-alone on the preset's projection shapes is timed the same way. Last line: JSON with `step_ratio` per batch (kernel
-over MKL, the median of the rounds; below 1 is faster), `projection_ratio` per row count, and every figure.
+The kernels: the few-rows projections (kernels/few_rows.py: 2..FEW_ROWS_MAX rows against a large weight, else MKL)
+and the fused experts (kernels/fused_moe.py: a MoE layer's experts for at most FUSED_MAX_ROWS rows, else the grouped
+torch dispatch). One `LLMEngine` (float32, one thread, the roofline script's settings) on `--preset`: `granite-350m`
+(the default; its projections are large enough for the few-rows kernel) or `granite-moe` (its experts). Each round
+measures a decode step at every `--batches` size (prompts of `--prompt-len` tokens; the median of the steps after the
+prefill) with the kernels on (the defaults) and off, in alternating order. The few-rows kernel alone on the preset's
+large projection shapes is timed the same way against MKL. Last line: JSON with `step_ratio` per batch (on over off,
+the median of the rounds; below 1 is faster), `projection_ratio` per row count, and every figure.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from hybridpd.engine.host_memory import keep_freed_memory
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear
+from hybridpd.engine.model.layers.moe import GraniteMoE
 from hybridpd.presets.checkpoints import write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,6 +42,8 @@ def projection_shapes(engine) -> list[tuple[int, int]]:
 
 
 def projections_s(shapes: list[tuple[int, int]], rows: int, kernel: bool, repeats: int = 20) -> float:
+    if not shapes:
+        return 0.0
     weights = [torch.randn(n, k) / k ** 0.5 for n, k in shapes]
     xs = [torch.randn(rows, k) for _, k in shapes]
     product = few_rows_linear if kernel else F.linear
@@ -60,7 +65,7 @@ def cpu_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--preset", default="granite-350m")
+    parser.add_argument("--preset", default="granite-350m", choices=["granite-350m", "granite-moe"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6, help="decode steps measured per batch")
@@ -68,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()
     torch.set_num_threads(1)
-    enabled = linear_module.FEW_ROWS_MAX
+    enabled = linear_module.FEW_ROWS_MAX, GraniteMoE.FUSED_MAX_ROWS
     steps: dict[tuple[bool, int], list[float]] = {}
     projections: dict[tuple[bool, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,26 +83,28 @@ def main() -> None:
         for k in range(args.rounds):
             print(f"round {k + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
             for kernel in ((True, False) if k % 2 == 0 else (False, True)):
-                linear_module.FEW_ROWS_MAX = enabled if kernel else 0
+                linear_module.FEW_ROWS_MAX, GraniteMoE.FUSED_MAX_ROWS = enabled if kernel else (0, 0)
                 for batch in args.batches:
                     steps.setdefault((kernel, batch), []).append(decode_step_s(engine, batch, args.prompt_len,
                                                                                args.steps))
                     projections.setdefault((kernel, batch), []).append(projections_s(shapes, batch, kernel))
-    linear_module.FEW_ROWS_MAX = enabled
+    linear_module.FEW_ROWS_MAX, GraniteMoE.FUSED_MAX_ROWS = enabled
 
     def median_ms(table, kernel, batch) -> float:
         return statistics.median(table[kernel, batch]) * 1e3
 
+    def projection_ratio(batch: int) -> float | None:
+        return median_ms(projections, True, batch) / median_ms(projections, False, batch) if shapes else None
+
     print(json.dumps({
         "preset": args.preset, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
-        "few_rows_max": enabled, "projection_shapes": shapes,
+        "few_rows_max": enabled[0], "fused_moe_max_rows": enabled[1], "projection_shapes": shapes,
         "step_ratio": {b: median_ms(steps, True, b) / median_ms(steps, False, b) for b in args.batches},
-        "projection_ratio": {b: median_ms(projections, True, b) / median_ms(projections, False, b)
-                             for b in args.batches},
-        "step_ms": {b: {"kernel": median_ms(steps, True, b), "mkl": median_ms(steps, False, b)} for b in args.batches},
+        "projection_ratio": {b: projection_ratio(b) for b in args.batches},
+        "step_ms": {b: {"on": median_ms(steps, True, b), "off": median_ms(steps, False, b)} for b in args.batches},
         "projection_ms": {b: {"kernel": median_ms(projections, True, b), "mkl": median_ms(projections, False, b)}
                           for b in args.batches},
-        "note": "the kernel takes 2..few_rows_max rows; batch 1 runs MKL both ways",
+        "note": "the few-rows kernel takes 2..few_rows_max rows (batch 1 runs MKL both ways)",
     }))
 
 

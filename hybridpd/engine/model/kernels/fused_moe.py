@@ -1,0 +1,60 @@
+"""The routed experts of a few rows (a decode step) in one compiled pass (numba), float32.
+
+The grouped dispatch (layers/moe.py) runs a dozen torch operations per expert that received tokens: at a decode
+step of 16 rows with top-4 of 16 experts that is every expert, ~200 operations per layer of a few microseconds each
+on a few rows of work. On the `granite-moe` preset at batch 16 the experts took ~15 of a ~22 ms step that way. Here
+one call does, for each row and each of its k experts, `w_out[e] @ (silu(gate) * up)` with `gate | up = w_in[e] @ x`,
+weighted by the router's weight and summed into the row. Sums run in another order than torch's: results agree with
+the grouped dispatch to float32 rounding (tests/unit/engine/model/kernels/test_fused_moe.py).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+_F32_2D = numba.float32[:, ::1]
+_F32_3D = numba.float32[:, :, ::1]
+_I64_2D = numba.int64[:, ::1]
+
+
+@numba.njit(numba.void(_F32_2D, _I64_2D, _F32_2D, _F32_3D, _F32_3D, _F32_2D), cache=True, nogil=True, fastmath=True,
+            boundscheck=False)
+def _moe_rows(x, top_ids, top_weights, w_in, w_out, out):  # pragma: no cover - compiled
+    rows, hidden = x.shape
+    inter = w_out.shape[2]
+    act = np.empty(inter, dtype=np.float32)
+    for t in range(rows):
+        xt, ot = x[t], out[t]
+        for c in range(hidden):
+            ot[c] = np.float32(0.0)
+        for slot in range(top_ids.shape[1]):
+            expert = top_ids[t, slot]
+            weight = top_weights[t, slot]
+            w_gate_up, w_down = w_in[expert], w_out[expert]
+            for i in range(inter):
+                gate_row, up_row = w_gate_up[i], w_gate_up[inter + i]
+                g = np.float32(0.0)
+                u = np.float32(0.0)
+                for c in range(hidden):
+                    g += gate_row[c] * xt[c]
+                    u += up_row[c] * xt[c]
+                act[i] = g / (np.float32(1.0) + np.exp(-g)) * u
+            for c in range(hidden):
+                down_row = w_down[c]
+                y = np.float32(0.0)
+                for i in range(inter):
+                    y += down_row[i] * act[i]
+                ot[c] += weight * y
+
+
+def fused_moe_rows(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, w_in: torch.Tensor,
+                   w_out: torch.Tensor) -> torch.Tensor:
+    """sum_k top_weights[t, k] * expert_{top_ids[t, k]}(x[t]) for contiguous float32 `x` [T, H], `w_in` [E, 2I, H]
+    (gate rows, then up rows) and `w_out` [E, H, I]; `top_ids` [T, K] int64, `top_weights` [T, K]."""
+    out = torch.empty_like(x)
+    _moe_rows(x.detach().numpy(), top_ids.detach().contiguous().numpy(),
+              top_weights.detach().float().contiguous().numpy(), w_in.detach().numpy(), w_out.detach().numpy(),
+              out.numpy())
+    return out

@@ -1,0 +1,50 @@
+"""The fused experts of a few rows agree with the grouped dispatch (layers/moe.py) to float32 rounding, and the
+layer sends them only float32 steps of at most FUSED_MAX_ROWS rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows
+from hybridpd.engine.model.layers import moe as moe_module
+from hybridpd.engine.model.layers.moe import GraniteMoE, grouped_experts
+
+
+def _layer(hidden: int, inter: int, experts: int, top_k: int, seed: int) -> GraniteMoE:
+    layer = GraniteMoE(hidden, inter, experts, top_k, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("rows, hidden, inter, experts, top_k", [
+    (1, 16, 8, 4, 1), (5, 32, 24, 6, 2), (16, 128, 64, 16, 4), (3, 40, 12, 3, 3), (64, 24, 16, 8, 2),
+])
+def test_agrees_with_the_grouped_dispatch(rows, hidden, inter, experts, top_k):
+    layer = _layer(hidden, inter, experts, top_k, seed=rows + hidden)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))
+    top_ids, top_weights = layer.router.forward(x)
+    got = fused_moe_rows(x, top_ids, top_weights, layer.input_linear.weight, layer.output_linear.weight)
+    expected = grouped_experts(x, top_ids, top_weights, layer._expert, experts)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, dtype, fused", [
+    (1, torch.float32, True), (GraniteMoE.FUSED_MAX_ROWS, torch.float32, True),
+    (GraniteMoE.FUSED_MAX_ROWS + 1, torch.float32, False),   # a prefill: the grouped GEMMs
+    (4, torch.bfloat16, False),
+])
+def test_the_layer_fuses_only_few_float32_rows(monkeypatch, rows, dtype, fused):
+    calls = []
+    monkeypatch.setattr(moe_module, "fused_moe_rows", lambda *a: calls.append(1) or fused_moe_rows(*a))
+    layer = _layer(32, 16, 4, 2, seed=1).to(dtype)
+    x = torch.randn(rows, 32).to(dtype)
+    out = layer.forward(x)
+    assert bool(calls) is fused and out.shape == x.shape and out.dtype == dtype
+    top_ids, top_weights = layer.router.forward(x)
+    expected = grouped_experts(x, top_ids, top_weights, layer._expert, 4)
+    torch.testing.assert_close(out, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
