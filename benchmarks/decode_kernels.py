@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.host_memory import keep_freed_memory
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear
@@ -55,12 +55,6 @@ def projections_s(shapes: list[tuple[int, int]], rows: int, kernel: bool, repeat
             product(x, w)
     return (time.perf_counter() - start) / repeats
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -97,7 +91,7 @@ def main() -> None:
         return median_ms(projections, True, batch) / median_ms(projections, False, batch) if shapes else None
 
     print(json.dumps({
-        "preset": args.preset, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
+        "preset": args.preset, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
         "few_rows_max": enabled[0], "fused_moe_max_rows": enabled[1], "projection_shapes": shapes,
         "step_ratio": {b: median_ms(steps, True, b) / median_ms(steps, False, b) for b in args.batches},
         "projection_ratio": {b: projection_ratio(b) for b in args.batches},

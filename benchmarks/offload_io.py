@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.tier import LoadItem, OffloadTier
@@ -38,12 +38,6 @@ from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.presets.checkpoints import default_model_dir
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def make_engine(model_dir: Path, offload: Path | None) -> LLMEngine:
@@ -172,7 +166,7 @@ def main() -> int:
         "mb_per_round": round(total_mb, 1), "files": len(paths),
         "p99_itl_ms_off": [round(x, 2) for x in itl["off"]], "p99_itl_ms_on": [round(x, 2) for x in itl["on"]],
         "writer_counters": vars(counters), "itl_tier_counters": vars(written_on),
-        "preset": args.preset, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
+        "preset": args.preset, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
 

@@ -38,6 +38,7 @@ import aiohttp
 import numpy as np
 
 from hybridpd.bench import mooncake
+from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.model.loader import read_model_config
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports
@@ -172,12 +173,6 @@ def load_slice(args: argparse.Namespace) -> tuple[mooncake.TraceSlice, list[moon
     return trace, records, prompts, mooncake.arrival_offsets(records, trace)
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -210,7 +205,7 @@ def main() -> int:
         before, after = result["hit_rate_minute_before"], result["hit_rate_minute_after"]
         print(json.dumps({"restart_hit_ratio": round(after / before, 3) if before and after is not None else None,
                           **result, "ideal_hit_rate": round(ideal, 4), "slice": vars(args) | {"trace": str(args.trace)},
-                          "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}))
+                          "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
         return 0
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
@@ -234,7 +229,7 @@ def main() -> int:
         "ideal_hit_rate": round(ideal, 4), "requests": len(prompts), "prompt_tokens": total,
         "setups": {name: [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "token_ids"}
                           for run in runs_of] for name, runs_of in runs.items()},
-        "slice": vars(args) | {"trace": str(args.trace)}, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
+        "slice": vars(args) | {"trace": str(args.trace)}, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd.bench.main import bench_result
+from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.launcher.ports import free_port
 
 TORCH_PIN = "torch==2.13.0"
@@ -164,12 +165,6 @@ def mean_figures(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(float(r[key] or 0.0) for r in runs) / len(runs) for key in FIGURES}
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
 
 def ratio(ours: float, theirs: float) -> float | None:
     return round(ours / theirs, 4) if theirs else None
@@ -223,7 +218,7 @@ def main() -> int:
     finally:
         stop_all(processes.values())
     print(json.dumps({"model": str(args.model), "preset": None if args.model_given else args.preset,
-                      "dtype": args.dtype, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
+                      "dtype": args.dtype, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
                       "kv_cache_gib": args.kv_cache_gib, "greedy_agreement": f"{agreement}/{args.agreement_prompts}",
                       "rounds": args.rounds, "workloads": results}))
     return 0

@@ -28,6 +28,17 @@ def this_cpus_flags() -> frozenset[str]:
         return frozenset()
 
 
+def this_cpus_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (what every benchmark report names its machine by)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def choose_dtype(requested: str, checkpoint_dtype: str, flags: frozenset[str]) -> tuple[str, str]:
     """(the dtype to compute in, why) for `--dtype requested`."""
     if requested not in DTYPES:
