@@ -57,6 +57,9 @@ _NO_BIAS = np.zeros(0, dtype=np.float32)
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a contiguous float32 [T, K] `x` and [N, K] `weight` (a new [T, N] tensor)."""
+    if x.shape[1] != weight.shape[1] or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError(f"few_rows_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit")   # the kernel reads unchecked
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     b = _NO_BIAS if bias is None else bias.detach().numpy()
     _few_rows(x.detach().numpy(), weight.detach().numpy(), b, bias is not None, out.numpy())

@@ -53,6 +53,11 @@ def fused_moe_rows(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Te
                    w_out: torch.Tensor) -> torch.Tensor:
     """sum_k top_weights[t, k] * expert_{top_ids[t, k]}(x[t]) for contiguous float32 `x` [T, H], `w_in` [E, 2I, H]
     (gate rows, then up rows) and `w_out` [E, H, I]; `top_ids` [T, K] int64, `top_weights` [T, K]."""
+    experts, hidden, inter = w_out.shape
+    if (w_in.shape != (experts, 2 * inter, hidden) or x.shape[1] != hidden or top_ids.shape != top_weights.shape
+            or top_ids.shape[0] != x.shape[0]):
+        raise ValueError(f"fused_moe_rows: x {tuple(x.shape)}, w_in {tuple(w_in.shape)}, w_out {tuple(w_out.shape)}, "
+                         f"top_ids {tuple(top_ids.shape)} do not fit")   # the kernel reads unchecked
     out = torch.empty_like(x)
     _moe_rows(x.detach().numpy(), top_ids.detach().contiguous().numpy(),
               top_weights.detach().float().contiguous().numpy(), w_in.detach().numpy(), w_out.detach().numpy(),

@@ -69,3 +69,10 @@ def test_linear_sends_the_kernel_only_what_it_is_for(kernel_calls, rows, weight_
     out = linear(x, weight)
     assert kernel_calls == ([rows] if taken else [])
     torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("x_shape, weight_shape, bias_shape", [((2, 5), (3, 6), None), ((2, 6), (3, 6), (4,))])
+def test_shapes_that_do_not_fit_are_refused_before_the_kernel_reads(x_shape, weight_shape, bias_shape):
+    bias = torch.zeros(bias_shape) if bias_shape else None
+    with pytest.raises(ValueError, match="do not fit"):
+        few_rows_linear(torch.zeros(x_shape), torch.zeros(weight_shape), bias)

@@ -48,3 +48,13 @@ def test_the_layer_fuses_only_few_float32_rows(monkeypatch, rows, dtype, fused):
     expected = grouped_experts(x, top_ids, top_weights, layer._expert, 4)
     torch.testing.assert_close(out, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
                                atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_shapes_that_do_not_fit_are_refused_before_the_kernel_reads():
+    layer = _layer(16, 8, 4, 2, seed=0)
+    x = torch.zeros(3, 16)
+    top_ids, top_weights = layer.router.forward(x)
+    with pytest.raises(ValueError, match="do not fit"):   # the gate | up rows of another intermediate size
+        fused_moe_rows(x, top_ids, top_weights, layer.input_linear.weight[:, :12], layer.output_linear.weight)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe_rows(torch.zeros(3, 8), top_ids, top_weights, layer.input_linear.weight, layer.output_linear.weight)
