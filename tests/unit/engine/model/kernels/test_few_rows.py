@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear
 from hybridpd.engine.model.kernels.linear import FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, linear
+from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
 @pytest.mark.parametrize("rows, inputs, outputs, with_bias", [
@@ -17,13 +18,7 @@ from hybridpd.engine.model.kernels.linear import FEW_ROWS_MAX, FEW_ROWS_MIN_WEIG
     (8, 768, 130, True), (13, 96, 17, False),
 ])
 def test_agrees_with_f_linear(rows, inputs, outputs, with_bias):
-    gen = torch.Generator().manual_seed(rows * 1000 + inputs + outputs)
-    x = torch.randn(rows, inputs, generator=gen)
-    weight = torch.randn(outputs, inputs, generator=gen) / inputs ** 0.5
-    bias = torch.randn(outputs, generator=gen) if with_bias else None
-    got = few_rows_linear(x, weight, bias)
-    assert got.shape == (rows, outputs) and got.dtype == torch.float32
-    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    check_agrees_with_f_linear(few_rows_linear, rows, inputs, outputs, with_bias)
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():

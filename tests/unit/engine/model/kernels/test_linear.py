@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.linear import ONEDNN_ROWS, linear
+from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
 @pytest.fixture
@@ -47,10 +48,4 @@ def test_only_whole_multiples_of_float32_rows_go_to_onednn(onednn_calls, rows, d
     (ONEDNN_ROWS, 128, 580, False), (2 * ONEDNN_ROWS, 256, 128, True), (ONEDNN_ROWS, 64, 640, True),
 ])
 def test_onednn_agrees_with_mkl(rows, inputs, outputs, with_bias):
-    gen = torch.Generator().manual_seed(rows + inputs + outputs)
-    x = torch.randn(rows, inputs, generator=gen)
-    weight = torch.randn(outputs, inputs, generator=gen) / inputs ** 0.5
-    bias = torch.randn(outputs, generator=gen) if with_bias else None
-    got = linear(x, weight, bias)
-    assert got.shape == (rows, outputs) and got.dtype == torch.float32
-    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    check_agrees_with_f_linear(linear, rows, inputs, outputs, with_bias)
