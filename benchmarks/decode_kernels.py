@@ -36,9 +36,9 @@ from roofline import decode_step_s, engine_for  # noqa: E402  (the roofline scri
 
 def projection_shapes(engine) -> list[tuple[int, int]]:
     """The distinct 2-D weights of at least FEW_ROWS_MIN_WEIGHT elements the model multiplies by."""
-    vocab, least = engine.model_config.vocab_size, linear_module.FEW_ROWS_MIN_WEIGHT
-    return sorted({tuple(p.shape) for p in engine.model.parameters()
-                   if p.dim() == 2 and p.numel() >= least and vocab not in p.shape})   # not the embedding / head
+    least = linear_module.FEW_ROWS_MIN_WEIGHT
+    return sorted({tuple(p.shape) for name, p in engine.model.named_parameters()
+                   if p.dim() == 2 and p.numel() >= least and "embed" not in name and "lm_head" not in name})
 
 
 def projections_s(shapes: list[tuple[int, int]], rows: int, kernel: bool, repeats: int = 20) -> float:
@@ -54,7 +54,6 @@ def projections_s(shapes: list[tuple[int, int]], rows: int, kernel: bool, repeat
         for x, w in zip(xs, weights):
             product(x, w)
     return (time.perf_counter() - start) / repeats
-
 
 
 def main() -> None:
