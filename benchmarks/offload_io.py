@@ -39,7 +39,6 @@ from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.presets.checkpoints import default_model_dir
 
 
-
 def make_engine(model_dir: Path, offload: Path | None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model_dir=model_dir, threads=1,

@@ -7,8 +7,8 @@ memory and max length, the same policy, under a clock measured in this run: the 
 the real engine here, one thread), the cores the nodes share (this machine's), what a request waits outside the
 engine (the proxy's and nodes' HTTP hops: the median TTFT of a 16-token request on the idle live cluster, less the
 clock's prefill of it), and the CPU it costs there (the CPU seconds the cluster's processes and this client used
-over the replay, less what the clock charges the engines for, per request). `--offload` adds the storage tier to both (a fresh shared directory live, `--kv-offload-size`
-simulated).
+over the replay, less what the clock charges the engines for, per request). `--offload` adds the storage tier to
+both (a fresh shared directory live, `--kv-offload-size` simulated).
 
 Last line: JSON per policy with live and simulated decode-side hit rate and mean TTFT and their relative errors
 (goals: hit rate within +-10%, mean TTFT within +-25%), the clock, the slice, the CPU model and the date.
@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from hybridpd.bench import mooncake
+from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.model.loader import read_model_config
 from hybridpd.presets.checkpoints import default_model_dir
 from hybridpd.proxy.config import CostRule, RoutingPolicy
@@ -38,7 +39,7 @@ from hybridpd.replay.simulator import ClusterShape, simulate
 from hybridpd.replay.time_model import TimeModel, calibrate
 from hybridpd.server.args import parse_size
 from routing import one_request       # benchmarks/routing.py: one streamed greedy completion
-from trace_replay import TRACE, cpu_model, load_slice, run_setup
+from trace_replay import TRACE, load_slice, run_setup
 
 PROBE_TOKENS = 16
 
@@ -139,7 +140,7 @@ def main() -> int:
     print(json.dumps({**out, "goals": {"hit_rate_error": "within +-0.10", "mean_ttft_error": "within +-0.25"},
                       "requests": len(records), "ideal_hit_rate": ideal_hit_rate(records, args.tokens_per_hash),
                       "slice": {k: v for k, v in vars(args).items() if k != "trace"} | {"trace": str(args.trace)},
-                      "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}))
+                      "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
     return 0
 
 

@@ -68,17 +68,18 @@ def main() -> int:
     rng = np.random.Generator(np.random.PCG64(0))
     prompts = [list(mooncake.prompt_tokens(r, 16, vocab, rng)) for r in records]
     print(f"routing_scale: {len(records)} requests through {args.nodes} nodes ...", file=sys.stderr, flush=True)
+    def decision(prompt: list[int]) -> tuple[Upstream, float]:   # the proxy's: hash the prompt, ask every node
+        return timed_decision(lambda: choose(router, Role.DECODE, PromptHashes(prompt, None), index_of, rule).upstream)
+
     filling = 0.0
     for i, prompt in enumerate(prompts):
-        upstream, elapsed = timed_decision(lambda: choose(router, Role.DECODE, PromptHashes(prompt, None), index_of,
-                                                          rule).upstream)
+        upstream, elapsed = decision(prompt)
         filling += elapsed
         nodes[upstream].colocated(f"r{i}", prompt, [1])
     timed = prompts[-args.timed:]
     rounds = []
     for _ in range(args.rounds):
-        spent = sum(timed_decision(lambda: choose(router, Role.DECODE, PromptHashes(prompt, None), index_of,
-                                                  rule).upstream)[1] for prompt in timed)
+        spent = sum(decision(prompt)[1] for prompt in timed)
         rounds.append(len(timed) / spent)
     hashes = sum(node.index.num_hashes for node in nodes.values())
     print(json.dumps({

@@ -173,7 +173,6 @@ def load_slice(args: argparse.Namespace) -> tuple[mooncake.TraceSlice, list[moon
     return trace, records, prompts, mooncake.arrival_offsets(records, trace)
 
 
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
