@@ -1,7 +1,7 @@
 """A decode step's compiled kernels on and off, on a preset, side by side in one process, rounds alternated.
 
 The kernels: the few-rows projections (kernels/few_rows.py: 2..FEW_ROWS_MAX rows against a large weight, else MKL)
-and the fused experts (kernels/fused_moe.py: a MoE layer's experts for at most FUSED_MAX_ROWS rows, else the grouped
+and the fused experts (kernels/fused_moe.py: a MoE layer's experts for at most `rows_worth_fusing` rows, else the grouped
 torch dispatch). One `LLMEngine` (float32, one thread, the roofline script's settings) on `--preset`: `granite-350m`
 (the default; its projections are large enough for the few-rows kernel) or `granite-moe` (its experts). Each round
 measures a decode step at every `--batches` size (prompts of `--prompt-len` tokens; the median of the steps after the
@@ -66,22 +66,30 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()
     torch.set_num_threads(1)
-    enabled = linear_module.FEW_ROWS_MAX, GraniteMoE.FUSED_MAX_ROWS
+    few_rows_max = linear_module.FEW_ROWS_MAX
     steps: dict[tuple[bool, int], list[float]] = {}
     projections: dict[tuple[bool, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(args.preset, Path(tmp) / args.preset)
         engine = engine_for(model_dir, "float32", max(args.batches), 4096)
         shapes = projection_shapes(engine)
+        moe_layers = [m for m in engine.model.modules() if isinstance(m, GraniteMoE)]
+        fused_max_rows = [m.fused_max_rows for m in moe_layers]
+
+        def use_kernels(on: bool) -> None:
+            linear_module.FEW_ROWS_MAX = few_rows_max if on else 0
+            for layer, rows in zip(moe_layers, fused_max_rows):
+                layer.fused_max_rows = rows if on else 0
+
         for k in range(args.rounds):
             print(f"round {k + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
             for kernel in ((True, False) if k % 2 == 0 else (False, True)):
-                linear_module.FEW_ROWS_MAX, GraniteMoE.FUSED_MAX_ROWS = enabled if kernel else (0, 0)
+                use_kernels(kernel)
                 for batch in args.batches:
                     steps.setdefault((kernel, batch), []).append(decode_step_s(engine, batch, args.prompt_len,
                                                                                args.steps))
                     projections.setdefault((kernel, batch), []).append(projections_s(shapes, batch, kernel))
-    linear_module.FEW_ROWS_MAX, GraniteMoE.FUSED_MAX_ROWS = enabled
+        use_kernels(True)
 
     def median_ms(table, kernel, batch) -> float:
         return statistics.median(table[kernel, batch]) * 1e3
@@ -91,7 +99,7 @@ def main() -> None:
 
     print(json.dumps({
         "preset": args.preset, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
-        "few_rows_max": enabled[0], "fused_moe_max_rows": enabled[1], "projection_shapes": shapes,
+        "few_rows_max": few_rows_max, "fused_moe_max_rows": sorted(set(fused_max_rows)), "projection_shapes": shapes,
         "step_ratio": {b: median_ms(steps, True, b) / median_ms(steps, False, b) for b in args.batches},
         "projection_ratio": {b: projection_ratio(b) for b in args.batches},
         "step_ms": {b: {"on": median_ms(steps, True, b), "off": median_ms(steps, False, b)} for b in args.batches},

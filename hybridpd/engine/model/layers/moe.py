@@ -8,8 +8,8 @@ those k only, cast back to the activations' dtype.
 Dispatch: the (token, slot) pairs are sorted by expert once, and each expert that received tokens runs two matmuls
 over all of its rows (a grouped GEMM spelled as one matmul per expert); the weighted results are summed back into
 their tokens with one `index_add_`. The Python loop runs over experts that have work, never over tokens. A float32
-step of at most `FUSED_MAX_ROWS` rows (a decode step) runs its experts in one compiled call instead
-(kernels/fused_moe.py): there the dozen operations per expert cost more than their arithmetic.
+step of few rows (a decode step; how few depends on the size of the experts, `kernels/fused_moe.rows_worth_fusing`)
+runs its experts in one compiled call instead: there the dozen operations per expert cost more than their arithmetic.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows
+from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows, rows_worth_fusing
 
 ExpertForward = Callable[[int, torch.Tensor], torch.Tensor]  # (expert index, its rows [n, H]) -> [n, H]
 
@@ -70,18 +70,17 @@ class GraniteMoE(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, top_k, dtype)
         self.input_linear = _StackedLinear(num_experts, 2 * intermediate_size, hidden_size, dtype)
         self.output_linear = _StackedLinear(num_experts, hidden_size, intermediate_size, dtype)
+        # Up to this many rows a float32 layer runs its experts in one compiled call (fused_moe.py).
+        self.fused_max_rows = rows_worth_fusing(num_experts, top_k, 3 * hidden_size * intermediate_size * num_experts * 4)
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(rows, self.input_linear.weight[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate).mul_(up), self.output_linear.weight[expert])
 
-    # Up to this many rows (a decode step) a float32 layer runs its experts in one compiled call (fused_moe.py).
-    FUSED_MAX_ROWS = 64
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_ids, top_weights = self.router.forward(x)
         w_in, w_out = self.input_linear.weight, self.output_linear.weight
-        if (x.shape[0] <= self.FUSED_MAX_ROWS and x.dtype == torch.float32 and w_in.dtype == torch.float32
+        if (x.shape[0] <= self.fused_max_rows and x.dtype == torch.float32 and w_in.dtype == torch.float32
                 and x.is_contiguous() and w_in.is_contiguous() and w_out.is_contiguous()):
             return fused_moe_rows(x, top_ids, top_weights, w_in, w_out)
         return grouped_experts(x, top_ids, top_weights, self._expert, self.num_experts)

@@ -1,12 +1,12 @@
 """The fused experts of a few rows agree with the grouped dispatch (layers/moe.py) to float32 rounding, and the
-layer sends them only float32 steps of at most FUSED_MAX_ROWS rows."""
+layer sends them only float32 steps of at most as many rows as its experts' size makes worth it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows
+from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, RESIDENT_MAX_ROWS, fused_moe_rows, rows_worth_fusing
 from hybridpd.engine.model.layers import moe as moe_module
 from hybridpd.engine.model.layers.moe import GraniteMoE, grouped_experts
 
@@ -32,15 +32,27 @@ def test_agrees_with_the_grouped_dispatch(rows, hidden, inter, experts, top_k):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("experts, top_k, expert_bytes, rows", [
+    (16, 4, 3 * 128 * 64 * 16 * 4, RESIDENT_MAX_ROWS),   # the granite-moe preset: its experts stay in cache
+    (16, 4, RESIDENT_BYTES, RESIDENT_MAX_ROWS),
+    (16, 4, RESIDENT_BYTES + 1, 16),                     # streamed: a few rows only
+    (64, 6, 3 * 1536 * 512 * 64 * 4, 26),               # Granite-4.0-H-Tiny: rows x 6 <= 2.5 x 64
+    (128, 8, 3 * 2048 * 768 * 128 * 4, 40),
+])
+def test_rows_worth_fusing_follow_the_size_of_the_experts(experts, top_k, expert_bytes, rows):
+    assert rows_worth_fusing(experts, top_k, expert_bytes) == rows
+
+
 @pytest.mark.parametrize("rows, dtype, fused", [
-    (1, torch.float32, True), (GraniteMoE.FUSED_MAX_ROWS, torch.float32, True),
-    (GraniteMoE.FUSED_MAX_ROWS + 1, torch.float32, False),   # a prefill: the grouped GEMMs
+    (1, torch.float32, True), (RESIDENT_MAX_ROWS, torch.float32, True),
+    (RESIDENT_MAX_ROWS + 1, torch.float32, False),   # a prefill: the grouped GEMMs
     (4, torch.bfloat16, False),
 ])
 def test_the_layer_fuses_only_few_float32_rows(monkeypatch, rows, dtype, fused):
     calls = []
     monkeypatch.setattr(moe_module, "fused_moe_rows", lambda *a: calls.append(1) or fused_moe_rows(*a))
     layer = _layer(32, 16, 4, 2, seed=1).to(dtype)
+    assert layer.fused_max_rows == RESIDENT_MAX_ROWS
     x = torch.randn(rows, 32).to(dtype)
     out = layer.forward(x)
     assert bool(calls) is fused and out.shape == x.shape and out.dtype == dtype
