@@ -33,9 +33,13 @@ class _Listing:
     """One shard folder as a scan listed it."""
 
     mtime_ns: int
-    hashes: frozenset[bytes]
-    temporary: bool             # it held temporary files (they age without touching the folder's time)
+    names: frozenset[str]       # every entry, as listed
+    hashes: frozenset[bytes]    # the block files among them
+    temporary: frozenset[str]   # the temporary files among them (they age without touching the folder's time)
     settled: bool = False       # its time was older than SETTLE_S at the listing
+
+
+_EMPTY = _Listing(-1, frozenset(), frozenset(), frozenset())
 
 
 @dataclass(frozen=True)
@@ -153,27 +157,32 @@ class OffloadStore:
         return tuple(present)
 
     def _listing(self, shard: os.DirEntry, now: float, full: bool) -> _Listing:
-        """What `shard` holds: its last listing if its time has not moved, else a new one."""
+        """What `shard` holds: its last listing if its time has not moved, else a new one. A new listing parses only
+        the names that came or went since the last (a folder of a busy directory changes by a few files between
+        scans, and its other names cost nothing but the listing itself)."""
         try:
             mtime_ns = shard.stat().st_mtime_ns
         except OSError:
-            return _Listing(-1, frozenset(), False)
-        known = self._listings.get(shard.path)
-        if not full and known is not None and known.mtime_ns == mtime_ns and known.settled and not known.temporary:
+            return _EMPTY
+        known = self._listings.get(shard.path, _EMPTY)
+        if not full and known.mtime_ns == mtime_ns and known.settled and not known.temporary:
             return known
-        hashes: set[bytes] = set()
-        temporary = False
-        for entry in _entries(shard.path):
-            if entry.name.endswith(".tmp"):
-                temporary = True
-                if now - _mtime(entry) > STALE_TEMP_S:
-                    self._remove(Path(entry.path))
-                continue
-            try:
-                hashes.add(bytes.fromhex(entry.name.removesuffix(".kv")))
-            except ValueError:
-                continue
-        listing = _Listing(mtime_ns, frozenset(hashes), temporary, settled=mtime_ns < (now - SETTLE_S) * 1e9)
+        names = frozenset(_names(shard.path))
+        hashes, temporary = set(known.hashes), set(known.temporary)
+        for name in known.names - names:
+            hashes.discard(_block_hash(name))
+            temporary.discard(name)
+        for name in names - known.names:
+            if name.endswith(".tmp"):
+                temporary.add(name)
+            elif (block_hash := _block_hash(name)) is not None:
+                hashes.add(block_hash)
+        for name in list(temporary):
+            path = f"{shard.path}/{name}"
+            if now - _path_mtime(path) > STALE_TEMP_S and self._remove(Path(path)):
+                temporary.discard(name)
+        listing = _Listing(mtime_ns, names, frozenset(hashes), frozenset(temporary),
+                           settled=mtime_ns < (now - SETTLE_S) * 1e9)
         self._listings[shard.path] = listing
         return listing
 
@@ -207,6 +216,30 @@ def _shards(group_dir: Path) -> list[os.DirEntry]:
         return [entry for entry in os.scandir(group_dir) if entry.is_dir()]
     except OSError:
         return []
+
+
+def _names(shard: str) -> list[str]:
+    try:
+        return os.listdir(shard)
+    except OSError:
+        return []
+
+
+def _block_hash(name: str) -> bytes | None:
+    """The block hash a file name stands for (None: not a block file)."""
+    if not name.endswith(".kv"):
+        return None
+    try:
+        return bytes.fromhex(name[:-3])
+    except ValueError:
+        return None
+
+
+def _path_mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _entries(shard: str) -> list[os.DirEntry]:

@@ -3,7 +3,8 @@ and the loads of storage hits. Nothing here runs on the engine's step: the step 
 pages (`offer`: a copy into a bounded queue, or a counted drop) and collects finished loads (`take_finished`).
 
 Threads: a writer (the queue into files), a loader (files into the blocks a request was given), and a scanner that
-re-reads the directory every `rescan_s`, so blocks other nodes wrote become hits here too.
+re-reads the directory every `rescan_s`, so blocks other nodes wrote become hits here too (less often when a scan
+costs more than `RESCAN_CPU_SHARE` of a core at that pace: a directory of millions of files).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from hybridpd.engine.kv_offload.store import OffloadStore
 log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20   # page bytes waiting to be written at most; more are dropped (and counted), never waited for
-RESCAN_S = 5.0      # how often the directory is read again for blocks other nodes wrote (or removed)
+RESCAN_S = 5.0      # how often the directory is read again for blocks other nodes wrote (or removed) ...
+RESCAN_CPU_SHARE = 0.05   # ... unless the scans would take more of a core than this: then as often as they fit
 
 
 @dataclass(frozen=True)
@@ -213,12 +215,16 @@ class OffloadTier:
                 self._pending_lock.notify_all()
 
     def _scan_loop(self) -> None:
-        while not self._stop.wait(self._rescan_s):
+        wait = self._rescan_s
+        while not self._stop.wait(wait):
+            started = time.thread_time()
             try:
                 on_disk = self.store.scan()
             except OSError as exc:
                 log.warning("kv offload: scan failed (%s)", exc)
                 continue
+            finally:
+                wait = max(self._rescan_s, (time.thread_time() - started) / RESCAN_CPU_SHARE)
             for group, (held, disk) in enumerate(zip(self._present, on_disk)):
                 for block_hash in disk - held:       # written by another node sharing the directory
                     self._hold(group, block_hash)

@@ -163,3 +163,29 @@ def test_a_folder_changed_within_the_settling_time_is_listed_again(tmp_path):
     assert s.scan()[0] == {h}                        # just written: not settled
     hidden = _sneak_in(s, 8)                         # the same folder time as at the listing
     assert s.scan()[0] == {h, hidden}
+
+
+def _on_disk(root) -> set[bytes]:
+    """Brute force: every block file of group 0 under `root`, parsed from its name."""
+    return {bytes.fromhex(p.name[:-3]) for p in root.rglob("*.kv") if p.parent.parent.name == GROUP.hex()}
+
+
+def test_a_scan_sees_what_others_add_and_remove_as_a_full_listing_would(tmp_path):
+    """Each listing parses only the names that came or went since the last: over random writes and removals by
+    another writer, stray files and temporaries, every scan answers what a listing of the whole directory says."""
+    import random
+    rng = random.Random(5)
+    s, other = store(tmp_path), store(tmp_path)
+    for _ in range(300):
+        h = bytes([rng.randrange(3)]) + bytes([rng.randrange(6)]) * 31     # three shards, a few files each
+        action = rng.choice(("write", "write", "remove", "stray", "temporary"))
+        path = other.path(0, h)
+        if action == "write":
+            other.write(0, h, memoryview(bytes(PAGE)))
+        elif action == "remove" and path.exists():
+            path.unlink()
+        elif action == "stray" and path.parent.exists():
+            (path.parent / f"notes-{rng.randrange(3)}.txt").write_text("not a block")
+        elif action == "temporary" and path.parent.exists():
+            (path.parent / f".{h.hex()}.1.2.tmp").write_bytes(b"half")
+        assert s.scan()[0] == _on_disk(tmp_path)
