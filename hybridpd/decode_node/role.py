@@ -146,8 +146,11 @@ class DecodeRole:
             return
 
         async def heartbeat() -> LeaseView:
-            async with self.peers.use((params.remote_host, params.remote_port)) as peer:
-                return await peer.client.heartbeat(params.remote_request_id, params.remote_lease_secret or "", trace)
+            attributes = {"gen_ai.request.id": request_id, "hybridpd.peer": params.peer}
+            with self.tracer.span("lease renewal", trace, attributes) as span:
+                async with self.peers.use((params.remote_host, params.remote_port)) as peer:
+                    return await peer.client.heartbeat(params.remote_request_id, params.remote_lease_secret or "",
+                                                       span.carrier())
 
         sent = time.perf_counter()
         answer = self._loop.create_task(heartbeat())
