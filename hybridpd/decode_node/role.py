@@ -8,13 +8,11 @@ streamed at admission) -> FINISHED | FAILED. A request that its first token alre
 `max_tokens: 1`) pulls nothing: its lease is released at once (`discard`).
 
 The pull, step by step: the peer's metadata (compatibility hash and engine id checked, once per peer); one batch
-of READs of the blocks `kv_transfer_params` names, and a heartbeat that renews the lease and says what it covers
-(tokens, prompt digest, blocks: any difference fails the pull, and the bytes are never used); heartbeats while the
-READ runs; then `Release`. The first heartbeat goes out when the request arrives (`expect`), before the engine has
-admitted it, so its answer is usually in when the READ ends and the second token does not wait for the prefill node
-to answer; a pull that finds none (or one older than `_EARLY_FRESH_S`) sends it beside its READ. The bytes are
-trusted only if the lease was live for the whole READ: the heartbeat proves it was live until its answer and for
-`seconds_left` after, measured from before the heartbeat was sent (a lease that had ended is not renewed), so a READ that ended within that time is done and its Release goes out in the background; a
+of READs of the blocks `kv_transfer_params` names, with a heartbeat in flight at the same time that renews the lease
+and says what it covers (tokens, prompt digest, blocks: any difference fails the pull, and the bytes are never
+used); heartbeats while the READ runs; then `Release`. The bytes are trusted only if the lease was live for the
+whole READ: the heartbeat proves it was live until its answer and for `seconds_left` after, measured from before
+the READ started, so a READ that ended within that time is done and its Release goes out in the background; a
 slower one (or a peer that does not say) waits for the Release's answer that the lease was still live. How the pull
 ends (its verdict, and a READ that could not be cancelled) is one state machine per pull, `PullEnd`, the only thing
 that tells the engine. A READ that could not be cancelled is waited for at most `DRAIN_LIMIT_S`; then its peer is
@@ -42,7 +40,6 @@ from hybridpd.decode_node.peers import Address, Peer, PeerCache
 from hybridpd.decode_node.pull_end import PullEnd
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.kv_cache.coordinator import StepBlocks
-from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sequence import Sequence
 from hybridpd.errors import KVTransferError
 from hybridpd.tracing import NoTracer, Tracer
@@ -55,9 +52,7 @@ _LEASE_MARGIN_S = 0.25     # of a lease's proven lifetime, not relied on
 _RELEASE_TIMEOUT_S = 2.0
 _MIN_RENEW_S = 0.1         # renew at most every 50 ms, whatever a peer says is left
 DRAIN_LIMIT_S = 30.0       # how long a READ we gave up on may take to stop before its peer is removed
-_SWEEP_S = 30.0            # how often idle peers are closed (and early heartbeats never used are dropped)
-_EARLY_FRESH_S = 1.0       # a pull uses an early heartbeat sent at most this long before it, else sends its own
-_EARLY_MAX = 1024          # early heartbeats kept at once at most (more arrivals: their pulls send their own)
+_SWEEP_S = 30.0            # how often idle peers are closed
 
 
 class LeaseMismatchError(KVTransferError):
@@ -72,12 +67,6 @@ class PullJob:
     load: tuple[tuple[tuple[int, int], ...], ...]   # per group: (logical block, local block)
     prompt_digest: bytes                            # of this request's prompt
     trace_context: tuple[tuple[str, str], ...] = ()  # the request's span (hybridpd/tracing.py)
-
-
-@dataclass(frozen=True)
-class _EarlyHeartbeat:
-    sent: float                        # perf_counter just before it went out
-    answer: asyncio.Task[LeaseView]
 
 
 class _EngineCalls:
@@ -116,16 +105,7 @@ class DecodeRole:
         self._engine_calls = _EngineCalls(engine)
         self._credentials = config.tls.grpc_channel_credentials() if config.tls is not None else None
         self.peers = PeerCache(self._new_client, transport)
-        self._early: dict[str, _EarlyHeartbeat] = {}   # request id -> the heartbeat sent at its arrival
         self._sweeper = self._loop.create_task(self._sweep())
-
-    # -- the link's reader thread -------------------------------------------------------------------------------
-    def expect(self, request: EngineRequest) -> None:
-        """`request` arrived for the engine: if it is remotely prefilled, renew its lease now (see the module's doc)."""
-        params = request.kv_transfer
-        if isinstance(params, RemotePrefillParams):
-            self._loop.call_soon_threadsafe(self._heartbeat_early, request.request_id, params,
-                                            dict(request.trace_context))
 
     # -- engine thread ------------------------------------------------------------------------------------------
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
@@ -136,38 +116,10 @@ class DecodeRole:
 
     def discard(self, seq: Sequence) -> None:
         assert seq.remote_prefill is not None
-        params, request_id = seq.remote_prefill, seq.request_id
-        self._loop.call_soon_threadsafe(lambda: (self._drop_early(request_id),
-                                                 self._release_in_background(params, aborted=True)))
+        params = seq.remote_prefill
+        self._loop.call_soon_threadsafe(lambda: self._release_in_background(params, aborted=True))
 
     # -- event loop ---------------------------------------------------------------------------------------------
-    def _heartbeat_early(self, request_id: str, params: RemotePrefillParams, trace: dict[str, str]) -> None:
-        if len(self._early) >= _EARLY_MAX or request_id in self._early:
-            return
-
-        async def heartbeat() -> LeaseView:
-            attributes = {"gen_ai.request.id": request_id, "hybridpd.peer": params.peer}
-            with self.tracer.span("lease renewal", trace, attributes) as span:
-                async with self.peers.use((params.remote_host, params.remote_port)) as peer:
-                    return await peer.client.heartbeat(params.remote_request_id, params.remote_lease_secret or "",
-                                                       span.carrier())
-
-        sent = time.perf_counter()
-        answer = self._loop.create_task(heartbeat())
-        answer.add_done_callback(lambda task: task.cancelled() or task.exception())   # its pull may never come
-        self._early[request_id] = _EarlyHeartbeat(sent, answer)
-
-    def _drop_early(self, request_id: str) -> None:
-        early = self._early.pop(request_id, None)
-        if early is not None:
-            early.answer.cancel()
-
-    def _drop_stale_early(self) -> None:
-        """Early heartbeats too old for any pull to use (their requests were refused, aborted, or are still queued)."""
-        now = time.perf_counter()
-        for request_id in [r for r, early in self._early.items() if now - early.sent > _EARLY_FRESH_S]:
-            self._drop_early(request_id)
-
     def _spawn(self, job: PullJob) -> None:
         task = self._loop.create_task(self._run(job))
         self._tasks.add(task)
@@ -175,17 +127,14 @@ class DecodeRole:
 
     async def close(self) -> None:
         self._sweeper.cancel()
-        early = [e.answer for e in self._early.values()]
-        self._early.clear()
-        for task in [*self._tasks, *early]:
+        for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(self._sweeper, *self._tasks, *early, return_exceptions=True)
+        await asyncio.gather(self._sweeper, *self._tasks, return_exceptions=True)
         await self.peers.close()
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(_SWEEP_S)
-            self._drop_stale_early()
             await self.peers.evict()
 
     def _new_client(self, address: Address) -> SideChannelClient:
@@ -268,24 +217,15 @@ class DecodeRole:
         secret = params.remote_lease_secret or ""
         reads = self._reads(job)
         page_bytes = [g.page_size_bytes for g in self.engine.engine.groups]
-        early = self._early.pop(job.request_id, None)
         started, started_mono = time.perf_counter(), time.monotonic()
-        if early is not None and started - early.sent > _EARLY_FRESH_S:
-            early.answer.cancel()
-            early = None
         try:
             handle = self.transport.start_read(peer_name, reads, params.remote_request_id.encode())
         except KVTransferError as exc:   # e.g. a block id outside the peer's pool: nothing was read
-            if early is not None:
-                early.answer.cancel()
             raise KVTransferError(params.peer, exc.reason) from exc
         try:
-            if early is None:
-                sent, lease = started, await client.heartbeat(params.remote_request_id, secret, trace)
-            else:   # the lease was live when it answered, and for seconds_left after it was sent
-                sent, lease = early.sent, await early.answer
+            lease = await client.heartbeat(params.remote_request_id, secret, trace)
             self._check_lease(job, lease)
-            live_until = await self._wait_read(handle, client, params, sent + lease.seconds_left, trace)
+            live_until = await self._wait_read(handle, client, params, started + lease.seconds_left, trace)
         finally:
             if not self.transport.release(handle):
                 self._keep_blocks_until_stopped(end, handle, peer_name)

@@ -43,7 +43,7 @@ class PrefillRole:
         self.leases = LeaseTable(lease_seconds, clock=time.monotonic)
         self._sweeper: asyncio.Task | None = None
         self._progress: asyncio.Task | None = None
-        # Requests whose decoder is about to read or reading (its first heartbeat arrived); those whose
+        # Requests whose decoder has started reading (its heartbeat, sent beside the READ, arrived); those whose
         # lease has ended (released, expired) are dropped at the progress loop's next check (`_reads_in_flight`).
         self._reading: set[str] = set()
         # Set when a read starts: wakes the transport progress loop at once, instead of after an idle poll (which
@@ -83,8 +83,7 @@ class PrefillRole:
     # -- side channel (event loop) ------------------------------------------------------------------------------
     def heartbeat(self, request_id: str, secret: str) -> Lease:
         """Renew; raises LookupError with the reason when the lease is not live or not the asker's. A decoder sends
-        its first heartbeat when the request reaches it, just before its READ: from then on the transport is
-        progressed for it."""
+        its first heartbeat beside its READ: from then on the transport is progressed for it."""
         lease = self.leases.renew(request_id, secret)
         self._reading.add(request_id)
         if self._read_started is not None:
@@ -145,7 +144,7 @@ class PrefillRole:
     async def _make_progress(self) -> None:
         """On one host, a decoder's READ of our blocks completes only while we poll our transport (measured:
         UCX's control messages travel over loopback TCP), so poll every millisecond while a read may be in flight:
-        from a lease's first heartbeat (a decoder sends it as its READ is about to start) until the lease ends. A lease whose
+        from a lease's first heartbeat (a decoder sends it beside its READ) until the lease ends. A lease whose
         decoder has not started reading needs no polling: in P/D most leases wait for their decode call, and a
         1 kHz poll beside the engine thread cost it ~2% of its step time and the process ~4% of a core."""
         read_started = self._read_started

@@ -226,7 +226,6 @@ class EngineSide:
             while True:
                 message = self.link.recv()
                 if isinstance(message, Submit):
-                    self.decode.expect(message.request)   # a remotely prefilled one: its lease renewed at once
                     self.engine.submit(message.request)
                 elif isinstance(message, Abort):
                     self.engine.abort(message.request_id)

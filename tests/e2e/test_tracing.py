@@ -1,6 +1,6 @@
 """One P/D request through `hybridpd up` with `--otlp-traces-endpoint` on the proxy and every node yields one trace:
 it carries the client's `traceparent` trace id, its spans nest as the request travels (proxy -> prefill node ->
-lease; proxy -> decode node -> lease renewal -> the prefill node's heartbeat; decode node -> pull -> the READ), and their durations add up to what
+lease; proxy -> decode node -> pull -> the prefill node's heartbeat, the READ), and their durations add up to what
 the client measured.
 
 The spans are received by an OTLP/HTTP endpoint served in the test (the processes are separate, so the SDK's in-memory
@@ -37,8 +37,7 @@ NESTING = [  # (span, its parent)
     ("node request/decode", "decode call"),
     ("kv pull", "node request/decode"),
     ("read", "kv pull"),
-    ("lease renewal", "node request/decode"),        # sent when the request arrives, before its pull
-    ("heartbeat (prefill node)", "lease renewal"),
+    ("heartbeat (prefill node)", "kv pull"),
     ("first token/decode", "node request/decode"),
     ("last token/decode", "node request/decode"),
 ]

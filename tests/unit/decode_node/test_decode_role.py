@@ -3,9 +3,7 @@ READ NIXL refuses to cancel, with the READ finishing before, during or after the
 hears exactly one final verdict, never while the READ may still write into the request's blocks, and the request
 is never left without one (a drain that finished during the release once left it hanging).
 Then the heartbeat that runs beside the READ: a lease it contradicts drops the READ, a READ inside the lease's proven
-lifetime does not wait for the Release, and without that proof the Release's answer decides. The first heartbeat goes
-out when the request arrives: its pull uses that answer (a failed one fails it), a stale one is sent again, and one
-no pull takes is dropped."""
+lifetime does not wait for the Release, and without that proof the Release's answer decides."""
 
 from __future__ import annotations
 
@@ -25,8 +23,6 @@ from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.decode_node.role import DecodeRole, PullJob
 from hybridpd.decode_node.peers import PeerCache
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup
-from hybridpd.engine.request import EngineRequest
-from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import KVTransferError
 
@@ -81,10 +77,8 @@ class FakeClient:
                                prompt_digest=prompt_digest(PROMPT[:NUM_TOKENS]))
         self.lost: str | None = None
         self.live = True
-        self.heartbeats = 0
 
     async def heartbeat(self, request_id, secret, trace=None):
-        self.heartbeats += 1
         if self.lost is not None:
             raise KVTransferError("127.0.0.1:1", f"lease lost: {self.lost}")
         return self.lease
@@ -251,7 +245,7 @@ async def test_a_request_that_ends_before_its_pull_releases_the_lease_and_reads_
     """`discard` (the engine thread's call when a remotely prefilled request ends before its pull: its first token
     ended it, or it was aborted while waiting) sends an aborted Release, and no READ starts."""
     role, fabric, core, client, job = await _role()
-    seq = SimpleNamespace(remote_prefill=job.params, request_id=job.request_id)
+    seq = dataclasses.make_dataclass("Seq", ["remote_prefill"])(remote_prefill=job.params)
     role.discard(seq)
     await asyncio.sleep(0)          # the release is posted to the loop from the engine thread
     await _settle(role)
@@ -272,81 +266,3 @@ async def test_a_read_that_never_stops_is_waited_for_boundedly_then_its_peer_is_
     fabric.set_stalled("P", False)
     await role._run(dataclasses.replace(job, request_id="r2"))
     assert core.calls[-1] == "complete_load"
-
-
-def _arrival(job: PullJob) -> EngineRequest:
-    return EngineRequest(request_id=job.request_id, prompt_token_ids=tuple(PROMPT), sampling=SamplingParams(),
-                         kv_transfer=job.params)
-
-
-async def _expect(role: DecodeRole, job: PullJob) -> None:
-    """The request arrives (from the link's thread in a node; the heartbeat is posted to the loop)."""
-    role.expect(_arrival(job))
-    await asyncio.sleep(0)
-    await asyncio.gather(*(e.answer for e in role._early.values()), return_exceptions=True)
-
-
-async def test_the_heartbeat_sent_at_arrival_answers_for_the_pull():
-    role, fabric, core, client, job = await _role()
-    client.lease = dataclasses.replace(client.lease, seconds_left=60.0)
-    await _expect(role, job)
-    assert client.heartbeats == 1
-    await role._run(job)
-    assert core.calls == ["complete_load"] and client.heartbeats == 1 and client.releases == [False]
-    assert not role._early
-
-
-async def test_a_heartbeat_refused_at_arrival_fails_the_pull():
-    role, fabric, core, client, job = await _role()
-    client.lost = "expired"
-    await _expect(role, job)
-    client.lost = None          # too late: the lease had ended when the node asked
-    await role._run(job)
-    await _settle(role)
-    assert core.calls == ["fail_load"] and client.heartbeats == 1 and client.releases == [True]
-
-
-@pytest.mark.parametrize("contradiction", [{"num_tokens": NUM_TOKENS - 1}, {"block_ids": ((1, 2, 4),)}])
-async def test_a_heartbeat_at_arrival_is_checked_against_the_request_like_any(contradiction):
-    role, fabric, core, client, job = await _role()
-    client.lease = dataclasses.replace(client.lease, seconds_left=60.0, **contradiction)
-    await _expect(role, job)
-    await role._run(job)
-    await _settle(role)
-    assert core.calls == ["fail_load"] and client.releases == []
-
-
-async def test_a_stale_heartbeat_from_arrival_is_sent_again(monkeypatch):
-    monkeypatch.setattr("hybridpd.decode_node.role._EARLY_FRESH_S", 0.0)
-    role, fabric, core, client, job = await _role()
-    await _expect(role, job)
-    await role._run(job)
-    assert core.calls == ["complete_load"] and client.heartbeats == 2
-
-
-async def test_heartbeats_from_arrival_that_no_pull_takes_are_dropped(monkeypatch):
-    """A request that ends before its pull (`discard`), or never reaches one (refused, still queued): its early
-    heartbeat is dropped, at once or by the sweep; and arrivals beyond the bound send none."""
-    role, fabric, core, client, job = await _role()
-    seq = SimpleNamespace(remote_prefill=job.params, request_id=job.request_id)
-    await _expect(role, job)
-    role.discard(seq)
-    await asyncio.sleep(0)
-    assert not role._early
-    await _expect(role, dataclasses.replace(job, request_id="queued"))
-    monkeypatch.setattr("hybridpd.decode_node.role._EARLY_FRESH_S", 0.0)
-    role._drop_stale_early()
-    assert not role._early
-    monkeypatch.setattr("hybridpd.decode_node.role._EARLY_MAX", 1)
-    for name in ("a", "b"):
-        await _expect(role, dataclasses.replace(job, request_id=name))
-    assert list(role._early) == ["a"]
-    await role.close()
-    assert not role._early
-
-
-async def test_a_colocated_request_sends_no_heartbeat():
-    role, fabric, core, client, job = await _role()
-    role.expect(dataclasses.replace(_arrival(job), kv_transfer=None))
-    await asyncio.sleep(0)
-    assert not role._early and client.heartbeats == 0
