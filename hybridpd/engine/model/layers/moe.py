@@ -71,7 +71,8 @@ class GraniteMoE(nn.Module):
         self.input_linear = _StackedLinear(num_experts, 2 * intermediate_size, hidden_size, dtype)
         self.output_linear = _StackedLinear(num_experts, hidden_size, intermediate_size, dtype)
         # Up to this many rows a float32 layer runs its experts in one compiled call (fused_moe.py).
-        self.fused_max_rows = rows_worth_fusing(num_experts, top_k, 3 * hidden_size * intermediate_size * num_experts * 4)
+        expert_bytes = 3 * hidden_size * intermediate_size * num_experts * dtype.itemsize
+        self.fused_max_rows = rows_worth_fusing(num_experts, top_k, expert_bytes)
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(rows, self.input_linear.weight[expert]).chunk(2, dim=-1)
