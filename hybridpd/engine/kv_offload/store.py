@@ -179,7 +179,7 @@ class OffloadStore:
                 hashes.add(block_hash)
         for name in list(temporary):
             path = f"{shard.path}/{name}"
-            if now - _path_mtime(path) > STALE_TEMP_S and self._remove(Path(path)):
+            if now - _mtime(path) > STALE_TEMP_S and self._remove(Path(path)):
                 temporary.discard(name)
         listing = _Listing(mtime_ns, names, frozenset(hashes), frozenset(temporary),
                            settled=mtime_ns < (now - SETTLE_S) * 1e9)
@@ -235,13 +235,6 @@ def _block_hash(name: str) -> bytes | None:
         return None
 
 
-def _path_mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
-
-
 def _entries(shard: str) -> list[os.DirEntry]:
     try:
         return list(os.scandir(shard))
@@ -254,8 +247,8 @@ def _files(group_dir: Path) -> Iterator[os.DirEntry]:
         yield from _entries(shard.path)
 
 
-def _mtime(entry: os.DirEntry) -> float:
+def _mtime(path: str | os.DirEntry) -> float:
     try:
-        return entry.stat().st_mtime
+        return os.stat(path).st_mtime
     except OSError:
         return 0.0

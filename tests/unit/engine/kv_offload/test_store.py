@@ -4,6 +4,7 @@ content-addressed, so writers sharing a directory never tear a file; the capacit
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 
