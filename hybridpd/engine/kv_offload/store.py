@@ -190,17 +190,18 @@ class OffloadStore:
         with self._lock:
             if self._used <= self.capacity:
                 return
-        files = sorted(((_mtime(e), group, Path(e.path)) for group, d in enumerate(self._group_dirs)
-                        for e in _files(d) if e.name.endswith(".kv")), key=lambda item: item[0])
+        files = sorted(((_mtime(e), group, Path(e.path), block_hash) for group, d in enumerate(self._group_dirs)
+                        for e in _files(d) if (block_hash := _block_hash(e.name)) is not None),
+                       key=lambda item: item[0])
         target = self.capacity * 9 // 10  # evict a tenth at a time, not a file per write
-        for _, group, path in files:
+        for _, group, path, block_hash in files:
             with self._lock:
                 if self._used <= target:
                     return
             if self._remove(path):
                 with self._lock:
                     self._used -= self.file_bytes(group)
-                self.on_removed(group, bytes.fromhex(path.stem))
+                self.on_removed(group, block_hash)
 
     @staticmethod
     def _remove(path: Path) -> bool:

@@ -88,6 +88,22 @@ def test_capacity_evicts_the_least_recently_used(tmp_path):
     assert s.scan()[0] == {hashes[0], hashes[3], h}
 
 
+def test_eviction_passes_over_a_file_that_only_looks_like_a_block(tmp_path):
+    """A `.kv` name that is not a hash (another tool's file) is no block for the scan, nor for the eviction."""
+    file_size = block_file.HEADER_SIZE + PAGE
+    s = store(tmp_path, capacity=2 * file_size)
+    h, payload = block(1)
+    s.write(0, h, payload)
+    stray = s.path(0, h).with_name("not-a-hash.kv")
+    stray.write_bytes(b"x")
+    os.utime(stray, (time.time() - 3600, time.time() - 3600))   # the oldest file there
+    removed = []
+    s.on_removed = lambda group, block_hash: removed.append(block_hash)
+    for i in (2, 3):
+        s.write(0, *block(i))                 # the third block: over capacity, evicted down to 9/10 of it
+    assert removed == [h, block(2)[0]] and stray.exists()
+
+
 def test_writers_sharing_a_directory_never_tear_a_file(tmp_path):
     stores = [store(tmp_path) for _ in range(4)]
     blocks = [block(i) for i in range(20)]
