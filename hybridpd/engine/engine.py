@@ -19,7 +19,7 @@ from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Medium
 from hybridpd.engine.kv_cache.capacity import capacity_report
-from hybridpd.engine.kv_cache.memory import blocks_for_count, blocks_for_memory
+from hybridpd.engine.kv_cache.memory import KVLayout, blocks_for_count, layout_for_memory
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.kv_offload.identity import group_key, model_key
@@ -104,11 +104,14 @@ class LLMEngine:
         self.groups: tuple[KVCacheGroup, ...] = group_layers(
             self.model.kv_cache_specs(config.cache.block_size, self.mamba_interval)
         )
-        self.num_blocks = self._block_counts()
+        layout = self._layout()
+        self.num_blocks = layout.num_blocks
         self.storage = KVCacheStorage(self.groups, self.num_blocks)
-        for line in capacity_report(self.groups, self.num_blocks, self.max_model_len, config.scheduler.max_num_seqs):
+        for line in capacity_report(self.groups, self.num_blocks, self.max_model_len, config.scheduler.max_num_seqs,
+                                    layout.shared):
             log.info("%s", line)
-        self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache)
+        self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache, shared=layout.shared,
+                                 on_release=self.storage.release)
         align = has_mamba and config.cache.mamba_cache_mode is MambaCacheMode.ALIGN
         self.scheduler = Scheduler(
             config.scheduler,
@@ -128,14 +131,14 @@ class LLMEngine:
         self.stats = EngineStats()
         self.refresh_stats()
 
-    def _block_counts(self) -> tuple[int, ...]:
+    def _layout(self) -> KVLayout:
         cache, seqs = self.config.cache, self.config.scheduler.max_num_seqs
         mode = cache.mamba_cache_mode if cache.enable_prefix_caching else MambaCacheMode.NONE
         if cache.num_blocks is not None:
-            return blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs, mamba_cache_mode=mode,
-                                    mamba_budget=cache.mamba_cache_budget)
+            return KVLayout(blocks_for_count(self.groups, cache.num_blocks, max_num_seqs=seqs, mamba_cache_mode=mode,
+                                             mamba_budget=cache.mamba_cache_budget))
         memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        return blocks_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode,
+        return layout_for_memory(self.groups, memory, max_num_seqs=seqs, mamba_cache_mode=mode,
                                  mamba_budget=cache.mamba_cache_budget, max_model_len=self.max_model_len)
 
     def _storage_tier(self) -> OffloadTier:

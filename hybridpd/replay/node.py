@@ -16,7 +16,7 @@ import torch
 from hybridpd.config import CacheConfig
 from hybridpd.engine.kv_cache.cache_types import StepBlocks
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
-from hybridpd.engine.kv_cache.memory import blocks_for_memory
+from hybridpd.engine.kv_cache.memory import SharedMemory, layout_for_memory
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, group_layers
 from hybridpd.engine.model.loader import read_model_config
 from hybridpd.kv_events.groups import GroupInfo
@@ -49,6 +49,7 @@ class NodeLayout:
     groups: tuple[KVCacheGroup, ...]
     num_blocks: tuple[int, ...]
     cache: CacheConfig
+    shared: SharedMemory | None = None
 
     @classmethod
     def of(cls, model_dir: Path, memory: int, block_size: int, max_num_seqs: int, max_model_len: int) -> NodeLayout:
@@ -58,10 +59,11 @@ class NodeLayout:
         interval = math.lcm(block_size, config.mamba_chunk_size) if config.has_mamba else block_size
         groups = group_layers(model.kv_cache_specs(block_size, interval))
         try:
-            counts = blocks_for_memory(groups, memory, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+            layout = layout_for_memory(groups, memory, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         except ValueError as exc:
             raise SimulationError(str(exc)) from exc
-        return cls(groups, counts, CacheConfig(block_size=block_size, enable_kv_cache_events=True))
+        return cls(groups, layout.num_blocks, CacheConfig(block_size=block_size, enable_kv_cache_events=True),
+                   layout.shared)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class SimNode:
     index: NodeIndex = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kv = KVCacheManager(self.layout.groups, self.layout.num_blocks, replace(self.layout.cache))
+        self.kv = KVCacheManager(self.layout.groups, self.layout.num_blocks, replace(self.layout.cache),
+                                 shared=self.layout.shared)
         self._infos = [GroupInfo.of(i, g) for i, g in enumerate(self.layout.groups)]
         self.index = NodeIndex(self._infos, self.holders)
         if self.storage is not None:

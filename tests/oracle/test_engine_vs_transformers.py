@@ -4,7 +4,7 @@ At every step, each logits row the engine samples from must be within 1e-4 of th
 position of the final sequence, and greedy tokens must be identical. Scenarios: one request, 8 concurrent
 requests of different lengths (also with every projection of a few rows through the few-rows kernel), one batched
 prefill step of 627 rows, chunked prefill under a small token budget, a request that hits the prefix cache in every
-group kind, and preempted-and-resumed requests.
+group kind, preempted-and-resumed requests, and groups that trade one tight memory budget back and forth.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.presets.checkpoints import write_checkpoint
 from hybridpd.engine.request import EngineRequest
@@ -175,4 +176,32 @@ def test_preempted_requests_resume_correctly(tiny):
     outputs = run(engine, requests, max_tokens=16)
     assert preempted, "the scenario must preempt at least one request"
     check_against_reference(reference, requests, outputs, recorder)
+    assert_drained(engine)
+
+
+def test_groups_that_share_a_tight_budget_trade_blocks_both_ways_and_stay_exact(tiny, monkeypatch):
+    """180 KB for the tiny model's groups (a Mamba slot is 21 KB, a token of attention 0.75 KB): admissions take
+    Mamba slots from cached attention blocks, and growing prompts take attention blocks from Mamba slots."""
+    model_dir, reference = tiny
+    released: list[tuple[int, int]] = []
+    original = KVCacheStorage.release
+
+    def spy(storage: KVCacheStorage, group: int, block: int) -> None:
+        released.append((group, block))
+        original(storage, group, block)
+
+    monkeypatch.setattr(KVCacheStorage, "release", spy)
+    recorder = Recorder()
+    config = EngineConfig(
+        model_dir=model_dir,
+        cache=CacheConfig(block_size=4, kv_cache_memory=180_000),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=128),
+    )
+    engine = LLMEngine(config, logits_hook=recorder)
+    shared = prompt(40, 24)
+    requests = {f"s{i}": shared + prompt(41 + i, 4 + 5 * i) for i in range(6)}
+    outputs = run(engine, requests, max_tokens=16)
+    check_against_reference(reference, requests, outputs, recorder)
+    kinds = {engine.groups[g].spec.kind for g, _ in released}
+    assert "mamba" in kinds and kinds & {"full_attention", "sliding_window"}, kinds
     assert_drained(engine)

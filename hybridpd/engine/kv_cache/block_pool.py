@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from hybridpd.engine.kv_cache.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from hybridpd.engine.kv_cache.budget import PageBudget
 
 NULL_BLOCK_ID = 0
 
@@ -25,15 +29,32 @@ class KVCacheInvariantError(AssertionError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_removed: Callable[[BlockHash], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, on_removed: Callable[[BlockHash], None] | None = None, *,
+                 budget: PageBudget | None = None, page_bytes: int = 0,
+                 on_released: Callable[[int], None] | None = None, cached_cap: int | None = None) -> None:
+        """`budget`: share it with other pools (blocks of `page_bytes` each, none resident yet); `cached_cap`: a
+        best-effort allocation grows the pool only while it holds fewer cached blocks than this."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        if budget is not None and page_bytes < 1:
+            raise ValueError(f"a pool that shares a budget needs its page size, got {page_bytes}")
         self._size = num_blocks
         self._refs = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._on_removed = on_removed
+        self.page_bytes = page_bytes
+        self._budget = budget
+        self._on_released = on_released
+        self._cached_cap = cached_cap
+        if budget is None:
+            self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+            self._spare: list[int] = []
+        else:
+            self._free = OrderedDict()
+            self._spare = list(range(num_blocks - 1, 0, -1))   # popped lowest first
+            budget.join(self)
+        self._uncached_free = len(self._free)
 
     @property
     def num_blocks(self) -> int:
@@ -42,7 +63,43 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks an allocation could take now (cached ones included: they are evictable)."""
+        if self._budget is None:
+            return len(self._free)
+        return len(self._free) + self._growth(self._budget.reclaimable(self, cached=True))
+
+    def available(self, *, best_effort: bool) -> int:
+        """`num_free`, or for a best-effort allocation: without other pools' cached blocks, below the cap."""
+        if not best_effort or self._budget is None:
+            return self.num_free
+        if not self._may_grow_best_effort():
+            return len(self._free)
+        return len(self._free) + self._growth(self._budget.reclaimable(self, cached=False))
+
+    def _growth(self, reclaimable: int) -> int:
+        assert self._budget is not None
+        return min(len(self._spare), (self._budget.room + reclaimable) // self.page_bytes)
+
+    def _may_grow_best_effort(self) -> bool:
+        return self._cached_cap is None or len(self._cached) < self._cached_cap
+
+    @property
+    def num_resident_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_uncached_free(self) -> int:
+        return self._uncached_free
+
+    @property
+    def num_spare(self) -> int:
+        """Ids not resident: what the pool could still grow by."""
+        return len(self._spare)
+
+    @property
+    def num_held(self) -> int:
+        """Blocks with a reference."""
+        return self._size - 1 - len(self._free) - len(self._spare)
 
     @property
     def num_cached(self) -> int:
@@ -70,25 +127,70 @@ class BlockPool:
             if b == NULL_BLOCK_ID:
                 continue
             if self._refs[b] == 0:
-                del self._free[b]
+                self._dequeue(b)
             self._refs[b] += 1
 
-    def allocate(self, n: int) -> list[int]:
-        """n blocks with reference 1, evicting (un-hashing) cached ones as needed. Caller checks `num_free`."""
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks, only {len(self._free)} free")
+    def allocate(self, n: int, *, best_effort: bool = False) -> list[int]:
+        """n blocks with reference 1, evicting (un-hashing) cached ones as needed (budget.py says in which order).
+        Caller checks `num_free` (or `available(best_effort=True)`)."""
+        if n > self.available(best_effort=best_effort):
+            raise ValueError(f"cannot allocate {n} blocks, only {self.available(best_effort=best_effort)} free")
         out = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            old = self._hashes[b]
-            if old is not None:
-                del self._cached[old]
-                self._hashes[b] = None
-                if self._on_removed is not None:
-                    self._on_removed(old)
+            b = self._take(best_effort)
             self._refs[b] = 1
             out.append(b)
         return out
+
+    def _take(self, best_effort: bool) -> int:
+        budget = self._budget
+        if self._free and self._hashes[next(iter(self._free))] is None:
+            return self._pop_front()
+        if budget is not None and self._spare and (not best_effort or self._may_grow_best_effort()) \
+                and budget.make_room(self, self.page_bytes, cached=False):
+            return self._grow()
+        if self._free:
+            return self._pop_front()
+        if budget is not None and self._spare and not best_effort \
+                and budget.make_room(self, self.page_bytes, cached=True):
+            return self._grow()
+        raise ValueError("no free block (allocate checks the count first: a bookkeeping bug)")
+
+    def _grow(self) -> int:
+        assert self._budget is not None
+        self._budget.used += self.page_bytes
+        return self._spare.pop()
+
+    def _pop_front(self) -> int:
+        """The first free block, un-hashed."""
+        b = next(iter(self._free))
+        self._dequeue(b)
+        old = self._hashes[b]
+        if old is not None:
+            del self._cached[old]
+            self._hashes[b] = None
+            if self._on_removed is not None:
+                self._on_removed(old)
+        return b
+
+    def _dequeue(self, b: int) -> None:
+        del self._free[b]
+        if self._hashes[b] is None:
+            self._uncached_free -= 1
+
+    def give_back(self, *, uncached_only: bool) -> bool:
+        """Hand the first free block's bytes back to the budget (False if there is none, or it is cached and
+        `uncached_only`): its hash stops being a hit and its memory is released."""
+        if self._budget is None or not self._free:
+            return False
+        if uncached_only and self._hashes[next(iter(self._free))] is not None:
+            return False
+        b = self._pop_front()
+        self._spare.append(b)
+        self._budget.used -= self.page_bytes
+        if self._on_released is not None:
+            self._on_released(b)
+        return True
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in order: of the cached ones, the first given is evicted first."""
@@ -102,6 +204,7 @@ class BlockPool:
                 self._free[b] = None
                 if self._hashes[b] is None:
                     self._free.move_to_end(b, last=False)
+                    self._uncached_free += 1
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a held block under its hash. True if that made a new hit; False (and no change) if the block is
@@ -122,6 +225,7 @@ class BlockPool:
                 del self._cached[h]
                 self._hashes[b] = None
                 self._free.move_to_end(b, last=False)
+                self._uncached_free += 1
                 if self._on_removed is not None:
                     self._on_removed(h)
 
@@ -130,14 +234,20 @@ class BlockPool:
         if self._refs[NULL_BLOCK_ID] != 0 or NULL_BLOCK_ID in self._free or self._hashes[NULL_BLOCK_ID] is not None:
             raise KVCacheInvariantError("the null block was freed, referenced or hashed")
         refs = Counter({b: n for b, n in expected_refs.items() if b != NULL_BLOCK_ID})
+        spare = set(self._spare)
         for b in range(1, self._size):
             if self._refs[b] != refs.get(b, 0):
                 raise KVCacheInvariantError(f"block {b}: reference count {self._refs[b]} but {refs.get(b, 0)} owners")
-            if (self._refs[b] == 0) != (b in self._free):
+            if (self._refs[b] == 0) != (b in self._free or b in spare):
                 raise KVCacheInvariantError(f"block {b}: reference count {self._refs[b]}, in free queue: {b in self._free}")
         used = sum(1 for b in range(1, self._size) if self._refs[b] > 0)
-        if used + len(self._free) != self.num_blocks:
-            raise KVCacheInvariantError(f"free {len(self._free)} + used {used} != total {self.num_blocks}")
+        if used + len(self._free) + len(self._spare) != self.num_blocks:
+            raise KVCacheInvariantError(
+                f"free {len(self._free)} + used {used} + not resident {len(self._spare)} != total {self.num_blocks}")
+        if any(self._refs[b] or self._hashes[b] is not None or b in self._free for b in self._spare):
+            raise KVCacheInvariantError("a block that is not resident is referenced, hashed or queued as free")
+        if sum(1 for b in self._free if self._hashes[b] is None) != self._uncached_free:
+            raise KVCacheInvariantError(f"the count of uncached free blocks ({self._uncached_free}) is wrong")
         for h, b in self._cached.items():
             if self._hashes[b] != h:
                 raise KVCacheInvariantError(f"hash map points at block {b}, which holds another hash")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from hybridpd.engine.kv_cache.memory import SharedMemory, request_attention_bytes
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 
 
 def capacity_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], max_model_len: int,
-                    max_num_seqs: int) -> list[str]:
+                    max_num_seqs: int, shared: SharedMemory | None = None) -> list[str]:
     """One line per group, then the summary: KV cache size in tokens, and the maximum concurrency for requests of
     `max_model_len` tokens (full attention limits it; a window needs only its window's blocks per request)."""
+    if shared is not None:
+        return _shared_report(groups, num_blocks, max_model_len, max_num_seqs, shared)
     lines, limits = [], []
     total_bytes = sum(n * g.page_size_bytes for n, g in zip(num_blocks, groups))
     for gid, (group, n) in enumerate(zip(groups, num_blocks)):
@@ -32,4 +35,28 @@ def capacity_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...
     concurrency = min(limits) if limits else 0
     lines.append(f"KV cache size: {size} in {total_bytes / 2**20:.1f} MiB; maximum concurrency for "
                  f"{max_model_len:,} tokens per request: {concurrency}x")
+    return lines
+
+
+def _shared_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], max_model_len: int,
+                   max_num_seqs: int, shared: SharedMemory) -> list[str]:
+    """Groups that share one budget: what each could hold alone, and how many requests fit side by side."""
+    lines = []
+    for gid, (group, n) in enumerate(zip(groups, num_blocks)):
+        spec, page = group.spec, group.page_size_bytes
+        name = f"KV cache group {gid} ({spec.kind}, {len(group.layer_ids)} layers)"
+        if isinstance(spec, MambaSpec):
+            lines.append(f"{name}: state slots of {page / 2**20:.1f} MiB taken from the shared memory as requests are "
+                         f"admitted, up to {n - 1}; cached prefixes up to {shared.mamba_cached_cap} states, each at "
+                         f"a multiple of {spec.block_size} tokens")
+        else:
+            lines.append(f"{name}: blocks of {spec.block_size} tokens ({page / 2**10:.0f} KiB) from the shared "
+                         f"memory, up to {n - 1} = {(n - 1) * spec.block_size:,} tokens")
+    mamba = sum(g.page_size_bytes for g in groups if isinstance(g.spec, MambaSpec))
+    per_request = request_attention_bytes(groups, max_model_len) + mamba
+    attention = [(n - 1) * g.spec.block_size for n, g in zip(num_blocks, groups) if isinstance(g.spec, FullAttentionSpec)]
+    size = f"{min(attention):,} tokens" if attention else "no full-attention tokens"
+    lines.append(f"KV cache size: {size} in {shared.capacity / 2**20:.1f} MiB shared by every group (no running "
+                 f"slot set aside; --max-num-seqs {max_num_seqs}); maximum concurrency for {max_model_len:,} tokens "
+                 f"per request: {shared.capacity // per_request}x")
     return lines

@@ -7,12 +7,18 @@ every step, and `free` when the request finishes, aborts, fails or is preempted.
 node's KV event publisher. With a storage tier (`use_storage`), `storage_hit` extends a memory hit over what the tier
 holds, `storage_sources` names the blocks to read for it, and `take_new_cached` lists the blocks that became hits
 since the last call (for the tier's write-behind).
+
+With `shared` memory (memory.py's sizing from one budget), the groups' pools draw from one `PageBudget` instead of
+holding fixed block counts (budget.py): a step fits when the budget covers every group's new blocks together.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hybridpd.config import CacheConfig, MambaCacheMode
 from hybridpd.engine.kv_cache.block_pool import BlockPool, KVCacheInvariantError
+from hybridpd.engine.kv_cache.budget import PageBudget
 from hybridpd.engine.kv_cache.cache_types import CacheHit, CacheRequest, GroupStats, MambaStepOps, StepBlocks
 from hybridpd.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridpd.engine.kv_cache.hashing import BlockHash, RequestBlockHashes
@@ -20,6 +26,7 @@ from hybridpd.engine.kv_cache.hit_search import find_common_hit
 from hybridpd.engine.kv_cache.offload_hits import StorageIndex, WithStorage
 from hybridpd.engine.kv_cache.mamba import MambaManager
 from hybridpd.engine.kv_cache.managers import make_manager
+from hybridpd.engine.kv_cache.memory import SharedMemory
 from hybridpd.engine.kv_cache.single_type import TokenRange
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
 from hybridpd.engine.kv_cache.validation import validate_layout
@@ -28,13 +35,16 @@ __all__ = ["CacheHit", "CacheRequest", "GroupStats", "KVCacheManager", "MambaSte
 
 
 class KVCacheManager:
-    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig) -> None:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], config: CacheConfig, *,
+                 shared: SharedMemory | None = None, on_release: Callable[[int, int], None] | None = None) -> None:
+        """`on_release(group, block)`: a shared pool gave the block's memory back (the storage returns its pages)."""
         validate_layout(groups, num_blocks, config)
         self.groups = groups
         self.config = config
         self.caching = config.enable_prefix_caching
         self._events: list[KVCacheEvent] | None = [] if config.enable_kv_cache_events else None
-        self._pools = tuple(BlockPool(n, self._removal_recorder(g)) for g, n in enumerate(num_blocks))
+        self._budget = PageBudget(shared.capacity) if shared is not None else None
+        self._pools = tuple(self._pool(g, n, shared, on_release) for g, n in enumerate(num_blocks))
         self._managers = tuple(
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g), config=config)
             for g, pool in zip(groups, self._pools)
@@ -55,6 +65,15 @@ class KVCacheManager:
         self._queries = [0] * len(groups)
         self._query_tokens = [0] * len(groups)
         self._hit_tokens = [0] * len(groups)
+
+    def _pool(self, g: int, n: int, shared: SharedMemory | None,
+              on_release: Callable[[int, int], None] | None) -> BlockPool:
+        if shared is None:
+            return BlockPool(n, self._removal_recorder(g))
+        cap = shared.mamba_cached_cap if isinstance(self.groups[g].spec, MambaSpec) else None
+        release = (lambda block: on_release(g, block)) if on_release is not None else None
+        return BlockPool(n, self._removal_recorder(g), budget=self._budget, page_bytes=self.groups[g].page_size_bytes,
+                         on_released=release, cached_cap=cap)
 
     def _removal_recorder(self, group_idx: int):
         events = self._events
@@ -199,10 +218,12 @@ class KVCacheManager:
         chains = self._chains(req)
         hit_blocks = hit.blocks if first and hit is not None else ((),) * len(self._managers)
         plans = [m.plan(rid, hit_blocks[g], tokens, chains[g]) for g, m in enumerate(self._managers)]
-        for p, pool in zip(plans, self._pools):
-            if p.free_blocks_needed(pool) > pool.num_free:
-                return None
+        if not self._fits(plans):
+            return None
+        for p, pool in zip(plans, self._pools):   # every group's hit first: no group's allocation may evict it
+            pool.touch(p.touched)
         steps = [m.apply(rid, p) for m, p in zip(self._managers, plans)]
+        steps = [m.add_saves(rid, p, s) for m, p, s in zip(self._managers, plans, steps)]   # best effort, last
         self._next_start[rid] = start
         self._forget_quiet(rid)
         if first:
@@ -229,6 +250,11 @@ class KVCacheManager:
                     self._new_cached.extend((g, hashes[i], pool.lookup(hashes[i])) for i in stored)
             self._quiet_blocks.pop(rid, None)
         self._next_start[rid] = max(self._next_start[rid], num_computed_tokens)
+
+    def _fits(self, plans: list) -> bool:
+        if self._budget is None:
+            return all(p.free_blocks_needed(pool) <= pool.num_free for p, pool in zip(plans, self._pools))
+        return self._budget.fits({pool: p.free_blocks_needed(pool) for p, pool in zip(plans, self._pools)})
 
     def _quiet_step_blocks(self, rid: str) -> StepBlocks:
         blocks = self._quiet_blocks.get(rid)
@@ -278,6 +304,9 @@ class KVCacheManager:
         return self._pools[group_id].cached_hashes()
 
     def usage(self) -> float:
+        """The share of the cache that requests hold (shared memory: of the budget's bytes; else the fullest group)."""
+        if self._budget is not None:
+            return self._budget.held_bytes() / self._budget.capacity
         return max(1 - p.num_free / p.num_blocks for p in self._pools)
 
     def stats(self) -> tuple[GroupStats, ...]:
@@ -296,6 +325,11 @@ class KVCacheManager:
             if stray:
                 raise KVCacheInvariantError(f"group {g} holds blocks for unknown requests {sorted(stray)}")
             pool.check_invariants(m.owned())
+        if self._budget is not None:
+            resident = sum((p.num_blocks - p.num_spare) * p.page_bytes for p in self._pools)
+            if resident != self._budget.used or resident > self._budget.capacity:
+                raise KVCacheInvariantError(f"the pools hold {resident} B, the budget counts {self._budget.used} B "
+                                            f"of {self._budget.capacity}")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash of a free block (blocks held by running requests keep theirs). When no hash is

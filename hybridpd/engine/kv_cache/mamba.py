@@ -82,21 +82,30 @@ class MambaManager(SingleTypeManager):
         return tuple(out)
 
     def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
-        if not (plan.append or plan.load or plan.saves) and plan.copy_from is None:  # a step inside one interval
+        if not (plan.append or plan.load) and plan.copy_from is None:  # a step inside one interval, or saves only
             slot = self._tables[request_id][0]
             return GroupStep(table=(slot,), mamba=MambaStepOps(state_slot=slot, copy_from=None, saves=()), load=())
         step = super().apply(request_id, plan)
         (slot,) = step.table
         if plan.copy_from is not None:
             self._copy_from[request_id] = plan.copy_from
+        ops = MambaStepOps(state_slot=slot, copy_from=plan.copy_from, saves=())
+        return GroupStep(table=step.table, mamba=ops, load=tuple((0, slot) for _ in plan.load))
+
+    def add_saves(self, request_id: str, plan: GroupPlan, step: GroupStep) -> GroupStep:
+        """Slots for the plan's saves, as many as are free beyond the running slots owed to this step's admissions."""
+        if not plan.saves:
+            return step
         pending = self._saves.setdefault(request_id, [])
         owed = max(0, self._owed - (len(self._tables) - self._tables_before))
-        wanted = plan.saves[: max(0, self.pool.num_free - owed)]
-        slots = self.pool.allocate(len(wanted))
-        saves = tuple((n, s) for (n, _), s in zip(wanted, slots))
+        wanted = plan.saves[: max(0, self.pool.available(best_effort=True) - owed)]
+        slots = self.pool.allocate(len(wanted), best_effort=True)
         pending.extend((n, s, h) for (n, h), s in zip(wanted, slots))
-        ops = MambaStepOps(state_slot=slot, copy_from=plan.copy_from, saves=saves)
-        return GroupStep(table=step.table, mamba=ops, load=tuple((0, slot) for _ in plan.load))
+        assert step.mamba is not None
+        saves = tuple((n, s) for (n, _), s in zip(wanted, slots))
+        return GroupStep(table=step.table, mamba=MambaStepOps(state_slot=step.mamba.state_slot,
+                                                              copy_from=step.mamba.copy_from, saves=saves),
+                         load=step.load)
 
     def expect_admissions(self, n: int) -> None:
         """Up to `n` more requests may get a running slot in this step: until they have, saves leave that many

@@ -1,5 +1,10 @@
 """How many blocks each group gets, from one `--kv-cache-memory` budget or an explicit attention block count.
 
+A model with both Mamba and attention groups shares its budget (`layout_for_memory`, budget.py): nothing is set
+aside per group, each group has ids for as many blocks as it could ever hold, and a Mamba running slot is paid for
+when its request is admitted. The fixed split below (`blocks_for_memory`) serves the other models, and the
+comparison in benchmarks/kv_capacity.py:
+
 Every count includes the null block. One request of the max model length comes first: its attention blocks (a
 window's only, for a sliding-window group) and one Mamba slot are set aside before anything else, and a budget that
 cannot hold them is refused with a message naming `--kv-cache-memory` and `--max-model-len` (vLLM refuses the same
@@ -124,6 +129,53 @@ def blocks_for_memory(groups: tuple[KVCacheGroup, ...], memory_bytes: int, *, ma
     return tuple(
         1 + split.running + cached if _is_mamba(g) else 1 + max(1, tokens // g.spec.block_size) for g in groups
     )
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    """Pools that draw from one budget of `capacity` bytes (the null blocks beside it). A best-effort Mamba save grows
+    its pool only while it holds fewer than `mamba_cached_cap` cached states (`--mamba-cache-budget` of the bytes)."""
+
+    capacity: int
+    mamba_cached_cap: int
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Block ids per group (null included) and, when the groups share their memory, the budget they share."""
+
+    num_blocks: tuple[int, ...]
+    shared: SharedMemory | None = None
+
+
+def layout_for_memory(groups: tuple[KVCacheGroup, ...], memory_bytes: int, *, max_num_seqs: int,
+                      mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+                      mamba_budget: float = DEFAULT_MAMBA_CACHE_BUDGET,
+                      max_model_len: int | None = None) -> KVLayout:
+    """Shared memory for a model with Mamba and attention groups: a Mamba group's ids cover every byte but one block
+    of each attention group, an attention group's the tokens every attention group could hold at once; with
+    `max_model_len`, one request of that length must fit (else ValueError says what would). Other models get
+    `blocks_for_memory`'s fixed counts."""
+    mamba_pages = sum(g.page_size_bytes for g in groups if _is_mamba(g))
+    attention_pages = sum(g.page_size_bytes for g in groups if not _is_mamba(g))
+    if not (mamba_pages and attention_pages):
+        return KVLayout(blocks_for_memory(groups, memory_bytes, max_num_seqs=max_num_seqs,
+                                          mamba_cache_mode=mamba_cache_mode, mamba_budget=mamba_budget,
+                                          max_model_len=max_model_len))
+    _split(groups, memory_bytes, max_num_seqs)   # refuses a budget without one block per group and the nulls
+    if max_model_len is not None:
+        _check_fits(groups, memory_bytes, max_model_len)
+    capacity = memory_bytes - mamba_pages - attention_pages   # the null blocks are set aside
+    caching = mamba_cache_mode is MambaCacheMode.ALIGN
+    # an attention group never needs more tokens than every attention group could hold at once beside one Mamba slot
+    # (nor fewer than one request of the max length)
+    tokens = max(int((capacity - mamba_pages) / attention_bytes_per_token(groups)), max_model_len or 0)
+    counts = tuple(
+        1 + (capacity - attention_pages) // mamba_pages if _is_mamba(g) else 1 + max(1, -(-tokens // g.spec.block_size))
+        for g in groups
+    )
+    cap = int(capacity * mamba_budget) // mamba_pages if caching else 0
+    return KVLayout(counts, SharedMemory(capacity=capacity, mamba_cached_cap=cap))
 
 
 def blocks_for_count(groups: tuple[KVCacheGroup, ...], num_blocks: int, *, max_num_seqs: int,

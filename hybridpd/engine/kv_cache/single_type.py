@@ -115,16 +115,20 @@ class SingleTypeManager(abc.ABC):
         """What this call needs; reads the pool, changes nothing."""
 
     def apply(self, request_id: str, plan: GroupPlan) -> GroupStep:
+        """The plan's required blocks (its touched ones must be referenced first: the coordinator does it)."""
         table = self._tables.get(request_id)
         if table is None:
             table = self._tables[request_id] = []
             self._num_hashed[request_id] = 0
-        if plan.append or plan.copy_from is not None:  # else nothing to touch or allocate (most decode steps)
-            self.pool.touch(plan.touched)   # before allocating, so that no touched block is evicted
+        if plan.append:   # the plan's `touched` blocks are referenced already (by the coordinator, for all groups)
             fresh = iter(self.pool.allocate(plan.append.count(FRESH)))
             table.extend(next(fresh) if b == FRESH else b for b in plan.append)
         load = tuple((i, table[i]) for i in plan.load) if plan.load else ()
         return GroupStep(table=tuple(table), mamba=None, load=load)
+
+    def add_saves(self, request_id: str, plan: GroupPlan, step: GroupStep) -> GroupStep:
+        """The plan's best-effort allocations, after every group's required ones (only Mamba has any)."""
+        return step
 
     def quiet(self, request_id: str, start: int, end: int) -> bool:
         """True if a later step computing tokens [start, end) needs no new block here and its commit (at `end`)

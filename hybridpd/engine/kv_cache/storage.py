@@ -2,15 +2,17 @@
 
 `tensors[g][block]` is one contiguous page holding that block for every layer of group g. Per-layer K/V and
 conv/ssm views are reinterpretations of the same memory; the connector registers `tensors` as they are.
-Memory comes from numpy (large numpy allocations are advised onto huge pages, which UCX reads fastest).
+Memory comes from anonymous mappings, advised onto huge pages (which UCX reads fastest) and touched only when a block
+is first written: groups that share one budget (budget.py) have more block ids than memory, and `release` returns a
+block's pages to the operating system when its group gives the block's bytes to another group.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec
@@ -28,8 +30,10 @@ class KVCacheStorage:
             raise ValueError(f"{len(groups)} groups but {len(num_blocks)} block counts")
         self.groups = groups
         self.num_blocks = num_blocks
+        self._maps = tuple(_anonymous(n * g.page_size_bytes) for g, n in zip(groups, num_blocks))
         self.tensors: tuple[torch.Tensor, ...] = tuple(
-            torch.from_numpy(np.zeros((n, g.page_size_bytes), dtype=np.int8)) for g, n in zip(groups, num_blocks)
+            torch.frombuffer(m, dtype=torch.int8).view(n, g.page_size_bytes)
+            for m, g, n in zip(self._maps, groups, num_blocks)
         )
         self._slots = {
             layer: LayerSlot(gid, i) for gid, g in enumerate(groups) for i, layer in enumerate(g.layer_ids)
@@ -94,3 +98,20 @@ class KVCacheStorage:
 
     def copy_block(self, group_id: int, src: int, dst: int) -> None:
         self.tensors[group_id][dst].copy_(self.tensors[group_id][src])
+
+    def release(self, group_id: int, block: int) -> None:
+        """Return the memory pages that lie wholly inside the block to the operating system (they read as zeros when
+        the block is used again)."""
+        page = self.groups[group_id].page_size_bytes
+        start = -(-block * page // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (block + 1) * page // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._maps[group_id].madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """`size` bytes of zeros that take memory only where they are written."""
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return region

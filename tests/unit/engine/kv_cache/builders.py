@@ -8,6 +8,7 @@ import torch
 
 from hybridpd.config import CacheConfig, MambaCacheMode, MambaRetentionPolicy
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
+from hybridpd.engine.kv_cache.memory import SharedMemory
 from hybridpd.engine.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -37,12 +38,21 @@ def groups_of(*specs: KVCacheSpec) -> tuple[KVCacheGroup, ...]:
 
 def manager(*specs: KVCacheSpec, blocks: int | tuple[int, ...] = 64, caching: bool = True,
             mode: MambaCacheMode = MambaCacheMode.ALIGN, events: bool = False,
-            retention: MambaRetentionPolicy = MambaRetentionPolicy.EVERY) -> KVCacheManager:
-    """A manager over `specs` (Mamba states saved at every boundary unless `retention` says otherwise)."""
+            retention: MambaRetentionPolicy = MambaRetentionPolicy.EVERY,
+            shared_cap: int | None = None, shared_share: float = 1.0) -> KVCacheManager:
+    """A manager over `specs` (Mamba states saved at every boundary unless `retention` says otherwise). With
+    `shared_cap`, the groups share `shared_share` of the memory that `blocks` would take (and Mamba pools grow for
+    saves only below that many cached states)."""
     counts = blocks if isinstance(blocks, tuple) else (blocks,) * len(specs)
     config = CacheConfig(block_size=min(s.block_size for s in specs), enable_prefix_caching=caching,
                          mamba_cache_mode=mode, enable_kv_cache_events=events, mamba_retention=retention)
-    return KVCacheManager(groups_of(*specs), counts, config)
+    groups = groups_of(*specs)
+    if shared_cap is None:
+        return KVCacheManager(groups, counts, config)
+    pages = [g.page_size_bytes for g in groups]
+    capacity = max(sum(pages), int(shared_share * sum((n - 1) * p for n, p in zip(counts, pages))))
+    virtual = tuple(1 + capacity // g.page_size_bytes for g in groups)
+    return KVCacheManager(groups, virtual, config, shared=SharedMemory(capacity=capacity, mamba_cached_cap=shared_cap))
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Random histories against a brute-force reference: hits, hit blocks, and what the blocks hold.
+"""Random histories against a brute-force reference: hits, hit blocks, and what the blocks hold; with fixed pools
+and with pools that share one budget (a block that moved to another group and back must never serve a stale hit).
 
 The reference tries every hit length from the longest down and checks each deciding group plainly; a shadow
 map records which token prefix each block was last written with, so a hit on a block with the wrong contents
@@ -127,7 +128,9 @@ def snapshot(m, running):
 @given(layout=layouts(), data=st.data())
 def test_random_histories_match_the_reference(layout, data):
     specs, blocks = layout
-    m = manager(*specs, blocks=blocks, retention=data.draw(st.sampled_from(list(MambaRetentionPolicy))))
+    m = manager(*specs, blocks=blocks, retention=data.draw(st.sampled_from(list(MambaRetentionPolicy))),
+                shared_cap=data.draw(st.sampled_from([None, None, 0, 2, 100])),
+                shared_share=data.draw(st.sampled_from([1.0, 0.5, 0.25])))
     shadow = Shadow(specs)
     bases = [data.draw(st.lists(st.integers(0, 9), min_size=8, max_size=70)) for _ in range(2)]
     running: dict[str, Req] = {}

@@ -1,0 +1,75 @@
+"""One byte budget that block pools of different page sizes share: memory goes to whichever group needs it.
+
+Each pool sharing a budget has a *virtual* range of block ids, more than the budget could hold at once; a block
+is *resident* (it counts against the budget) from its first allocation until the pool gives it back. Nothing is
+set aside per group at start-up: a Mamba running slot is taken as its request is admitted, attention blocks as
+tokens arrive, and a cached block of one group is reclaimed when another group needs the bytes (its physical pages
+go back to the operating system, `on_released`). There is no fragmentation to manage: block ids are virtual, so a
+21 MiB Mamba slot can be paid for with any 170 free attention blocks, wherever they sit.
+
+Where a block comes from, cheapest first (`BlockPool.allocate`): the pool's own uncached free blocks, the budget's
+unused bytes, other pools' uncached free blocks, the pool's own cached blocks (its LRU), then other pools' cached
+blocks (each pool's LRU, the pool with the most free bytes first). A best-effort allocation (a Mamba state saved for
+the prefix cache) never takes another pool's cached blocks, and grows its pool only below the pool's cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridpd.engine.kv_cache.block_pool import BlockPool
+
+
+class PageBudget:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"a page budget needs at least one byte, got {capacity_bytes}")
+        self.capacity = capacity_bytes
+        self.used = 0
+        self.pools: list[BlockPool] = []
+
+    def join(self, pool: BlockPool) -> None:
+        self.pools.append(pool)
+
+    @property
+    def room(self) -> int:
+        """Bytes no pool holds."""
+        return self.capacity - self.used
+
+    def held_bytes(self) -> int:
+        """Bytes of blocks that requests hold (resident and referenced)."""
+        return sum(p.num_held * p.page_bytes for p in self.pools)
+
+    def reclaimable(self, besides: BlockPool, *, cached: bool) -> int:
+        """Bytes the other pools' free blocks would give (only their uncached ones unless `cached`)."""
+        return sum((p.num_resident_free if cached else p.num_uncached_free) * p.page_bytes
+                   for p in self.pools if p is not besides)
+
+    def fits(self, demands: Mapping[BlockPool, int]) -> bool:
+        """Can every pool get its number of new blocks at once (each from its own free blocks first)?"""
+        short = spare = 0
+        for pool in self.pools:
+            need = demands.get(pool, 0)
+            own = pool.num_resident_free
+            if need > own + pool.num_spare:
+                return False
+            if need > own:
+                short += (need - own) * pool.page_bytes
+            else:
+                spare += (own - need) * pool.page_bytes
+        return short <= self.room + spare
+
+    def make_room(self, pool: BlockPool, nbytes: int, *, cached: bool) -> bool:
+        """Reclaim other pools' free blocks until `nbytes` are unused: uncached ones first, then (if `cached`)
+        cached ones, from the pool with the most free bytes first. False (having reclaimed what it could) if there
+        are not enough."""
+        others = [p for p in self.pools if p is not pool]
+        for uncached_only in (True, False) if cached else (True,):
+            while self.room < nbytes:
+                donors = [p for p in others if (p.num_uncached_free if uncached_only else p.num_resident_free)]
+                if not donors:
+                    break
+                max(donors, key=lambda p: p.num_resident_free * p.page_bytes).give_back(uncached_only=uncached_only)
+        return self.room >= nbytes
