@@ -18,8 +18,14 @@ in one step, generate `--output` tokens, free), a prefix-repetition workload (`-
 that the every-interval policy holds about a third of the prefixes; the hit rate is hit tokens over prompt tokens
 (the hybrid hit, every group agreeing). Goal: the new policy's rate >= 0.9x the every-interval policy's.
 
-Last line: JSON with per preset `attention_tokens_per_gib_ratio` (both policies) and `hit_rate` (both policies and
-their ratio).
+Running requests: per preset at the default budget (512 MiB) and the preset's max model length, how many requests of
+`--running-len` tokens (512 in, 64 out) are admitted side by side, the memory the only limit: the fixed split
+(running Mamba slots for `--max-num-seqs` 32 or 1024 set aside at start-up, after one max-length request) against the
+shared budget the engine uses (budget.py: a slot is paid for at admission; `ratio`: over the better fixed split).
+The hit-rate workload also runs on the shared budget (`shared_sparse`: one LRU over every group's cached blocks).
+
+Last line: JSON with per preset `attention_tokens_per_gib_ratio` (both policies), `hit_rate` (both policies and
+their ratio, and the shared budget's) and `running_requests` (fixed, shared, ratio).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ import torch
 
 from hybridpd.config import CacheConfig, MambaCacheMode, MambaRetentionPolicy
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
-from hybridpd.engine.kv_cache.memory import attention_token_limit, blocks_for_memory
+from hybridpd.engine.engine import DEFAULT_KV_CACHE_MEMORY
+from hybridpd.engine.kv_cache.memory import KVLayout, attention_token_limit, blocks_for_memory, layout_for_memory
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec, group_layers
 from hybridpd.presets.shapes import SHAPES
 from hybridpd.engine.model.registry import family_for
@@ -44,6 +51,10 @@ GIB = 2**30
 BLOCK = 16
 PRESETS = ("small", "granite-moe", "nemotron-h", "granite-350m")
 MAX_NUM_SEQS = 32
+
+
+def preset_max_len(preset: str) -> int:
+    return SHAPES[preset].get("max_position_embeddings", 4096)
 
 
 def preset_groups(preset: str) -> tuple[KVCacheGroup, ...]:
@@ -84,8 +95,9 @@ class _Req:
     skip_mamba_align: bool = False
 
 
-def hit_rate(groups, counts, retention: MambaRetentionPolicy, prompts: list[list[int]], output: int) -> float:
-    kv = KVCacheManager(groups, counts, CacheConfig(block_size=BLOCK, mamba_retention=retention))
+def hit_rate(groups, layout: KVLayout, retention: MambaRetentionPolicy, prompts: list[list[int]], output: int) -> float:
+    kv = KVCacheManager(groups, layout.num_blocks, CacheConfig(block_size=BLOCK, mamba_retention=retention),
+                        shared=layout.shared)
     hit_tokens = prompt_tokens = 0
     for i, prompt in enumerate(prompts):
         req = _Req(f"r{i}", list(prompt), len(prompt))
@@ -104,6 +116,17 @@ def hit_rate(groups, counts, retention: MambaRetentionPolicy, prompts: list[list
     return hit_tokens / prompt_tokens
 
 
+def side_by_side(groups, layout: KVLayout, length: int, limit: int = 1024) -> int:
+    """Requests of `length` tokens (no two alike, no prefix caching) admitted one after another until one fails."""
+    kv = KVCacheManager(groups, layout.num_blocks, CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+                        shared=layout.shared)
+    for n in range(limit):
+        req = _Req(f"r{n}", [n] * length, length)
+        if kv.allocate_slots(req, length, kv.get_computed_blocks(req)) is None:
+            return n
+    return limit
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefixes", type=int, default=48)
@@ -111,8 +134,9 @@ def main() -> int:
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--output", type=int, default=32)
+    parser.add_argument("--running-len", type=int, default=576)
     args = parser.parse_args()
-    out: dict = {"presets": {}}
+    out: dict = {"presets": {}, "running_requests": {}}
     for preset in PRESETS:
         groups = preset_groups(preset)
         limit = attention_token_limit(groups, GIB, max_num_seqs=MAX_NUM_SEQS)
@@ -124,6 +148,16 @@ def main() -> int:
             "every_interval_ratio": round(old / limit, 4),
         }
         print(f"{preset}: {out['presets'][preset]}", file=sys.stderr, flush=True)
+        length = preset_max_len(preset)
+        fixed = {seqs: side_by_side(groups, KVLayout(blocks_for_memory(
+            groups, DEFAULT_KV_CACHE_MEMORY, max_num_seqs=seqs, mamba_cache_mode=MambaCacheMode.NONE,
+            max_model_len=length)), args.running_len) for seqs in (32, 1024)}
+        shared = side_by_side(groups, layout_for_memory(groups, DEFAULT_KV_CACHE_MEMORY, max_num_seqs=1024,
+                                                        mamba_cache_mode=MambaCacheMode.NONE, max_model_len=length),
+                              args.running_len)
+        out["running_requests"][preset] = {"fixed_split_32": fixed[32], "fixed_split_1024": fixed[1024],
+                                           "shared": shared, "ratio": round(shared / max(fixed.values()), 3)}
+        print(f"{preset} running: {out['running_requests'][preset]}", file=sys.stderr, flush=True)
 
     groups = preset_groups("small")
     rng = random.Random(0)
@@ -136,13 +170,17 @@ def main() -> int:
     memory = 1 << 20
     while attention_tokens(groups, every_interval_blocks(groups, memory)) < args.prefixes * per_request / 3:
         memory = int(memory * 1.25)
-    old_rate = hit_rate(groups, every_interval_blocks(groups, memory), MambaRetentionPolicy.EVERY, prompts, args.output)
+    old_rate = hit_rate(groups, KVLayout(every_interval_blocks(groups, memory)), MambaRetentionPolicy.EVERY, prompts,
+                        args.output)
     new_counts = blocks_for_memory(groups, memory, max_num_seqs=MAX_NUM_SEQS, mamba_cache_mode=MambaCacheMode.ALIGN)
-    new_rate = hit_rate(groups, new_counts, MambaRetentionPolicy.SPARSE, prompts, args.output)
+    new_rate = hit_rate(groups, KVLayout(new_counts), MambaRetentionPolicy.SPARSE, prompts, args.output)
+    shared_rate = hit_rate(groups, layout_for_memory(groups, memory, max_num_seqs=MAX_NUM_SEQS),
+                           MambaRetentionPolicy.SPARSE, prompts, args.output)
     ceiling = (args.repeats - 1) / args.repeats * args.prefix_len / (args.prefix_len + args.suffix_len)
     out["hit_rate"] = {
         "memory_mib": round(memory / 2**20, 1), "every_interval": round(old_rate, 4),
         "budgeted_sparse": round(new_rate, 4), "ratio": round(new_rate / old_rate, 4) if old_rate else None,
+        "shared_sparse": round(shared_rate, 4),
         "ceiling": round(ceiling, 4),
         "workload": {k: getattr(args, k) for k in ("prefixes", "prefix_len", "suffix_len", "repeats", "output")},
     }

@@ -104,8 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     cache.add_argument("--mamba-cache-mode", choices=[m.value for m in MambaCacheMode], default="align")
     cache.add_argument("--mamba-cache-budget", type=float, default=DEFAULT_MAMBA_CACHE_BUDGET, metavar="SHARE",
-                       help="share of the KV memory (after running states) for cached Mamba states; attention "
-                            "gets the rest (default 0.1)")
+                       help="share of the KV memory that saved Mamba states may take for the prefix cache (with "
+                            "--kv-cache-memory, the groups share it: running states are taken as requests are "
+                            "admitted; default 0.1)")
     cache.add_argument("--mamba-cache-retention", choices=[p.value for p in MambaRetentionPolicy],
                        default=MambaRetentionPolicy.SPARSE.value,
                        help="which Mamba states a request saves: a few chosen boundaries, or every interval")

@@ -55,6 +55,7 @@ class BlockPool:
             self._spare = list(range(num_blocks - 1, 0, -1))   # popped lowest first
             budget.join(self)
         self._uncached_free = len(self._free)
+        self._stamps = [0] * num_blocks if budget is not None else []   # when each cached block was freed
 
     @property
     def num_blocks(self) -> int:
@@ -69,11 +70,9 @@ class BlockPool:
         return len(self._free) + self._growth(self._budget.reclaimable(self, cached=True))
 
     def available(self, *, best_effort: bool) -> int:
-        """`num_free`, or for a best-effort allocation: without other pools' cached blocks, below the cap."""
-        if not best_effort or self._budget is None:
+        """`num_free`, or for a best-effort allocation: other pools' cached blocks only below the cap."""
+        if not best_effort or self._budget is None or self._may_grow_best_effort():
             return self.num_free
-        if not self._may_grow_best_effort():
-            return len(self._free)
         return len(self._free) + self._growth(self._budget.reclaimable(self, cached=False))
 
     def _growth(self, reclaimable: int) -> int:
@@ -146,15 +145,27 @@ class BlockPool:
         budget = self._budget
         if self._free and self._hashes[next(iter(self._free))] is None:
             return self._pop_front()
-        if budget is not None and self._spare and (not best_effort or self._may_grow_best_effort()) \
-                and budget.make_room(self, self.page_bytes, cached=False):
+        if budget is None or not self._spare:
+            if self._free:
+                return self._pop_front()
+            raise ValueError("no free block (allocate checks the count first: a bookkeeping bug)")
+        if budget.make_room(self, self.page_bytes):
             return self._grow()
-        if self._free:
-            return self._pop_front()
-        if budget is not None and self._spare and not best_effort \
-                and budget.make_room(self, self.page_bytes, cached=True):
-            return self._grow()
-        raise ValueError("no free block (allocate checks the count first: a bookkeeping bug)")
+        others = not best_effort or self._may_grow_best_effort()
+        while True:   # the least recently freed cached block: this pool's own, or another's to pay with
+            oldest = budget.least_recent(budget.pools if others else [self])
+            if oldest is None:
+                raise ValueError("no free block (allocate checks the count first: a bookkeeping bug)")
+            if oldest is self:
+                return self._pop_front()
+            oldest.give_back(uncached_only=False)
+            if budget.room >= self.page_bytes:
+                return self._grow()
+
+    def front_stamp(self) -> int:
+        """When the first free block was freed (uncached free blocks count as oldest: they are worth nothing)."""
+        b = next(iter(self._free))
+        return -1 if self._hashes[b] is None else self._stamps[b]
 
     def _grow(self) -> int:
         assert self._budget is not None
@@ -205,6 +216,8 @@ class BlockPool:
                 if self._hashes[b] is None:
                     self._free.move_to_end(b, last=False)
                     self._uncached_free += 1
+                elif self._budget is not None:
+                    self._stamps[b] = self._budget.tick()
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a held block under its hash. True if that made a new hit; False (and no change) if the block is

@@ -8,9 +8,10 @@ go back to the operating system, `on_released`). There is no fragmentation to ma
 21 MiB Mamba slot can be paid for with any 170 free attention blocks, wherever they sit.
 
 Where a block comes from, cheapest first (`BlockPool.allocate`): the pool's own uncached free blocks, the budget's
-unused bytes, other pools' uncached free blocks, the pool's own cached blocks (its LRU), then other pools' cached
-blocks (each pool's LRU, the pool with the most free bytes first). A best-effort allocation (a Mamba state saved for
-the prefix cache) never takes another pool's cached blocks, and grows its pool only below the pool's cap.
+unused bytes, other pools' uncached free blocks, then the least recently freed cached block of any pool sharing the
+budget (one LRU over every group, as one free queue of pages would give; a block of another group is reclaimed and
+its bytes pay for new ones). A best-effort allocation (a Mamba state saved for the prefix cache) takes another
+pool's cached block only while its pool holds fewer cached blocks than its cap.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class PageBudget:
         self.capacity = capacity_bytes
         self.used = 0
         self.pools: list[BlockPool] = []
+        self._clock = 0
 
     def join(self, pool: BlockPool) -> None:
         self.pools.append(pool)
@@ -61,15 +63,22 @@ class PageBudget:
                 spare += (own - need) * pool.page_bytes
         return short <= self.room + spare
 
-    def make_room(self, pool: BlockPool, nbytes: int, *, cached: bool) -> bool:
-        """Reclaim other pools' free blocks until `nbytes` are unused: uncached ones first, then (if `cached`)
-        cached ones, from the pool with the most free bytes first. False (having reclaimed what it could) if there
-        are not enough."""
-        others = [p for p in self.pools if p is not pool]
-        for uncached_only in (True, False) if cached else (True,):
-            while self.room < nbytes:
-                donors = [p for p in others if (p.num_uncached_free if uncached_only else p.num_resident_free)]
-                if not donors:
-                    break
-                max(donors, key=lambda p: p.num_resident_free * p.page_bytes).give_back(uncached_only=uncached_only)
+    def tick(self) -> int:
+        """The next stamp of the shared LRU (a cached block's stamp says when it was last freed)."""
+        self._clock += 1
+        return self._clock
+
+    def make_room(self, pool: BlockPool, nbytes: int) -> bool:
+        """Reclaim other pools' uncached free blocks until `nbytes` are unused. False (having reclaimed what it could)
+        if there are not enough."""
+        others = [p for p in self.pools if p is not pool and p.num_uncached_free]
+        while self.room < nbytes and others:
+            donor = others[-1]
+            donor.give_back(uncached_only=True)
+            if not donor.num_uncached_free:
+                others.pop()
         return self.room >= nbytes
+
+    def least_recent(self, pools: list[BlockPool]) -> BlockPool | None:
+        """Of `pools`, the one whose first free block was freed longest ago (None if none has a free block)."""
+        return min((p for p in pools if p.num_resident_free), key=lambda p: p.front_stamp(), default=None)

@@ -25,7 +25,7 @@ class Log:
                          on_released=lambda b: self.released.append((name, b)), cached_cap=cap)
 
 
-def test_a_new_block_comes_from_own_uncached_then_unused_bytes_then_others_uncached_then_own_then_others_cached():
+def test_a_new_block_comes_from_own_uncached_then_unused_bytes_then_others_uncached_then_the_shared_lru():
     log, budget = Log(), PageBudget(60)
     a, b = log.pool("a", budget, 10, 8), log.pool("b", budget, 20, 4)
     assert a.allocate(3) == [1, 2, 3] and budget.used == 30
@@ -40,7 +40,7 @@ def test_a_new_block_comes_from_own_uncached_then_unused_bytes_then_others_uncac
     assert a.allocate(1) == [3] and log.released[-1] == ("b", 2)      # b's uncached block before its own cached one
     assert a.lookup(h(1)) == 1 and budget.room == 10
     assert a.allocate(1) == [4] and a.lookup(h(1)) == 1               # unused bytes before its own cached block
-    assert a.allocate(1) == [1] and log.removed == [("a", h(1))]      # its own cached block before b's
+    assert a.allocate(1) == [1] and log.removed == [("a", h(1))]      # the least recently freed: its own
     assert a.allocate(1) == [5] and log.removed[-1] == ("b", h(11)) and log.released[-1] == ("b", 1)
     assert a.num_free == 1 and b.num_free == 0
     with pytest.raises(ValueError):
@@ -48,21 +48,38 @@ def test_a_new_block_comes_from_own_uncached_then_unused_bytes_then_others_uncac
     assert budget.used == 50 and a.num_held == 5 and b.num_held == 0 and b.num_spare == 3
 
 
-def test_a_best_effort_block_never_takes_another_pools_cached_block_and_grows_only_below_the_cap():
-    log, budget = Log(), PageBudget(40)
+def test_a_best_effort_block_takes_another_pools_cached_block_only_below_the_cap():
+    log, budget = Log(), PageBudget(30)
     attention, states = log.pool("attention", budget, 10, 5), log.pool("states", budget, 10, 5, cap=1)
-    attention.allocate(3)
-    for block in (1, 2, 3):
+    attention.allocate(2)
+    for block in (1, 2):
         attention.cache(block, h(block))
-    attention.free([1, 2, 3])
-    assert states.available(best_effort=True) == 1 and states.num_free == 4
+    attention.free([1, 2])
+    assert states.available(best_effort=True) == 3                  # below the cap: unused bytes and attention's
     (saved,) = states.allocate(1, best_effort=True)
+    assert not log.released                                         # unused bytes first
     states.cache(saved, h(100))
     states.free([saved])
-    assert states.available(best_effort=True) == 1                 # its own cached state can be replaced ...
-    assert states.allocate(1, best_effort=True) == [saved]          # ... and is, rather than growing past the cap
-    assert attention.num_cached == 3 and not log.released
+    assert states.available(best_effort=True) == 1 and states.num_free == 3   # at the cap: only its own
+    assert states.allocate(1, best_effort=True) == [saved] and not log.released   # replaced, attention untouched
+    assert attention.num_cached == 2
     assert states.allocate(2) and log.released == [("attention", 1), ("attention", 2)]   # a required one may
+
+
+def test_the_least_recently_freed_cached_block_of_any_pool_goes_first():
+    log, budget = Log(), PageBudget(40)
+    a, b = log.pool("a", budget, 10, 5), log.pool("b", budget, 20, 3)
+    assert a.allocate(2) == [1, 2] and b.allocate(1) == [1]
+    a.cache(1, h(1))
+    a.cache(2, h(2))
+    b.cache(1, h(11))
+    a.free([1])
+    b.free([1])
+    a.free([2])                                  # freed: a's 1, then b's 1, then a's 2
+    assert a.allocate(1) == [1] and log.removed == [("a", h(1))]
+    assert a.allocate(1) == [3] and log.removed[-1] == ("b", h(11)) and log.released == [("b", 1)]
+    assert a.allocate(1) == [4] and a.lookup(h(2)) == 2           # b's 20 bytes paid for two of a's blocks
+    assert a.allocate(1) == [2] and log.removed[-1] == ("a", h(2))
 
 
 def test_the_pages_of_a_block_given_back_are_released_and_it_reads_as_zeros_when_reused():
