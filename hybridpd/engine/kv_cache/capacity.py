@@ -47,8 +47,9 @@ def _shared_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...]
         name = f"KV cache group {gid} ({spec.kind}, {len(group.layer_ids)} layers)"
         if isinstance(spec, MambaSpec):
             lines.append(f"{name}: state slots of {page / 2**20:.1f} MiB taken from the shared memory as requests are "
-                         f"admitted, up to {n - 1}; cached prefixes up to {shared.mamba_cached_cap} states, each at "
-                         f"a multiple of {spec.block_size} tokens")
+                         f"admitted, up to {n - 1}; a state saved for the prefix cache (at a multiple of "
+                         f"{spec.block_size} tokens) evicts other groups' blocks only while fewer than "
+                         f"{shared.mamba_cached_cap} are cached")
         else:
             lines.append(f"{name}: blocks of {spec.block_size} tokens ({page / 2**10:.0f} KiB) from the shared "
                          f"memory, up to {n - 1} = {(n - 1) * spec.block_size:,} tokens")
