@@ -33,7 +33,7 @@ class BlockPool:
                  budget: PageBudget | None = None, page_bytes: int = 0,
                  on_released: Callable[[int], None] | None = None, cached_cap: int | None = None) -> None:
         """`budget`: share it with other pools (blocks of `page_bytes` each, none resident yet); `cached_cap`: a
-        best-effort allocation grows the pool only while it holds fewer cached blocks than this."""
+        best-effort allocation takes another pool's cached block only while this one holds fewer cached blocks."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         if budget is not None and page_bytes < 1:
@@ -71,7 +71,7 @@ class BlockPool:
 
     def available(self, *, best_effort: bool) -> int:
         """`num_free`, or for a best-effort allocation: other pools' cached blocks only below the cap."""
-        if not best_effort or self._budget is None or self._may_grow_best_effort():
+        if not best_effort or self._budget is None or self._may_take_others_cached():
             return self.num_free
         return len(self._free) + self._growth(self._budget.reclaimable(self, cached=False))
 
@@ -79,7 +79,7 @@ class BlockPool:
         assert self._budget is not None
         return min(len(self._spare), (self._budget.room + reclaimable) // self.page_bytes)
 
-    def _may_grow_best_effort(self) -> bool:
+    def _may_take_others_cached(self) -> bool:
         return self._cached_cap is None or len(self._cached) < self._cached_cap
 
     @property
@@ -151,7 +151,7 @@ class BlockPool:
             raise ValueError("no free block (allocate checks the count first: a bookkeeping bug)")
         if budget.make_room(self, self.page_bytes):
             return self._grow()
-        others = not best_effort or self._may_grow_best_effort()
+        others = not best_effort or self._may_take_others_cached()
         while True:   # the least recently freed cached block: this pool's own, or another's to pay with
             oldest = budget.least_recent(budget.pools if others else [self])
             if oldest is None:
