@@ -66,10 +66,12 @@ WORKLOADS: dict[str, list[str]] = {
        for rate in (2, 4, 8)},
     "random_512_64_c8": ["--random-input-len", "512", "--random-output-len", "64", "--num-prompts", "32",
                          "--max-concurrency", "8"],
+    "random_512_64_c16": ["--random-input-len", "512", "--random-output-len", "64", "--num-prompts", "16",
+                          "--max-concurrency", "16"],
 }
 # preset -> the workloads it runs by default (the dense small shape all of them; the published shapes one each)
 PRESET_WORKLOADS: dict[str, list[str]] = {
-    VLLM_PRESET: [name for name in WORKLOADS if name != "random_512_64_c8"],
+    VLLM_PRESET: [name for name in WORKLOADS if not name.startswith("random_512_64")],
     "granite-moe": ["random_256_64_c16"],
     "granite-350m": ["random_512_64_c8"],
 }
