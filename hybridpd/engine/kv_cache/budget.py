@@ -49,8 +49,9 @@ class PageBudget:
         return sum((p.num_resident_free if cached else p.num_uncached_free) * p.page_bytes
                    for p in self.pools if p is not besides)
 
-    def fits(self, demands: Mapping[BlockPool, int]) -> bool:
-        """Can every pool get its number of new blocks at once (each from its own free blocks first)?"""
+    def fits(self, demands: Mapping[BlockPool, int], reserve: int = 0) -> bool:
+        """Can every pool get its number of new blocks at once (each from its own free blocks first), with `reserve`
+        bytes still free or reclaimable after?"""
         short = spare = 0
         for pool in self.pools:
             need = demands.get(pool, 0)
@@ -61,7 +62,7 @@ class PageBudget:
                 short += (need - own) * pool.page_bytes
             else:
                 spare += (own - need) * pool.page_bytes
-        return short <= self.room + spare
+        return short + reserve <= self.room + spare
 
     def tick(self) -> int:
         """The next stamp of the shared LRU (a cached block's stamp says when it was last freed)."""

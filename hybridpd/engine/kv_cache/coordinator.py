@@ -44,6 +44,7 @@ class KVCacheManager:
         self.caching = config.enable_prefix_caching
         self._events: list[KVCacheEvent] | None = [] if config.enable_kv_cache_events else None
         self._budget = PageBudget(shared.capacity) if shared is not None else None
+        self._growth_bytes = sum(g.page_size_bytes for g in groups if not isinstance(g.spec, MambaSpec))
         self._pools = tuple(self._pool(g, n, shared, on_release) for g, n in enumerate(num_blocks))
         self._managers = tuple(
             make_manager(g.spec, pool, caching=self.caching and self._group_caches(g), config=config)
@@ -218,7 +219,7 @@ class KVCacheManager:
         chains = self._chains(req)
         hit_blocks = hit.blocks if first and hit is not None else ((),) * len(self._managers)
         plans = [m.plan(rid, hit_blocks[g], tokens, chains[g]) for g, m in enumerate(self._managers)]
-        if not self._fits(plans):
+        if not self._fits(plans, admitting=first):
             return None
         for p, pool in zip(plans, self._pools):   # every group's hit first: no group's allocation may evict it
             pool.touch(p.touched)
@@ -251,10 +252,14 @@ class KVCacheManager:
             self._quiet_blocks.pop(rid, None)
         self._next_start[rid] = max(self._next_start[rid], num_computed_tokens)
 
-    def _fits(self, plans: list) -> bool:
+    def _fits(self, plans: list, *, admitting: bool) -> bool:
+        """Does the step fit? On a shared budget a request is admitted only if every request already holding blocks
+        could still take one more block in each attention group after it: otherwise the next blocks the running
+        requests grow into would preempt one of them, and the freed bytes would admit the same request again."""
         if self._budget is None:
             return all(p.free_blocks_needed(pool) <= pool.num_free for p, pool in zip(plans, self._pools))
-        return self._budget.fits({pool: p.free_blocks_needed(pool) for p, pool in zip(plans, self._pools)})
+        reserve = len(self._next_start) * self._growth_bytes if admitting else 0
+        return self._budget.fits({pool: p.free_blocks_needed(pool) for p, pool in zip(plans, self._pools)}, reserve)
 
     def _quiet_step_blocks(self, rid: str) -> StepBlocks:
         blocks = self._quiet_blocks.get(rid)

@@ -142,3 +142,33 @@ def test_fits_says_exactly_whether_every_demand_can_be_allocated(history):
             break
     assert budget.fits(dict(zip(pools, demands))) == possible
     assert budget.used <= capacity and trial.used <= capacity
+
+
+@pytest.mark.parametrize("capacity, second_admitted, first_grows", [
+    (736, None, False),               # one request of 8 tokens (two attention blocks, one Mamba slot), nothing more
+    (2 * 736 + 255, False, True),     # room for the second, not for the first's next block beside it
+    (2 * 736 + 256, True, True),
+])
+def test_a_request_is_admitted_only_if_the_running_ones_can_still_grow_by_a_block(capacity, second_admitted,
+                                                                                  first_grows):
+    from hybridpd.config import CacheConfig
+    from hybridpd.engine.kv_cache.coordinator import KVCacheManager
+    from hybridpd.engine.kv_cache.memory import SharedMemory
+
+    from .builders import Req, all_free, fa, groups_of, mamba
+
+    groups = groups_of(fa(4), mamba(8))
+    assert [g.page_size_bytes for g in groups] == [256, 224]
+    ids = tuple(1 + capacity // g.page_size_bytes for g in groups)
+    kv = KVCacheManager(groups, ids, CacheConfig(block_size=4, enable_prefix_caching=False),
+                        shared=SharedMemory(capacity=capacity, mamba_cached_cap=0))
+    first, second = Req("a", list(range(8))), Req("b", list(range(8, 16)))
+    assert kv.allocate_slots(first, 8, kv.get_computed_blocks(first)) is not None   # alone: it only has to fit
+    kv.commit(first, 8)
+    if second_admitted is not None:
+        assert (kv.allocate_slots(second, 8, kv.get_computed_blocks(second)) is not None) == second_admitted
+    assert (kv.allocate_slots(first, 1) is not None) == first_grows                # the running one grows
+    kv.check_invariants()
+    kv.free("a")
+    kv.free("b")
+    assert all_free(kv)
