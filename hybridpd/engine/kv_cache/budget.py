@@ -52,7 +52,7 @@ class PageBudget:
     def fits(self, demands: Mapping[BlockPool, int], reserve: int = 0) -> bool:
         """Can every pool get its number of new blocks at once (each from its own free blocks first), with `reserve`
         bytes still free or reclaimable after?"""
-        short = spare = 0
+        short = surplus = 0
         for pool in self.pools:
             need = demands.get(pool, 0)
             own = pool.num_resident_free
@@ -61,8 +61,8 @@ class PageBudget:
             if need > own:
                 short += (need - own) * pool.page_bytes
             else:
-                spare += (own - need) * pool.page_bytes
-        return short + reserve <= self.room + spare
+                surplus += (own - need) * pool.page_bytes
+        return short + reserve <= self.room + surplus
 
     def tick(self) -> int:
         """The next stamp of the shared LRU (a cached block's stamp says when it was last freed)."""

@@ -56,8 +56,9 @@ class _Split:
     attention_pages: int  # bytes of one block in every attention group together
 
 
-def _split(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: int, reserve: int = 0) -> _Split:
-    """`reserve`: attention bytes set aside before the running slots (one max-length request's)."""
+def _check_budget(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: int) -> None:
+    """Raises ValueError when there is no group, `max_num_seqs` < 1, or the budget cannot hold one usable block per
+    group beside the null blocks."""
     if not groups:
         raise ValueError("no KV cache groups to give memory to")
     if max_num_seqs < 1:
@@ -70,6 +71,12 @@ def _split(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: in
             f"--kv-cache-memory {memory_bytes} B cannot hold one usable block per group plus the null block: one "
             f"block per group needs {sum(pages)} B ({detail}), so give at least {minimum} B"
         )
+
+
+def _split(groups: tuple[KVCacheGroup, ...], memory_bytes: int, max_num_seqs: int, reserve: int = 0) -> _Split:
+    """`reserve`: attention bytes set aside before the running slots (one max-length request's)."""
+    _check_budget(groups, memory_bytes, max_num_seqs)
+    pages = [g.page_size_bytes for g in groups]
     mamba_pages = sum(p for g, p in zip(groups, pages) if _is_mamba(g))
     attention_pages = sum(p for g, p in zip(groups, pages) if not _is_mamba(g))
     running = max_num_seqs
@@ -133,8 +140,9 @@ def blocks_for_memory(groups: tuple[KVCacheGroup, ...], memory_bytes: int, *, ma
 
 @dataclass(frozen=True)
 class SharedMemory:
-    """Pools that draw from one budget of `capacity` bytes (the null blocks beside it). A best-effort Mamba save grows
-    its pool only while it holds fewer than `mamba_cached_cap` cached states (`--mamba-cache-budget` of the bytes)."""
+    """Pools that draw from one budget of `capacity` bytes (the null blocks beside it). A best-effort Mamba save takes
+    another group's cached block only while its pool holds fewer than `mamba_cached_cap` cached states
+    (`--mamba-cache-budget` of the bytes)."""
 
     capacity: int
     mamba_cached_cap: int
@@ -162,7 +170,7 @@ def layout_for_memory(groups: tuple[KVCacheGroup, ...], memory_bytes: int, *, ma
         return KVLayout(blocks_for_memory(groups, memory_bytes, max_num_seqs=max_num_seqs,
                                           mamba_cache_mode=mamba_cache_mode, mamba_budget=mamba_budget,
                                           max_model_len=max_model_len))
-    _split(groups, memory_bytes, max_num_seqs)   # refuses a budget without one block per group and the nulls
+    _check_budget(groups, memory_bytes, max_num_seqs)
     if max_model_len is not None:
         _check_fits(groups, memory_bytes, max_model_len)
     capacity = memory_bytes - mamba_pages - attention_pages   # the null blocks are set aside
