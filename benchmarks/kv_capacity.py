@@ -53,14 +53,19 @@ PRESETS = ("small", "granite-moe", "nemotron-h", "granite-350m")
 MAX_NUM_SEQS = 32
 
 
+def _preset(preset: str):
+    raw = SHAPES[preset] | {"vocab_size": 512, "eos_token_id": 0, "bos_token_id": 0}
+    family = family_for(raw)
+    return family, family.parse_config(raw)
+
+
 def preset_max_len(preset: str) -> int:
-    return SHAPES[preset].get("max_position_embeddings", 4096)
+    """The preset's max model length, as its parsed config (and so a node) has it."""
+    return _preset(preset)[1].max_position_embeddings
 
 
 def preset_groups(preset: str) -> tuple[KVCacheGroup, ...]:
-    raw = SHAPES[preset] | {"vocab_size": 512, "eos_token_id": 0, "bos_token_id": 0}
-    family = family_for(raw)
-    config = family.parse_config(raw)
+    family, config = _preset(preset)
     with torch.device("meta"):
         model = family.build(config, torch.float32)
     interval = math.lcm(BLOCK, config.mamba_chunk_size)
