@@ -2,14 +2,23 @@
 `PageBudget.fits` against a brute force (allocating the demands one block at a time)."""
 
 import copy
+import mmap
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridpd.config import CacheConfig
 from hybridpd.engine.kv_cache.block_pool import BlockPool
 from hybridpd.engine.kv_cache.budget import PageBudget
+from hybridpd.engine.kv_cache.coordinator import KVCacheManager
 from hybridpd.engine.kv_cache.hashing import hash_block
+from hybridpd.engine.kv_cache.memory import SharedMemory
+from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
+from hybridpd.engine.kv_cache.storage import KVCacheStorage
+
+from .builders import Req, all_free, fa, groups_of, mamba
 
 
 def h(i: int):
@@ -83,13 +92,6 @@ def test_the_least_recently_freed_cached_block_of_any_pool_goes_first():
 
 
 def test_the_pages_of_a_block_given_back_are_released_and_it_reads_as_zeros_when_reused():
-    import mmap
-
-    import torch
-
-    from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
-    from hybridpd.engine.kv_cache.storage import KVCacheStorage
-
     spec = MambaSpec(block_size=8, conv_state_shape=(4, 256), ssm_state_shape=(4, 1024),
                      dtypes=(torch.float32, torch.float32))          # 20 KiB: pages wholly inside each block
     storage = KVCacheStorage((KVCacheGroup(spec=spec, layer_ids=(0,)),), (4,))
@@ -98,7 +100,8 @@ def test_the_pages_of_a_block_given_back_are_released_and_it_reads_as_zeros_when
     storage.release(0, 2)
     block = storage.tensors[0][2]
     zero = block == 0
-    start, end = -(-2 * page // mmap.PAGESIZE) * mmap.PAGESIZE - 2 * page, 3 * page // mmap.PAGESIZE * mmap.PAGESIZE - 2 * page
+    start = -(-2 * page // mmap.PAGESIZE) * mmap.PAGESIZE - 2 * page   # the block's first whole page ...
+    end = 3 * page // mmap.PAGESIZE * mmap.PAGESIZE - 2 * page          # ... and the end of its last
     assert zero[start:end].all() and not zero[:start].any() and not zero[end:].any()
     assert (storage.tensors[0][1] == 7).all() and (storage.tensors[0][3] == 7).all()
 
@@ -151,12 +154,6 @@ def test_fits_says_exactly_whether_every_demand_can_be_allocated(history):
 ])
 def test_a_request_is_admitted_only_if_the_running_ones_can_still_grow_by_a_block(capacity, second_admitted,
                                                                                   first_grows):
-    from hybridpd.config import CacheConfig
-    from hybridpd.engine.kv_cache.coordinator import KVCacheManager
-    from hybridpd.engine.kv_cache.memory import SharedMemory
-
-    from .builders import Req, all_free, fa, groups_of, mamba
-
     groups = groups_of(fa(4), mamba(8))
     assert [g.page_size_bytes for g in groups] == [256, 224]
     ids = tuple(1 + capacity // g.page_size_bytes for g in groups)
