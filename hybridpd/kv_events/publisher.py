@@ -6,11 +6,16 @@ numbers it (0, 1, 2, ... from the node's start), sends `(topic, seq, payload)` o
 past the high-water mark) and keeps the last `buffer_steps` for replay. A replay request is
 `(identity, b"", seq)` on the ROUTER; the answer is every buffered `(b"", seq, payload)` from that number on, then
 `(b"", -1, b"")`.
+
+The thread sleeps until there is something to do: it polls the replay socket and a pipe the engine thread writes a
+byte to after each batch it queues (a timed poll would wake every node's engine process dozens of times a second
+while it idles).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +58,8 @@ class ZmqEventPublisher:
             raise OSError(f"KV events: cannot open {config.endpoint} / {config.replay_endpoint}: {exc}") from exc
         self.published = 0
         self.dropped = 0
+        self._wake_read, self._wake_write = os.pipe()   # a byte after each queued batch: the thread's wake-up
+        os.set_blocking(self._wake_write, False)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -63,30 +70,51 @@ class ZmqEventPublisher:
             self._queue.put_nowait((time.time(), events))
         except queue.Full:
             self.dropped += 1
+            return
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:   # the pipe is full of wake-ups already: the thread will drain the queue
+            pass
 
     # -- publisher thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
         seq = 0
         while True:
-            if self._replay is not None:
+            ready = dict(poller.poll())
+            if self._replay is not None and self._replay in ready:
                 while self._replay.poll(0):
                     self._serve_replay()
-            try:
-                item = self._queue.get(timeout=0.02)
-            except queue.Empty:
+            if self._wake_read not in ready:
                 continue
-            if item is _STOP:
-                return
-            ts, events = item
-            try:
-                payload = encode_batch(events, self._groups, ts)
-                self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
-            except Exception:  # noqa: BLE001 - a broken batch must not stop the publisher
-                log.exception("KV events: could not publish batch %d", seq)
-                continue
-            self._buffer.append((seq, payload))
-            self.published += 1
-            seq += 1
+            os.read(self._wake_read, 4096)   # the byte(s) come after their batches: the queue holds them now
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    return
+                if self._send(seq, *item):
+                    seq += 1
+
+    def _send(self, seq: int, ts: float, events: list[KVCacheEvent]) -> bool:
+        """Publish one batch as number `seq`; False if it could not be (its number goes to the next batch)."""
+        try:
+            payload = encode_batch(events, self._groups, ts)
+            self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
+        except Exception:  # noqa: BLE001 - a broken batch must not stop the publisher
+            log.exception("KV events: could not publish batch %d", seq)
+            return False
+        self._buffer.append((seq, payload))
+        self.published += 1
+        return True
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -107,8 +135,12 @@ class ZmqEventPublisher:
             self._queue.put(_STOP, timeout=timeout)
         except queue.Full:
             pass
+        self._wake()
         self._thread.join(timeout)
         self._close_sockets()
+        if not self._thread.is_alive():
+            os.close(self._wake_read)
+            os.close(self._wake_write)
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import zmq
 from hybridpd.engine.kv_cache.events import BlockRemoved
 from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.kv_events.publisher import ZmqEventPublisher
+from hybridpd.kv_events.wire import seq_of
 
 
 @pytest.mark.parametrize("text, publishes", [
@@ -45,14 +47,45 @@ def test_publish_never_blocks_and_counts_what_it_drops():
     stalled = threading.Event()
     try:
         # hold the publisher thread: no batch leaves the queue while we fill it
-        original = publisher._queue.get
-        publisher._queue.get = lambda timeout=None: (stalled.wait(), original(timeout=timeout))[1]
+        original = publisher._queue.get_nowait
+        publisher._queue.get_nowait = lambda: (stalled.wait(), original())[1]
         for _ in range(50):
             publisher.publish([BlockRemoved(group_idx=0, block_hashes=(b"x" * 32,))])
         assert publisher.dropped >= 47   # at most 2 queued and 1 taken by the stalled thread
     finally:
         stalled.set()
         publisher.close()
+
+
+def test_every_batch_is_sent_in_order_as_it_is_published():
+    """The publisher thread sleeps until a batch is queued (no timed poll): each one published after a pause, and a
+    burst, must still reach a subscriber, numbered in order."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://in-order")
+    publisher = ZmqEventPublisher(config, ())
+    sub = publisher._ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect("inproc://in-order")
+        seen = []
+        for burst in (1, 1, 5, 1):
+            for _ in range(burst):
+                publisher.publish([BlockRemoved(group_idx=0, block_hashes=(b"x" * 32,))])
+            for _ in range(burst):
+                assert sub.poll(10_000), "a published batch never left the publisher"
+                seen.append(seq_of(sub.recv_multipart()[1]))
+        assert seen == list(range(8))
+    finally:
+        sub.close(linger=0)
+        publisher.close()
+
+
+def test_close_leaves_no_descriptor_open():
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://closing"), ())
+        publisher.publish([BlockRemoved(group_idx=0, block_hashes=(b"x" * 32,))])
+        publisher.close()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @pytest.mark.parametrize("endpoint, host, listens", [
