@@ -39,7 +39,7 @@ from hybridpd.replay.simulator import ClusterShape, simulate
 from hybridpd.replay.time_model import TimeModel, calibrate
 from hybridpd.server.args import parse_size
 from routing import one_request       # benchmarks/routing.py: one streamed greedy completion
-from trace_replay import TRACE, load_slice, run_setup
+from trace_replay import TRACE, load_slice, run_setup, sessions_cpu_s
 
 PROBE_TOKENS = 16
 
@@ -50,20 +50,6 @@ def idle_ttfts(url: str, repeats: int = 7) -> list[float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             return [(await one_request(session, url, [1 + k] * PROBE_TOKENS, 1))["ttft"] for k in range(repeats)]
     return asyncio.run(run())
-
-
-def sessions_cpu_s(sessions: set[int]) -> float:
-    """CPU seconds (user + system) used so far by the live processes of these sessions (a node's front and engine
-    process, the proxy: each child of the cluster leads a session of its own)."""
-    ticks = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) in sessions:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def probe(info: Any):

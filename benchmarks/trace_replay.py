@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -105,15 +106,41 @@ def window_hit_rate(results: list[dict], start: float, end: float) -> tuple[floa
     return (sum(r["cached_tokens"] for r in done) / total if total else None), len(done)
 
 
-def tier_counters(metrics_urls: list[str]) -> dict[str, float]:
+def sessions_cpu_s(sessions: set[int]) -> float:
+    """CPU seconds (user + system) used so far by the live processes of these sessions (a node's front and engine
+    process, the proxy: each child of the cluster leads a session of its own)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) in sessions:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def summed(metrics_urls: list[str], prefix: str) -> dict[str, float]:
+    """Every sample whose name starts with `prefix`, summed over the nodes (and over labels)."""
     totals: dict[str, float] = {}
     for url in metrics_urls:
         with urllib.request.urlopen(url, timeout=10) as response:
             for line in response.read().decode().splitlines():
-                if line.startswith("hybridpd:kv_offload_") and not line.startswith("#"):
+                if line.startswith(prefix):
                     name = line.split("{")[0].split(" ")[0]
                     totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def role_figures(metrics_urls: list[str]) -> dict[str, float]:
+    """The nodes' own view: their prefix-cache hit rate (memory and storage) and mean time from a request's arrival
+    at the node to its first token."""
+    hits = summed(metrics_urls, "vllm:prefix_cache_")
+    ttft = summed(metrics_urls, "vllm:time_to_first_token_seconds_")
+    queries = hits.get("vllm:prefix_cache_queries_total", 0.0)
+    count = ttft.get("vllm:time_to_first_token_seconds_count", 0.0)
+    return {"hit_rate": hits.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0.0,
+            "node_mean_ttft_ms": ttft.get("vllm:time_to_first_token_seconds_sum", 0.0) / count * 1e3 if count else 0.0}
 
 
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
@@ -139,9 +166,14 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
                                                                         back, replayed), daemon=True)
             crasher.start()
         after = probe(info) if probe is not None else None
+        roles = {"prefill": {n.pid for n in info.prefill}, "decode": {n.pid for n in info.decode},
+                 "proxy": {info.proxy_pid}}
+        cpu_before = {role: sessions_cpu_s(pids) for role, pids in roles.items()}
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
+        cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
-        counters = tier_counters([n.metrics_url for n in (*info.prefill, *info.decode)]) if tier else {}
+        counters = summed([n.metrics_url for n in (*info.prefill, *info.decode)], "hybridpd:kv_offload_") if tier else {}
+        prefill_side = role_figures([n.metrics_url for n in info.prefill])
         replayed.set()
     if restart_at is not None:
         before = window_hit_rate(results, restart_at - 60, restart_at)
@@ -154,6 +186,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
     return {
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
+        "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"], "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "token_ids": [r["token_ids"] for r in results], "tier": counters, "probe": probed,
     }
 
@@ -186,6 +219,10 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="48MiB")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--offload-root", type=Path, default=None,
+                        help="where the tier's directory is made (default: the system's temporary directory)")
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
+                        help="which setups to run (the ratios need round_robin and tier)")
     parser.add_argument("--restart-at", type=float, default=None, metavar="S",
                         help="instead: the tier setup alone, every node SIGKILLed S seconds into the replay and "
                              "restarted by the supervisor; the decode-side hit rate of the minute after they are back "
@@ -199,36 +236,41 @@ def main() -> int:
           flush=True)
 
     if args.restart_at is not None:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
             result = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv", restart_at=args.restart_at)
         before, after = result["hit_rate_minute_before"], result["hit_rate_minute_after"]
         print(json.dumps({"restart_hit_ratio": round(after / before, 3) if before and after is not None else None,
-                          **result, "ideal_hit_rate": round(ideal, 4), "slice": vars(args) | {"trace": str(args.trace)},
+                          **result, "ideal_hit_rate": round(ideal, 4), "slice": vars(args) | {"trace": str(args.trace), "offload_root": str(args.offload_root or tempfile.gettempdir())},
                           "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
         return 0
 
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
-    with tempfile.TemporaryDirectory() as tmp:
+    setups = [name for name in SETUPS if name in args.setups]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
+    with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
         for r in range(args.rounds):
-            for name in SETUPS if r % 2 == 0 else SETUPS[::-1]:
+            for name in setups if r % 2 == 0 else setups[::-1]:
                 runs[name].append(run_setup(name, args, prompts, offsets, Path(tmp) / f"kv-{r}"))
                 last = runs[name][-1]
-                print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, mean TTFT "
-                      f"{last['mean_ttft_ms']:.0f} ms, p90 {last['p90_ttft_ms']:.0f} ms", flush=True)
+                print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
+                      f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
+                      f"{last['prefill_node_mean_ttft_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, CPU s {last['cpu_s']}", flush=True)
 
-    def mean(name: str, key: str) -> float:
-        return statistics.mean(run[key] for run in runs[name])
+    def mean(name: str, key: str) -> float | None:
+        return statistics.mean(run[key] for run in runs[name]) if runs.get(name) else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
 
     outputs = [run["token_ids"] for runs_of in runs.values() for run in runs_of]
     print(json.dumps({
-        "hit_rate_over_ideal": round(mean("tier", "decode_hit_rate") / ideal, 3),
-        "mean_ttft_ratio": round(mean("tier", "mean_ttft_ms") / mean("round_robin", "mean_ttft_ms"), 3),
-        "tier_over_cache_aware_ttft": round(mean("tier", "mean_ttft_ms") / mean("cache_aware", "mean_ttft_ms"), 3),
+        "hit_rate_over_ideal": ratio(mean("tier", "decode_hit_rate"), ideal),
+        "mean_ttft_ratio": ratio(mean("tier", "mean_ttft_ms"), mean("round_robin", "mean_ttft_ms")),
+        "tier_over_cache_aware_ttft": ratio(mean("tier", "mean_ttft_ms"), mean("cache_aware", "mean_ttft_ms")),
         "outputs_identical": all(o == outputs[0] for o in outputs),
         "ideal_hit_rate": round(ideal, 4), "requests": len(prompts), "prompt_tokens": total,
         "setups": {name: [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "token_ids"}
                           for run in runs_of] for name, runs_of in runs.items()},
-        "slice": vars(args) | {"trace": str(args.trace)}, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
+        "slice": vars(args) | {"trace": str(args.trace), "offload_root": str(args.offload_root or tempfile.gettempdir())}, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
 
