@@ -166,8 +166,9 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
                                                                         back, replayed), daemon=True)
             crasher.start()
         after = probe(info) if probe is not None else None
+        # each role's CPU over the replay (not with --restart-at: the restarted nodes are other processes)
         roles = {"prefill": {n.pid for n in info.prefill}, "decode": {n.pid for n in info.decode},
-                 "proxy": {info.proxy_pid}}
+                 "proxy": {info.proxy_pid}} if restart_at is None else {}
         cpu_before = {role: sessions_cpu_s(pids) for role, pids in roles.items()}
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
