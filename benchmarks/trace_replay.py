@@ -173,7 +173,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
-        counters = summed([n.metrics_url for n in (*info.prefill, *info.decode)], "hybridpd:kv_offload_") if tier else {}
+        node_metrics = [n.metrics_url for n in (*info.prefill, *info.decode)]
+        counters = summed(node_metrics, "hybridpd:kv_offload_") if tier else {}
         prefill_side = role_figures([n.metrics_url for n in info.prefill])
         replayed.set()
     if restart_at is not None:
@@ -187,7 +188,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
     return {
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
-        "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"], "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
+        "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
+        "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "token_ids": [r["token_ids"] for r in results], "tier": counters, "probe": probed,
     }
 
@@ -236,13 +238,15 @@ def main() -> int:
     print(f"{len(prompts)} requests over {offsets[-1]:.0f} s, {total} prompt tokens, ideal hit rate {ideal:.3f}",
           flush=True)
 
+    slice_info = vars(args) | {"trace": str(args.trace),
+                               "offload_root": str(args.offload_root or tempfile.gettempdir())}
     if args.restart_at is not None:
         with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
             result = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv", restart_at=args.restart_at)
         before, after = result["hit_rate_minute_before"], result["hit_rate_minute_after"]
         print(json.dumps({"restart_hit_ratio": round(after / before, 3) if before and after is not None else None,
-                          **result, "ideal_hit_rate": round(ideal, 4), "slice": vars(args) | {"trace": str(args.trace), "offload_root": str(args.offload_root or tempfile.gettempdir())},
-                          "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
+                          **result, "ideal_hit_rate": round(ideal, 4), "slice": slice_info, "cpu": this_cpus_model(),
+                          "date": time.strftime("%Y-%m-%d")}))
         return 0
 
     setups = [name for name in SETUPS if name in args.setups]
@@ -254,7 +258,8 @@ def main() -> int:
                 last = runs[name][-1]
                 print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
                       f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
-                      f"{last['prefill_node_mean_ttft_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, CPU s {last['cpu_s']}", flush=True)
+                      f"{last['prefill_node_mean_ttft_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, "
+                      f"CPU s {last['cpu_s']}", flush=True)
 
     def mean(name: str, key: str) -> float | None:
         return statistics.mean(run[key] for run in runs[name]) if runs.get(name) else None
@@ -271,7 +276,7 @@ def main() -> int:
         "ideal_hit_rate": round(ideal, 4), "requests": len(prompts), "prompt_tokens": total,
         "setups": {name: [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "token_ids"}
                           for run in runs_of] for name, runs_of in runs.items()},
-        "slice": vars(args) | {"trace": str(args.trace), "offload_root": str(args.offload_root or tempfile.gettempdir())}, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
+        "slice": slice_info, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
 
