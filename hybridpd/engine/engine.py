@@ -36,10 +36,6 @@ from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
-# How long a step with nothing decoding waits for the storage reads of the requests it would prefill: a hit's
-# reads take a few milliseconds here (~50 files of ~10 KB from the page cache), the step they would otherwise miss
-# tens to hundreds; a slower volume costs the step's other prompts at most this.
-STORAGE_JOIN_S = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +311,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.offload is not None:
             self._storage_loads_done()
-            self._join_storage_loads()
         plan = self.scheduler.schedule()
         out = self.runner.run(plan)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
@@ -335,19 +330,6 @@ class LLMEngine:
                 self.complete_load(request_id)
             else:
                 self.fail_load(request_id, RuntimeError("storage tier read failed"), recompute=True)
-
-    def _join_storage_loads(self) -> None:
-        """With nothing decoding, the storage reads of waiting requests start before the step is planned and get up
-        to `STORAGE_JOIN_S` to finish, so that those requests join this step's prefills. Otherwise a request with a
-        storage hit that arrives in a burst waits for the whole burst's step (on a prefill node, hundreds of
-        milliseconds) after a read of a few milliseconds. A decode is never held for a read."""
-        tier = self.offload
-        assert tier is not None
-        if not self.scheduler.waiting or self.scheduler.decoding():
-            return
-        if self.scheduler.start_storage_loads():
-            tier.wait_for_loads(STORAGE_JOIN_S)
-            self._storage_loads_done()
 
     def _write_behind(self) -> None:
         """Offer the blocks that became hits this step to the tier's write-behind (copies; never waits)."""

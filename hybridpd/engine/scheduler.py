@@ -189,30 +189,6 @@ class Scheduler:
         seq.skip_mamba_align = False
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def decoding(self) -> bool:
-        """Some running request decodes (its next step is one token, and a wait before the step delays it)."""
-        return any(_decoding(seq) for seq in self.running)
-
-    def start_storage_loads(self) -> int:
-        """Start the storage reads of the waiting requests the coming `schedule` would admit first (in order, as
-        many as `max_num_seqs` leaves room for), ahead of it, so that the engine can let reads that finish in time
-        join this step. Requests without a storage hit keep their place in the queue. Returns the reads started."""
-        if self.storage is None:
-            return 0
-        room = self.config.max_num_seqs - len(self.running) - len(self.loaded)
-        started = 0
-        for seq in list(self.waiting)[:max(0, room)]:
-            if seq.remote_prefill is not None:
-                continue
-            hit = self.kv.get_computed_blocks(seq)
-            stored = self.kv.storage_hit(seq, hit)
-            if not stored:
-                continue
-            if not self._start_storage_load(seq, hit, stored):
-                break
-            started += 1
-        return started
-
     def schedule(self) -> SchedulerPlan:
         while self.loaded and len(self.running) < self.config.max_num_seqs:
             self.running.append(self.loaded.popleft())
@@ -334,11 +310,7 @@ class Scheduler:
 
     def _park_loading(self, seq: Sequence, hit_tokens: int) -> None:
         """`seq` leaves the waiting queue for `loading` (its KV arrives from a loader), computed up to its hit."""
-        if self.waiting[0] is seq:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(seq)
-        self._leave_queue(seq)
+        self._leave_queue(self.waiting.popleft())
         seq.num_computed_tokens = hit_tokens
         seq.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[seq.request_id] = seq

@@ -139,17 +139,6 @@ class OffloadTier:
             if not self._finished:
                 self._pending_lock.wait(timeout)
 
-    def wait_for_loads(self, timeout: float) -> bool:
-        """Wait up to `timeout` until every load started so far has finished; True if they have."""
-        deadline = time.monotonic() + timeout
-        with self._pending_lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._pending_lock.wait(left)
-        return True
-
     def wait_written(self, timeout: float) -> bool:
         """Wait up to `timeout` until every write queued so far has reached the disk (or failed); True if so."""
         deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from hybridpd.engine.scheduler import SchedulerPlan
 from hybridpd.kv_events.groups import GroupInfo
 from hybridpd.kv_events.wire import to_wire
 
-from tests.unit.engine.engine_harness import all_free, drive, greedy, prompt, run, token_ids
+from tests.unit.engine.engine_harness import all_free, drive, greedy, prompt
 
 SHARED = prompt(1, 40)
 FIRST = {0: [greedy("a", SHARED, 10)]}
@@ -171,32 +171,3 @@ def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir,
     assert [(type(e), e.medium, e.block_hashes) for e in removed] == [
         (BlockRemoved, Medium.STORAGE, (bytes.fromhex(path.stem),))]
     restarted.close()
-
-
-def test_a_storage_hit_joins_the_step_of_the_prompts_beside_it(tiny_dir, tmp_path, reference):
-    """Nothing decodes: the read starts before the step is planned and the request computes in that step, beside
-    a prompt that arrived with it, instead of after it."""
-    tokens, _, _ = reference
-    root = written_dir(tiny_dir, tmp_path)
-    cold = engine(tiny_dir, root)
-    cold.add_request(greedy("d", prompt(5, 4), 3))
-    cold.add_request(SECOND[0][0])
-    first = {out.request_id: out.new_token_ids for out in cold.step()}
-    assert set(first) == {"c", "d"}
-    assert cold.offload.counters.loaded_blocks > 0
-    rest = run(cold)
-    assert [*first["c"], *token_ids(rest["c"])] == tokens
-    assert all_free(cold)
-    cold.close()
-
-
-def test_a_decoding_request_never_waits_for_a_read(tiny_dir, tmp_path):
-    root = written_dir(tiny_dir, tmp_path)
-    cold = engine(tiny_dir, root)
-    cold.add_request(greedy("x", prompt(6, 8), 6))
-    assert [out.request_id for out in cold.step()] == ["x"]   # its prompt: from now on it decodes
-    cold.add_request(SECOND[0][0])
-    assert [out.request_id for out in cold.step()] == ["x"]   # "c" reads meanwhile, planned in a later step
-    assert "c" in cold.scheduler.loading or cold.scheduler.loaded
-    assert token_ids(run(cold)["c"]) and all_free(cold)
-    cold.close()
