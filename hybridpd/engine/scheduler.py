@@ -10,8 +10,7 @@ request whose prompt was prefilled remotely gets its blocks allocated, is handed
 queues until its KV has arrived: it never blocks others (and does not count against `max_num_seqs` meanwhile).
 A prefill-role request is an ordinary one that ends at its first token with its blocks kept (held under a lease).
 A request whose prefix the storage tier extends beyond the memory hit waits the same way for its blocks to be read
-(`storage`), then computes the rest of its prompt here; `start_storage_loads` starts those reads ahead of the plan,
-so that the engine, when nothing decodes, can let them finish and join the step.
+(`storage`), then computes the rest of its prompt here.
 """
 
 from __future__ import annotations
