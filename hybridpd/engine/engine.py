@@ -320,11 +320,17 @@ class LLMEngine:
 
     def _storage_loads_done(self) -> None:
         """Requests whose storage reads finished join the running ones; a failed read (a file gone, torn, foreign)
-        means computing the prompt here instead. With nothing else to do, wait a little for a read."""
+        or one older than `--kv-load-timeout` (the directory hangs) means computing the prompt here instead. With
+        nothing else to do, wait a little for a read."""
         tier = self.offload
         assert tier is not None
         if tier.loading and not self.scheduler.has_work():
             tier.wait_for_load(0.005)
+        timeout = self.config.cache.kv_offload_read_timeout
+        for request_id in tier.abandon_overdue(timeout):
+            log.warning("kv offload: a read for %s took over %g s; its prompt is computed instead", request_id, timeout)
+            self.fail_load(request_id, TimeoutError(f"storage tier read timed out after {timeout:g} s"),
+                           recompute=True)
         for request_id, ok in tier.take_finished():
             if ok:
                 self.complete_load(request_id)

@@ -86,3 +86,5 @@ def _offload_metrics(counters: TierCounters) -> Iterator[Metric]:
                               value=counters.loaded_blocks)
     yield CounterMetricFamily("hybridpd:kv_offload_load_misses", "Storage reads that found a block gone or bad (the "
                               "prompt was computed instead)", value=counters.load_misses)
+    yield CounterMetricFamily("hybridpd:kv_offload_load_timeouts", "Storage reads given up after --kv-load-timeout "
+                              "(the prompt was computed instead)", value=counters.load_timeouts)

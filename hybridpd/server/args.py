@@ -196,6 +196,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 mamba_retention=MambaRetentionPolicy(args.mamba_cache_retention),
                 kv_offload_dir=args.kv_offload_dir,
                 kv_offload_size=args.kv_offload_size,
+                kv_offload_read_timeout=args.kv_load_timeout,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

@@ -5,6 +5,12 @@ pages (`offer`: a copy into a bounded queue, or a counted drop) and collects fin
 Threads: a writer (the queue into files), a loader (files into the blocks a request was given), and a scanner that
 re-reads the directory every `rescan_s`, so blocks other nodes wrote become hits here too (less often when a scan
 costs more than `RESCAN_CPU_SHARE` of a core at that pace: a directory of millions of files).
+
+A directory that hangs (an NFS server gone) must not hang the requests that read from it: the engine gives up on a
+load older than its timeout (`abandon_overdue`). From then on the loader copies nothing more into that request's
+blocks (each copy checks, under the lock the abandonment takes, that its load still stands), so the engine may
+hand them to anyone; and the tier offers no hits (`has` is False) until the loader comes back from the read it is
+stuck in, so that no other request queues behind it.
 """
 
 from __future__ import annotations
@@ -37,12 +43,21 @@ class LoadItem:
 
 
 @dataclass
+class _Load:
+    request_id: str
+    items: tuple[LoadItem, ...]
+    started: float            # time.monotonic() when the engine asked for it
+    abandoned: bool = False   # the engine gave up on it: copy nothing more into its blocks
+
+
+@dataclass
 class TierCounters:
     written: int = 0
     dropped_queue_full: int = 0
     dropped_write_error: int = 0
     loaded_blocks: int = 0
     load_misses: int = 0       # a load that found a block missing or bad: its request is recomputed
+    load_timeouts: int = 0     # a load the engine gave up on (the directory hung): its request is recomputed
     hits: int = 0              # requests that took a storage hit
     hit_tokens: int = 0        # tokens those hits covered beyond the memory hit
 
@@ -69,7 +84,9 @@ class OffloadTier:
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
         self._pending = 0
-        self._pending_lock = threading.Condition()
+        self._pending_lock = threading.Condition()   # also guards `_inflight`, `_stalled` and every copy into pages
+        self._inflight: dict[str, _Load] = {}          # loads asked for and not finished nor abandoned
+        self._stalled = False                          # a load was abandoned and the loader is not back yet
         self._stop = threading.Event()
         self._rescan_s = rescan_s
         self._threads = [threading.Thread(target=fn, name=f"kv-offload-{name}", daemon=True)
@@ -80,7 +97,7 @@ class OffloadTier:
 
     # -- the engine's side (cheap, never waits for the disk) -----------------------------------------------------
     def has(self, group: int, block_hash: bytes) -> bool:
-        return block_hash in self._present[group]
+        return not self._stalled and block_hash in self._present[group]
 
     @property
     def empty(self) -> bool:
@@ -108,9 +125,26 @@ class OffloadTier:
         """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
         self.counters.hits += 1
         self.counters.hit_tokens += num_tokens
+        load = _Load(request_id, tuple(items), time.monotonic())
         with self._pending_lock:
             self._pending += 1
-        self._loads.put((request_id, tuple(items)))
+            self._inflight[request_id] = load
+        self._loads.put(load)
+
+    def abandon_overdue(self, timeout: float) -> list[str]:
+        """Give up on the loads asked for more than `timeout` seconds ago: their requests' blocks are the engine's
+        again at once (nothing more is copied into them), and no hit is offered until the loader is back."""
+        now = time.monotonic()
+        with self._pending_lock:
+            overdue = [load for load in self._inflight.values() if now - load.started > timeout]
+            for load in overdue:
+                load.abandoned = True
+                del self._inflight[load.request_id]
+                self._pending -= 1
+            if overdue:
+                self._stalled = True
+                self.counters.load_timeouts += len(overdue)
+        return [load.request_id for load in overdue]
 
     def snapshot(self) -> TierCounters:
         return replace(self.counters)
@@ -191,27 +225,34 @@ class OffloadTier:
 
     def _load_loop(self) -> None:
         while True:
-            job = self._loads.get()
-            if job is None:
+            load = self._loads.get()
+            if load is None:
                 return
-            request_id, items = job
             ok = True
             try:
-                for item in items:
+                for item in load.items:
+                    if load.abandoned:
+                        break
                     payload = self.store.read(item.group, item.block_hash)
                     if payload is None:   # gone, torn or foreign: never counted on again until rewritten
                         self._forget(item.group, item.block_hash)
                         self.counters.load_misses += 1
                         ok = False
                         break
-                    self._page_arrays[item.group][item.block_id] = np.frombuffer(payload, dtype=np.int8)
+                    with self._pending_lock:
+                        if load.abandoned:   # its blocks may be another request's by now
+                            break
+                        self._page_arrays[item.group][item.block_id] = np.frombuffer(payload, dtype=np.int8)
                     self.counters.loaded_blocks += 1
             except Exception:  # noqa: BLE001 - any failure is a miss: the request is recomputed, never served wrong
-                log.exception("kv offload: load of %s failed", request_id)
+                log.exception("kv offload: load of %s failed", load.request_id)
                 ok = False
             with self._pending_lock:
-                self._finished.append((request_id, ok))
-                self._pending -= 1
+                self._stalled = False   # back from whatever it waited for
+                if not load.abandoned:
+                    del self._inflight[load.request_id]
+                    self._finished.append((load.request_id, ok))
+                    self._pending -= 1
                 self._pending_lock.notify_all()
 
     def _scan_loop(self) -> None:

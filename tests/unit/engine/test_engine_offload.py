@@ -6,6 +6,7 @@ it again, with the same tokens; a full disk drops writes and serving goes on. Th
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,30 @@ def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir,
     assert [(type(e), e.medium, e.block_hashes) for e in removed] == [
         (BlockRemoved, Medium.STORAGE, (bytes.fromhex(path.stem),))]
     restarted.close()
+
+
+def test_a_read_that_hangs_is_given_up_and_the_prompt_computed(tiny_dir, tmp_path, reference, monkeypatch):
+    tokens, _, _ = reference
+    root = written_dir(tiny_dir, tmp_path)
+    release = threading.Event()
+    real_read = OffloadStore.read
+
+    def hanging_read(self, group, block_hash):
+        release.wait(30)   # the directory hangs until the test ends
+        return real_read(self, group, block_hash)
+
+    monkeypatch.setattr(OffloadStore, "read", hanging_read)
+    cold = LLMEngine(EngineConfig(
+        model_dir=tiny_dir, cache=CacheConfig(block_size=4, num_blocks=400, kv_offload_dir=root,
+                                              kv_offload_read_timeout=0.2),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
+    ))
+    try:
+        out, cached = drive(cold, SECOND)
+        assert out["c"] == tokens and cached["c"] == 0
+        assert cold.offload.counters.load_timeouts == 1 and cold.offload.counters.loaded_blocks == 0
+        assert all_free(cold)
+    finally:
+        release.set()
+        cold.close()
+    assert cold.offload.counters.loaded_blocks == 0   # the read came back after: nothing was copied

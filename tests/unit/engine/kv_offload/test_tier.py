@@ -66,3 +66,37 @@ def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
     assert wait_loaded(reader) == [("r2", False)]
     assert not reader.has(0, b"b" * 32) and reader.counters.load_misses == 1
     reader.close()
+
+
+def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(tmp_path, monkeypatch):
+    store, pages, tier = make(tmp_path)
+    tier.offer(0, [(b"a" * 32, 1), (b"b" * 32, 2)])
+    tier.close()
+
+    entered, release = threading.Event(), threading.Event()
+    real_read = OffloadStore.read
+
+    def hanging_read(self, group, block_hash):
+        if block_hash == b"a" * 32 and not release.is_set():
+            entered.set()
+            release.wait(10)   # an NFS server gone, until it comes back
+        return real_read(self, group, block_hash)
+
+    monkeypatch.setattr(OffloadStore, "read", hanging_read)
+    _, pages, reader = make(tmp_path)
+    pages.fill_(7)
+    reader.start_load("stuck", [LoadItem(0, 0, b"a" * 32), LoadItem(0, 3, b"b" * 32)])
+    reader.start_load("queued", [LoadItem(0, 2, b"b" * 32)])
+    assert entered.wait(10)
+    assert reader.abandon_overdue(3600) == []   # not overdue yet
+    assert reader.has(0, b"b" * 32)
+    assert sorted(reader.abandon_overdue(0)) == ["queued", "stuck"]
+    assert not reader.loading and reader.counters.load_timeouts == 2
+    assert not reader.has(0, b"b" * 32)   # no hit is offered while the loader is stuck
+    release.set()   # the read returns: nothing may land in blocks the engine has taken back
+    reader.start_load("after", [LoadItem(0, 1, b"b" * 32)])
+    assert wait_loaded(reader) == [("after", True)]
+    assert (pages[0] == 7).all() and (pages[2] == 7).all() and (pages[3] == 7).all()
+    assert not (pages[1] == 7).all()
+    assert reader.has(0, b"b" * 32)   # the loader is back: hits again
+    reader.close()
