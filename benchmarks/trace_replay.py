@@ -17,7 +17,9 @@ per setup and round, the tier's counters, the CPU model and the date.
 With `--restart-at S` it runs the tier setup alone and SIGKILLs every node S seconds into the replay (the
 supervisor restarts them, as `hybridpd up` does); requests that fail meanwhile are counted, not retried. Last line:
 `restart_hit_ratio`, the decode-side hit rate of the requests sent in the minute after every node answers /health
-again over the minute before the kill (goal >= 0.8).
+again over the minute before the kill (goal >= 0.8). Then the same replay again without the kill, as a control:
+`restart_hit_ratio_vs_control` is the minute after against the same minute of the control (the slice's own reuse
+changes with time, so the minute before alone does not say what the restart cost).
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ def role_figures(metrics_urls: list[str]) -> dict[str, float]:
 
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
               offload_root: Path, restart_at: float | None = None,
-              probe: Callable[[Any], Callable[[], Any]] | None = None) -> dict[str, Any]:
+              probe: Callable[[Any], Callable[[], Any]] | None = None,
+              windows: tuple[tuple[float, float], ...] = ()) -> dict[str, Any]:
     """`probe`: called with the cluster's info while it is idle, before the replay; what the function it returns
-    gives after the replay is kept."""
+    gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates are reported."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
     spec = ClusterSpec(
@@ -191,6 +194,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "token_ids": [r["token_ids"] for r in results], "tier": counters, "probe": probed,
+        "window_hit_rates": [window_hit_rate(results, start, end)[0] for start, end in windows],
     }
 
 
@@ -243,10 +247,19 @@ def main() -> int:
     if args.restart_at is not None:
         with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
             result = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv", restart_at=args.restart_at)
+            # the control: the same replay without the restart, over the same two minutes (the slice's own reuse
+            # changes with time, so the minute before alone would not say what the restart cost)
+            back = result["back_at_s"] if result["back_at_s"] is not None else args.restart_at
+            control = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv-control",
+                                windows=((args.restart_at - 60, args.restart_at), (back, back + 60)))
         before, after = result["hit_rate_minute_before"], result["hit_rate_minute_after"]
+        control_before, control_after = control["window_hit_rates"]
         print(json.dumps({"restart_hit_ratio": round(after / before, 3) if before and after is not None else None,
-                          **result, "ideal_hit_rate": round(ideal, 4), "slice": slice_info, "cpu": this_cpus_model(),
-                          "date": time.strftime("%Y-%m-%d")}))
+                          "restart_hit_ratio_vs_control": (round(after / control_after, 3)
+                                                           if control_after and after is not None else None),
+                          **result, "control_hit_rate_minute_before": control_before,
+                          "control_hit_rate_minute_after": control_after, "ideal_hit_rate": round(ideal, 4),
+                          "slice": slice_info, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
         return 0
 
     setups = [name for name in SETUPS if name in args.setups]
