@@ -1,20 +1,30 @@
 """The engine in bfloat16 (weights, activations, attention pages and Mamba states) against transformers in bfloat16,
-on the same checkpoint (the tiny preset: Mamba2, full attention with two KV-head counts, two sliding windows).
+on the same checkpoint: the tiny preset (float32 weights; Mamba2, full attention with two KV-head counts, two
+sliding windows) and a Granite MoE checkpoint that transformers saved in bfloat16, sharded, as published ones are.
 
 Two computations in bfloat16 do not agree bit for bit: they round in other places (our fused kernels keep the SSM
-state, softmax and norms in float32; transformers' reference path rounds elsewhere). Measured on this checkpoint,
-whose logits span about -3.7..3.8: each of the two is up to 0.07-0.15 away from the float32 logits (mean ~0.015),
-and they are up to 0.07-0.14 apart. So the agreement is stated:
-- logits: every row the engine samples from is within `TOL` (0.25, ~3% of the span) of the reference's row at that
-  position of the final sequence, and within `MEAN_TOL` (0.04) on average over every sampled row;
+state, softmax and norms in float32; transformers' reference path rounds elsewhere). Measured here (EPYC, AVX2, no
+bfloat16 units; three prompts of 9-40 tokens, 12 greedy tokens each), against each one's distance from the float32
+logits:
+- tiny (logits span about -3.7..3.8): ours and transformers' each up to 0.07-0.15 from float32 (mean ~0.015), up
+  to 0.07-0.14 apart (mean 0.013-0.020);
+- MoE (span about -10..19): apart by 0.023-0.037 on average, but up to 1.03 at one position, where a router's top-k
+  choice between two near-tied experts went one way in one computation and the other way in the other (ours at
+  that position 1.0 from float32, transformers' bfloat16 0.36; at others transformers' is the further one). A
+  per-logit bound does not hold for MoE in bfloat16, so it gets the mean bound only.
+The bounds (`BOUNDS`), with room for other CPUs' kernels (AMX rounds otherwise):
+- logits: every row the engine samples from is within `max_abs` of the reference's row at that position of the
+  final sequence (dense only), and within `mean_abs` on average over every sampled logit;
 - greedy tokens: at every position the engine's token is the reference's argmax, or a near-tie there: its logit in
-  the reference's row within `TIE_MARGIN` (0.25) of the row's maximum.
+  the reference's row within `tie_margin` of the row's maximum.
 Scenarios: one request; six concurrent requests of different lengths under a small token budget (chunked prefill
-beside batched decodes); a request that hits the prefix cache in every group kind (pages and states kept in
-bfloat16 and read back).
+beside batched decodes); a request that hits the prefix cache in every group kind the model has (pages and states
+kept in bfloat16 and read back).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,18 +33,31 @@ from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.presets.checkpoints import write_checkpoint
 from tests.oracle.reference import load_reference, reference_logits
+from tests.oracle.saved_models import save_granite
 from tests.oracle.test_engine_vs_transformers import Recorder, assert_drained, prompt, run
 
-TOL = 0.25
-MEAN_TOL = 0.04
-TIE_MARGIN = 0.25
+@dataclass(frozen=True)
+class Bounds:
+    max_abs: float | None
+    mean_abs: float
+    tie_margin: float
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory):
+BOUNDS = {"tiny": Bounds(max_abs=0.25, mean_abs=0.04, tie_margin=0.25),
+          "granite-moe-saved-bf16": Bounds(max_abs=None, mean_abs=0.12, tie_margin=1.0)}
+
+
+@pytest.fixture(scope="module", params=["tiny", "granite-moe-saved-bf16"])
+def checkpoint(request, tmp_path_factory):
+    """The tiny preset (float32 weights, every group kind), and a Granite MoE checkpoint transformers saved in
+    bfloat16 (sharded), as published checkpoints are."""
     torch.set_num_threads(1)
-    model_dir = write_checkpoint("tiny", tmp_path_factory.mktemp("tiny"))
-    return model_dir, load_reference(model_dir).to(torch.bfloat16)
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "tiny":
+        model_dir = write_checkpoint("tiny", out)
+        return model_dir, load_reference(model_dir).to(torch.bfloat16), BOUNDS["tiny"]
+    model_dir, reference = save_granite(out, "moe_sharded_bf16")
+    return model_dir, reference.to(torch.bfloat16), BOUNDS[request.param]
 
 
 def make_engine(model_dir, recorder, *, budget=2048, num_blocks=96) -> LLMEngine:
@@ -47,8 +70,8 @@ def make_engine(model_dir, recorder, *, budget=2048, num_blocks=96) -> LLMEngine
     return engine
 
 
-def check_agreement(reference, requests: dict[str, tuple[int, ...]], outputs: dict[str, list[int]],
-                    recorder: Recorder) -> None:
+def check_agreement(reference, bounds: Bounds, requests: dict[str, tuple[int, ...]],
+                    outputs: dict[str, list[int]], recorder: Recorder) -> None:
     full = {rid: list(ids) + outputs[rid] for rid, ids in requests.items()}
     expected = {rid: reference_logits(reference, seq) for rid, seq in full.items()}
     assert recorder.rows, "the engine sampled nothing"
@@ -57,46 +80,47 @@ def check_agreement(reference, requests: dict[str, tuple[int, ...]], outputs: di
         want = expected[rid][position]
         differences.append((row.float() - want).abs())
         token = full[rid][position + 1]
-        assert want[token] >= want.max() - TIE_MARGIN, (
+        assert want[token] >= want.max() - bounds.tie_margin, (
             f"{rid} at {position}: chose {token} ({want[token]:.3f}), the reference's best is "
             f"{int(want.argmax())} ({want.max():.3f})")
     every = torch.stack(differences)
-    assert every.max() <= TOL, f"logits differ by up to {every.max():.4f} (tolerance {TOL})"
-    assert every.mean() <= MEAN_TOL, f"logits differ by {every.mean():.4f} on average (tolerance {MEAN_TOL})"
+    if bounds.max_abs is not None:
+        assert every.max() <= bounds.max_abs, f"logits differ by up to {every.max():.4f} ({bounds})"
+    assert every.mean() <= bounds.mean_abs, f"logits differ by {every.mean():.4f} on average ({bounds})"
 
 
-def test_one_request(tiny_bf16):
-    model_dir, reference = tiny_bf16
+def test_one_request(checkpoint):
+    model_dir, reference, bounds = checkpoint
     recorder = Recorder()
     engine = make_engine(model_dir, recorder)
     requests = {"a": prompt(1, 23)}
     outputs = run(engine, requests, max_tokens=12)
-    check_agreement(reference, requests, outputs, recorder)
+    check_agreement(reference, bounds, requests, outputs, recorder)
     assert_drained(engine)
 
 
-def test_concurrent_requests_with_chunked_prefill(tiny_bf16):
-    model_dir, reference = tiny_bf16
+def test_concurrent_requests_with_chunked_prefill(checkpoint):
+    model_dir, reference, bounds = checkpoint
     recorder = Recorder()
     engine = make_engine(model_dir, recorder, budget=24)
     requests = {f"r{i}": prompt(10 + i, n) for i, n in enumerate((5, 17, 31, 9, 44, 26))}
     outputs = run(engine, requests, max_tokens=8)
-    check_agreement(reference, requests, outputs, recorder)
+    check_agreement(reference, bounds, requests, outputs, recorder)
     assert_drained(engine)
 
 
-def test_a_prefix_hit_in_every_group_kind(tiny_bf16):
-    model_dir, reference = tiny_bf16
+def test_a_prefix_hit_in_every_group_kind(checkpoint):
+    model_dir, reference, bounds = checkpoint
     recorder = Recorder()
     engine = make_engine(model_dir, recorder)
     shared = prompt(5, 40)
     first = {"first": shared + prompt(6, 5)}
-    check_agreement(reference, first, run(engine, first, max_tokens=3), recorder)
+    check_agreement(reference, bounds, first, run(engine, first, max_tokens=3), recorder)
     recorder.rows.clear()
     second = {"second": shared + prompt(7, 9)}
     outputs = run(engine, second, max_tokens=8)
     hits = {s.kind: s.hit_tokens for s in engine.kv.stats()}
-    assert set(hits) == {"mamba", "full_attention", "sliding_window"}
+    assert {"mamba", "full_attention"} <= set(hits)
     assert all(h > 0 for h in hits.values()), hits
-    check_agreement(reference, second, outputs, recorder)
+    check_agreement(reference, bounds, second, outputs, recorder)
     assert_drained(engine)
