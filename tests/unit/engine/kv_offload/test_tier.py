@@ -1,6 +1,7 @@
 """The tier's queues: a write-behind that is full drops (and counts) rather than waits; a load copies whole pages
 into the blocks it was given, and one missing file fails the load and is forgotten (so the next hit search no
-longer counts on it)."""
+longer counts on it); a load whose read hangs is abandoned, offers no hits meanwhile, and copies nothing once the
+read returns."""
 
 from __future__ import annotations
 
