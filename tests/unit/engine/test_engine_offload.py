@@ -1,8 +1,8 @@
 """The storage tier through the engine: a prefix that only the offload directory holds is read back and served with
 the same tokens and logits as computing it; files that are gone, torn, truncated or another model's mean computing
 it again, with the same tokens; a full disk drops writes and serving goes on; a read that hangs is given up after
-the timeout and the prompt computed. The tiny preset has every group kind
-(Mamba2 at an interval, full attention with two KV-head counts, two sliding windows), so every hit crosses all."""
+the timeout and the prompt computed. The tiny preset has every group kind (Mamba2 at an interval, full attention
+with two KV-head counts, two sliding windows), so every hit crosses all."""
 
 from __future__ import annotations
 
