@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ def cluster(tmp_path_factory) -> Iterator[ClusterInfo]:
         yield info
 
 
+def _forget_prefixes(info: ClusterInfo) -> None:
+    """Every node's prefix cache emptied: a case must not hit blocks an earlier case computed (how that case's steps
+    fell moves their float32 values by rounding, and with them a near-tied greedy token)."""
+    for node in (*info.prefill, *info.decode):
+        request = urllib.request.Request(f"{node.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+
+
 def _bench(info: ClusterInfo, result_dir: Path, *workload: str) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "hybridpd", "bench", "--base-url", info.proxy_url, *workload,
@@ -51,13 +61,14 @@ def _bench(info: ClusterInfo, result_dir: Path, *workload: str) -> dict[str, Any
     (8, 40, 6, "4", 3),
     # One output token: the prefill node's, streamed by the decode node, which pulls nothing. One at a time, so that
     # batching (which moves float32 logits by rounding) cannot turn the greedy token into one whose text is held
-    # back whole (a partial UTF-8 character): a chunk without text is no token for vLLM's bench, nor for ours. A seed
-    # of its own: with the first case's, its prompts are prefixes of that case's, and whether they hit the cache
-    # (which depends on how the first case's steps fell) moved the logits too.
+    # back whole (a partial UTF-8 character): a chunk without text is no token for vLLM's bench, nor for ours. The
+    # caches are emptied first: one of these prompts starts as one of the first case's does (a 16-token hit), and
+    # how the first case's steps fell moved that block's values, and the greedy token, by rounding.
     (5, 23, 1, "1", 4),
 ])
 def test_random_workload_totals_and_throughputs(cluster, tmp_path, num_prompts, input_len, output_len, concurrency,
                                                 seed):
+    _forget_prefixes(cluster)
     result = _bench(
         cluster, tmp_path, "--dataset-name", "random", "--num-prompts", str(num_prompts),
         "--random-input-len", str(input_len), "--random-output-len", str(output_len),
