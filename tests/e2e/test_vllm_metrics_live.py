@@ -34,10 +34,13 @@ def families(text: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """One node, and a proxy in front of it in both roles (its metric families are what the dashboard reads)."""
+    """One node with a storage tier, and a proxy in front of it in both roles (their metric families are what the
+    dashboard reads)."""
     model = write_checkpoint("tiny", tmp_path_factory.mktemp("m") / "tiny")
     logs = tmp_path_factory.mktemp("logs")
-    node = start_node(model, logs, ["--num-blocks", "256", "--max-model-len", "512"])
+    offload = tmp_path_factory.mktemp("kv-offload")
+    node = start_node(model, logs, ["--num-blocks", "256", "--max-model-len", "512", "--kv-offload-dir", str(offload),
+                                    "--kv-offload-size", "64MiB"])
     proxy = None
     try:
         proxy = start_proxy(node, node, logs)
