@@ -89,22 +89,16 @@ def check_agreement(reference, bounds: Bounds, requests: dict[str, tuple[int, ..
     assert every.mean() <= bounds.mean_abs, f"logits differ by {every.mean():.4f} on average ({bounds})"
 
 
-def test_one_request(checkpoint):
+@pytest.mark.parametrize("requests, max_tokens, budget", [
+    ({"a": prompt(1, 23)}, 12, 2048),
+    # six of different lengths under a 24-token budget: chunked prefills beside batched decodes
+    ({f"r{i}": prompt(10 + i, n) for i, n in enumerate((5, 17, 31, 9, 44, 26))}, 8, 24),
+], ids=["one_request", "concurrent_with_chunked_prefill"])
+def test_requests_agree(checkpoint, requests, max_tokens, budget):
     model_dir, reference, bounds = checkpoint
     recorder = Recorder()
-    engine = make_engine(model_dir, recorder)
-    requests = {"a": prompt(1, 23)}
-    outputs = run(engine, requests, max_tokens=12)
-    check_agreement(reference, bounds, requests, outputs, recorder)
-    assert_drained(engine)
-
-
-def test_concurrent_requests_with_chunked_prefill(checkpoint):
-    model_dir, reference, bounds = checkpoint
-    recorder = Recorder()
-    engine = make_engine(model_dir, recorder, budget=24)
-    requests = {f"r{i}": prompt(10 + i, n) for i, n in enumerate((5, 17, 31, 9, 44, 26))}
-    outputs = run(engine, requests, max_tokens=8)
+    engine = make_engine(model_dir, recorder, budget=budget)
+    outputs = run(engine, requests, max_tokens=max_tokens)
     check_agreement(reference, bounds, requests, outputs, recorder)
     assert_drained(engine)
 
