@@ -2,7 +2,10 @@
 
 TTFT is from sending to the first chunk that carries a token; ITL is every gap between two such
 chunks; latency (E2EL) is from sending to the last such chunk. Output length comes from the final
-usage chunk (`completion_tokens`), else the count of token chunks. A request never raises: any
+usage chunk (`completion_tokens`), else the count of token chunks. A stream whose only token's text
+was held back (a byte that ends no UTF-8 character) shows it in its finishing chunk alone, with
+empty text; when usage then counts tokens, that chunk is the token (as `vllm bench serve`, which
+times the first chunk with a choice, counts it). A request never raises: any
 failure (HTTP status, error event, broken stream, connection) becomes `success=False` with its text.
 """
 
@@ -64,13 +67,14 @@ def build_payload(target: EndpointTarget, sample: SampleRequest) -> dict[str, An
     return body | dict(target.sampling)
 
 
-class _Recorder:
+class StreamRecorder:
     """Accumulates one stream's events; `output()` freezes them into a RequestOutput."""
 
     def __init__(self, start: float, prompt_len: int) -> None:
         self.start = start
         self.prompt_len = prompt_len
         self.token_times: list[float] = []
+        self.finish_time: float | None = None
         self.completion_tokens: int | None = None
         self.cached_tokens: int | None = None
         self.error: str | None = None
@@ -82,6 +86,8 @@ class _Recorder:
         self.done = self.done or event.done
         if event.carries_token:
             self.token_times.append(now)
+        if event.finishes and self.finish_time is None:
+            self.finish_time = now
         if event.prompt_tokens is not None:
             self.prompt_len = int(event.prompt_tokens)
         if event.completion_tokens is not None:
@@ -89,9 +95,14 @@ class _Recorder:
         if event.cached_tokens is not None:
             self.cached_tokens = int(event.cached_tokens)
 
+    def _times(self) -> list[float]:
+        if self.token_times or self.finish_time is None or not self.completion_tokens:
+            return self.token_times
+        return [self.finish_time]
+
     def output(self) -> RequestOutput:
-        error = self.error or ("" if self.token_times else NO_TOKEN_ERROR)
-        times = self.token_times
+        times = self._times()
+        error = self.error or ("" if times else NO_TOKEN_ERROR)
         return RequestOutput(
             success=not error,
             prompt_len=self.prompt_len,
@@ -133,7 +144,7 @@ async def send_request(
         async with session.post(target.api_url, json=payload) as response:
             if response.status != 200:
                 return _failed(start, sample.prompt_len, await _http_error(response))
-            recorder = _Recorder(start, sample.prompt_len)
+            recorder = StreamRecorder(start, sample.prompt_len)
             decoder = SSEDecoder()
             async for chunk in response.content.iter_any():
                 now = clock()

@@ -42,10 +42,12 @@ class SSEDecoder:
 class StreamEvent:
     """One parsed payload. A chunk *carries a token* when it has text, token ids, or (an empty
     text that is still mid-stream, e.g. a byte that ends no UTF-8 character) no finish reason and
-    no role-only chat delta; a final empty chunk with a finish reason carries none."""
+    no role-only chat delta; a final empty chunk with a finish reason carries none. It *finishes*
+    when its choice has a finish reason."""
 
     done: bool = False
     carries_token: bool = False
+    finishes: bool = False
     text: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -74,7 +76,7 @@ def parse_event(payload: str, kind: EndpointKind) -> StreamEvent:
     usage = data.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     choices = data.get("choices") or []
-    text, carries = "", False
+    text, carries, finishes = "", False, False
     if choices:
         choice = choices[0]
         if kind is EndpointKind.CHAT:
@@ -85,8 +87,10 @@ def parse_event(payload: str, kind: EndpointKind) -> StreamEvent:
             text = choice.get("text") or ""
             mid_stream = choice.get("finish_reason") is None
         carries = bool(text) or bool(choice.get("token_ids")) or mid_stream
+        finishes = choice.get("finish_reason") is not None
     return StreamEvent(
         carries_token=carries,
+        finishes=finishes,
         text=text,
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),

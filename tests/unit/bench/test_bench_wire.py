@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hybridpd.bench.client import EndpointTarget, build_payload
+from hybridpd.bench.client import NO_TOKEN_ERROR, EndpointTarget, StreamRecorder, build_payload
 from hybridpd.bench.config import EndpointKind
 from hybridpd.bench.datasets import SampleRequest
 from hybridpd.bench.sse import SSEDecoder, StreamEvent, parse_event
@@ -44,10 +44,11 @@ COMPLETION, CHAT = EndpointKind.COMPLETIONS, EndpointKind.CHAT
     [
         (COMPLETION, {"choices": [{"text": "hi", "finish_reason": None}]}, StreamEvent(carries_token=True, text="hi")),
         (COMPLETION, {"choices": [{"text": "", "finish_reason": None}]}, StreamEvent(carries_token=True)),
-        (COMPLETION, {"choices": [{"text": "", "finish_reason": "length"}]}, StreamEvent(carries_token=False)),
-        (COMPLETION, {"choices": [{"text": "x", "finish_reason": "stop"}]}, StreamEvent(carries_token=True, text="x")),
+        (COMPLETION, {"choices": [{"text": "", "finish_reason": "length"}]}, StreamEvent(finishes=True)),
+        (COMPLETION, {"choices": [{"text": "x", "finish_reason": "stop"}]},
+         StreamEvent(carries_token=True, finishes=True, text="x")),
         (COMPLETION, {"choices": [{"text": "", "token_ids": [7], "finish_reason": "stop"}]},
-         StreamEvent(carries_token=True)),
+         StreamEvent(carries_token=True, finishes=True)),
         (COMPLETION, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4,
                                                 "prompt_tokens_details": {"cached_tokens": 3}}},
          StreamEvent(prompt_tokens=9, completion_tokens=4, cached_tokens=3)),
@@ -62,6 +63,38 @@ COMPLETION, CHAT = EndpointKind.COMPLETIONS, EndpointKind.CHAT
 )
 def test_parse_event(kind, payload, expected):
     assert parse_event(json.dumps(payload), kind) == expected
+
+
+def _chunk(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"text": text, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
+
+
+@pytest.mark.parametrize(
+    "payloads, ttft, itl, output_len, error",
+    [
+        # Two tokens, the finish reason on the last one's chunk.
+        ([_chunk("a"), _chunk("b", "length"), USAGE | {"usage": {"completion_tokens": 2}}], 1.0, (1.0,), 2, ""),
+        # A separate empty finishing chunk after the tokens adds no token and no gap.
+        ([_chunk("a"), _chunk(""), _chunk("", "stop"), USAGE | {"usage": {"completion_tokens": 2}}], 1.0, (1.0,), 2,
+         ""),
+        # One token whose text was held back (a byte that ends no UTF-8 character): only its finishing chunk shows it.
+        ([_chunk("", "length"), USAGE], 1.0, (), 1, ""),
+        # A stream that finishes having produced nothing has no token to time.
+        ([_chunk("", "stop"), USAGE | {"usage": {"completion_tokens": 0}}], 0.0, (), 0, NO_TOKEN_ERROR),
+        ([_chunk("", "stop")], 0.0, (), 0, NO_TOKEN_ERROR),
+    ],
+)
+def test_stream_recorder_times_tokens(payloads, ttft, itl, output_len, error):
+    recorder = StreamRecorder(start=0.0, prompt_len=5)
+    for second, payload in enumerate(payloads, start=1):
+        recorder.add(parse_event(json.dumps(payload), COMPLETION), float(second))
+    recorder.add(parse_event("[DONE]", COMPLETION), float(len(payloads) + 1))
+    output = recorder.output()
+    assert (output.ttft, output.itl, output.output_len, output.error) == (ttft, itl, output_len, error)
+    assert output.success == (not error)
 
 
 def test_parse_event_done_and_garbage():
