@@ -10,11 +10,11 @@ layer of Nemotron-H) declares nothing. So the KV cache, scheduler and connector 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
+from hybridpd.engine.model.kernels.linear import plain_linear
 from hybridpd.engine.model.layers.attention import Attention
 from hybridpd.engine.model.step.decode_kv import DecodeKV
 from hybridpd.engine.model.step.forward_batch import ForwardBatch
@@ -99,7 +99,7 @@ class PagedCausalLM(nn.Module):
             self.decode_kv.end_runs()  # some layers may have appended, others not
             raise
         h = self.final_norm().forward(h[batch.logits_indices])
-        logits = F.linear(h, self.lm_head.weight)
+        logits = plain_linear(h, self.lm_head.weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         if self.logits_multiplier != 1.0:

@@ -21,46 +21,81 @@ import torch
 
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]
+_U16_2D = numba.uint16[:, ::1]
+
+
+@numba.njit(inline="always", nogil=True, fastmath=True, boundscheck=False)
+def _rows_times_column(x, w, start, j, out):  # pragma: no cover - compiled
+    """out[:, j] = x @ w + start, four rows at a time (a last group short of four repeats its last row)."""
+    rows, width = x.shape
+    last = rows - 1
+    for m in range(0, rows, 4):
+        x0, x1, x2, x3 = x[m], x[min(m + 1, last)], x[min(m + 2, last)], x[min(m + 3, last)]
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for k in range(width):
+            wk = w[k]
+            s0 += x0[k] * wk
+            s1 += x1[k] * wk
+            s2 += x2[k] * wk
+            s3 += x3[k] * wk
+        out[m, j] = s0 + start
+        if m + 1 <= last:
+            out[m + 1, j] = s1 + start
+        if m + 2 <= last:
+            out[m + 2, j] = s2 + start
+        if m + 3 <= last:
+            out[m + 3, j] = s3 + start
 
 
 @numba.njit(numba.void(_F32_2D, _F32_2D, _F32_1D, numba.boolean, _F32_2D), cache=True, nogil=True, fastmath=True,
             boundscheck=False)
 def _few_rows(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
-    rows, width = x.shape
-    last = rows - 1
     for j in range(weight.shape[0]):
-        w = weight[j]
-        start = np.float32(bias[j]) if has_bias else np.float32(0.0)
-        for m in range(0, rows, 4):
-            x0, x1, x2, x3 = x[m], x[min(m + 1, last)], x[min(m + 2, last)], x[min(m + 3, last)]
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            for k in range(width):
-                wk = w[k]
-                s0 += x0[k] * wk
-                s1 += x1[k] * wk
-                s2 += x2[k] * wk
-                s3 += x3[k] * wk
-            out[m, j] = s0 + start
-            if m + 1 <= last:
-                out[m + 1, j] = s1 + start
-            if m + 2 <= last:
-                out[m + 2, j] = s2 + start
-            if m + 3 <= last:
-                out[m + 3, j] = s3 + start
+        _rows_times_column(x, weight[j], np.float32(bias[j]) if has_bias else np.float32(0.0), j, out)
+
+
+@numba.njit(numba.void(_F32_2D, _U16_2D, _F32_1D, numba.boolean, _F32_2D), cache=True, nogil=True, fastmath=True,
+            boundscheck=False)
+def _few_rows_bf16(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
+    """`weight` is bfloat16 seen as uint16: each row is widened to float32 (the high half of its bits) into a
+    scratch row that stays in L1, then multiplied as in `_few_rows`."""
+    bits = np.empty(x.shape[1], dtype=np.uint32)
+    w = bits.view(np.float32)
+    for j in range(weight.shape[0]):
+        row = weight[j]
+        for k in range(bits.shape[0]):
+            bits[k] = np.uint32(row[k]) << 16
+        _rows_times_column(x, w, np.float32(bias[j]) if has_bias else np.float32(0.0), j, out)
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a contiguous float32 [T, K] `x` and [N, K] `weight` (a new [T, N] tensor)."""
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.shape[1] != weight.shape[1] or (bias is not None and bias.shape != (weight.shape[0],)):
         raise ValueError(f"few_rows_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit")   # the kernel reads unchecked
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a contiguous float32 [T, K] `x` and [N, K] `weight` (a new [T, N] tensor)."""
+    _check_shapes(x, weight, bias)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     b = _NO_BIAS if bias is None else bias.detach().numpy()
     _few_rows(x.detach().numpy(), weight.detach().numpy(), b, bias is not None, out.numpy())
     return out
+
+
+def few_rows_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a [T, K] `x` and a contiguous [N, K] bfloat16 `weight`, summed in float32 and
+    rounded once to bfloat16 at the end (a new [T, N] bfloat16 tensor). The weight is read as it is stored, two bytes
+    an element: a decode step's time is that read."""
+    _check_shapes(x, weight, bias)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    b = _NO_BIAS if bias is None else bias.detach().float().numpy()
+    _few_rows_bf16(x.detach().float().contiguous().numpy(), weight.detach().view(torch.uint16).numpy(), b,
+                   bias is not None, out.numpy())
+    return out.to(torch.bfloat16)

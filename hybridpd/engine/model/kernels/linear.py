@@ -1,5 +1,6 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
-decode step's few rows times a large weight through the few-rows kernel (few_rows.py).
+decode step's few rows times a large weight through the few-rows kernel (few_rows.py). In bfloat16 on a CPU without
+bfloat16 units, see `bf16_linear`.
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -30,12 +31,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.model.kernels.few_rows import few_rows_linear
+from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
 FEW_ROWS_MAX = 8
 FEW_ROWS_MIN_WEIGHT = 2**20
+# bfloat16 without bfloat16 units: up to this many rows the bfloat16 few-rows kernel (a small weight: from 2 rows).
+BF16_FEW_ROWS_MAX = 32
+BF16_FEW_ROWS_MAX_SMALL_WEIGHT = 16
+WIDEN_ELEMENTS = 1 << 21   # weight elements widened to float32 at a time (8 MiB)
 
 
 def _find_onednn() -> Callable[..., torch.Tensor] | None:
@@ -53,11 +59,61 @@ def _find_onednn() -> Callable[..., torch.Tensor] | None:
 
 
 _onednn = _find_onednn()
+_bf16_units = bool(this_cpus_flags() & BF16_FLAGS)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of bfloat16 tensors computed in float32 and rounded once to bfloat16: the weight is widened
+    `WIDEN_ELEMENTS` at a time (a large vocabulary's head would otherwise be copied whole) and multiplied by MKL's
+    float32 kernels."""
+    x32 = x.float()
+    outputs, inputs = weight.shape
+    step = max(1, WIDEN_ELEMENTS // max(1, inputs))
+    if step >= outputs:
+        return F.linear(x32, weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    out = torch.empty((*x.shape[:-1], outputs), dtype=x.dtype)
+    for start in range(0, outputs, step):
+        end = min(outputs, start + step)
+        out[..., start:end] = F.linear(x32, weight[start:end].float(), None if bias is None else bias[start:end].float())
+    return out
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of a [T, K] bfloat16 `x` by a bfloat16 weight on a CPU without bfloat16 units, where torch's own
+    bfloat16 products are emulated: 5-7x slower than float32 from 8 rows up on the AVX2 guest, and as slow per row
+    at any count (a 4,096 x 768 weight by 256 rows: 193 ms against 29 ms in float32). A few rows go through the
+    bfloat16 few-rows kernel (it reads the weight in bfloat16: half the bytes of float32), more are widened to
+    float32 (`widened_linear`: 36 ms for the same product); one row by a small weight stays with torch, whose call
+    costs less. Both sum in float32 and round once, as torch's bfloat16 products do."""
+    rows = x.shape[0]
+    large = weight.numel() >= FEW_ROWS_MIN_WEIGHT
+    if rows == 1 and not large:
+        return F.linear(x, weight, bias)
+    if rows <= (BF16_FEW_ROWS_MAX if large else BF16_FEW_ROWS_MAX_SMALL_WEIGHT) and weight.is_contiguous():
+        return few_rows_linear_bf16(x, weight, bias)
+    return widened_linear(x, weight, bias)
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` itself, except bfloat16 on a CPU without bfloat16 units (`bf16_linear`): the products that stay
+    with MKL in float32 (the router, the experts outside the fused kernel, the decode-only attention output, the
+    head)."""
+    if _emulated_bf16(x, weight):
+        return bf16_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _emulated_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (not _bf16_units and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] > 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS, through the
-    few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), else MKL."""
+    few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), bfloat16 on a CPU without
+    bfloat16 units through `bf16_linear`, else MKL."""
+    if _emulated_bf16(x, weight):
+        return bf16_linear(x, weight, bias)
     rows = x.shape[0]
     if (1 < rows <= FEW_ROWS_MAX and x.dim() == 2 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()

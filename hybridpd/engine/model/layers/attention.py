@@ -20,7 +20,7 @@ from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
 from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 from hybridpd.engine.model.shapes import AttentionShape
-from hybridpd.engine.model.kernels.linear import linear
+from hybridpd.engine.model.kernels.linear import linear, plain_linear
 from hybridpd.engine.model.step.attention_meta import AttentionDecode, AttentionGroupMeta
 from hybridpd.engine.model.step.context import StepContext
 
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         plan = meta.decode_kv if ctx.decode_kv is not None else None
         if plan is not None and meta.decode_rows is None:  # only decode rows, all of them; earlier keys buffered
             att = self._decode_only(qkv, ctx, meta, plan, cache, kv)
-            return F.linear(att, self.o_proj.weight, self.o_proj.bias)
+            return plain_linear(att, self.o_proj.weight, self.o_proj.bias)
         k_and_v = self._rope_and_write(qkv, ctx, meta, cache)
         d = meta.decode
         if d is not None and not meta.prefills and not meta.fresh:  # only decode rows: all rows, in order
@@ -96,7 +96,7 @@ class Attention(nn.Module):
             # The query heads sharing a KV head are the "query rows" of that head: no KV repeat needed.
             q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
             att = F.scaled_dot_product_attention(q_dec, k_seq, v_seq, attn_mask=d.bias, scale=self.scale)
-            return F.linear(att.reshape(rows, q_size), self.o_proj.weight, self.o_proj.bias)
+            return plain_linear(att.reshape(rows, q_size), self.o_proj.weight, self.o_proj.bias)
 
         q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
         k, v = k_and_v[:, 0], k_and_v[:, 1]

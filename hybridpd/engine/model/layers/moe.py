@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows, rows_worth_fusing
+from hybridpd.engine.model.kernels.linear import plain_linear
 
 ExpertForward = Callable[[int, torch.Tensor], torch.Tensor]  # (expert index, its rows [n, H]) -> [n, H]
 
@@ -55,7 +56,7 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.layer.weight).float()
+        logits = plain_linear(x, self.layer.weight).float()
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)
         return top_ids, torch.softmax(top_logits, dim=-1).to(x.dtype)
 
@@ -75,8 +76,8 @@ class GraniteMoE(nn.Module):
         self.fused_max_rows = rows_worth_fusing(num_experts, top_k, expert_bytes)
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, self.input_linear.weight[expert]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.output_linear.weight[expert])
+        gate, up = plain_linear(rows, self.input_linear.weight[expert]).chunk(2, dim=-1)
+        return plain_linear(F.silu(gate).mul_(up), self.output_linear.weight[expert])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_ids, top_weights = self.router.forward(x)
