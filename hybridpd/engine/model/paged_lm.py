@@ -61,13 +61,14 @@ class PagedCausalLM(nn.Module):
 
     # -- shared ---------------------------------------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, mamba_interval: int) -> dict[int, KVCacheSpec]:
-        """Layer id -> spec. Mamba slots: conv state in the model dtype, ssm state in float32."""
+        """Layer id -> spec. Mamba slots: conv and ssm state in float32, in either model dtype (the compiled Mamba
+        kernel addresses float32 states; a bfloat16 model's conv state holds its bfloat16 inputs exactly)."""
         specs: dict[int, KVCacheSpec] = {}
         for layer_id, mixer in self.cache_mixers().items():
             if isinstance(mixer, Mamba2Mixer):
                 specs[layer_id] = MambaSpec(
                     block_size=mamba_interval, conv_state_shape=mixer.conv_state_shape,
-                    ssm_state_shape=mixer.ssm_state_shape, dtypes=(self.dtype, torch.float32),
+                    ssm_state_shape=mixer.ssm_state_shape, dtypes=(torch.float32, torch.float32),
                 )
             elif mixer.sliding_window is None:
                 specs[layer_id] = FullAttentionSpec(

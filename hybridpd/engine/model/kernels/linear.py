@@ -74,7 +74,8 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = torch.empty((*x.shape[:-1], outputs), dtype=x.dtype)
     for start in range(0, outputs, step):
         end = min(outputs, start + step)
-        out[..., start:end] = F.linear(x32, weight[start:end].float(), None if bias is None else bias[start:end].float())
+        part_bias = None if bias is None else bias[start:end].float()
+        out[..., start:end] = F.linear(x32, weight[start:end].float(), part_bias)
     return out
 
 

@@ -5,10 +5,12 @@ and the ssm state ([heads, head_dim, d_state], float32). A prefill chunk starts 
 (zeros when num_computed == 0: a slot may hold a previous owner's state), writes the states the scheduler
 asked for (`mamba_saves`) and its final state back to the slot.
 
-A float32 model (the usual case on CPU) runs every step's rows through one compiled kernel (fused_mamba.py):
-token by token over each sequence, the states updated where they sit in the cache. Other dtypes take the torch
-path: decode rows (one new token, num_computed > 0) one batched recurrent step, the other sequences one batched
-convolution and chunked scan (ssd.py).
+Every step's rows run through one compiled kernel (fused_mamba.py) when the slots' states are float32, which the
+model's cache specs make them in either dtype (a bfloat16 model's conv state holds bfloat16 values exactly, at ~3%
+of a slot's bytes; the kernel takes the projection's output widened to float32): token by token over each
+sequence, the states updated where they sit in the cache. Caches of other dtypes take the torch path: decode rows
+(one new token, num_computed > 0) one batched recurrent step, the other sequences one batched convolution and
+chunked scan (ssd.py); the tests hold the kernel to it.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Mamba2Mixer(nn.Module):
         self._constants_of: tuple[torch.Tensor, ...] = ()
         self._constants_versions: tuple[int, ...] = ()
         self._constants_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
-        self._kernel_weights_of: tuple[torch.Tensor, ...] = ()
+        self._kernel_weights_of: tuple[tuple[torch.Tensor, int], ...] = ()
         self._kernel_weights: MambaKernelWeights | None = None
         self._kernel_caches_of: tuple[torch.Tensor, ...] = ()
         self._kernel_caches: MambaKernelCaches | None = None
@@ -128,9 +130,11 @@ class Mamba2Mixer(nn.Module):
         """A float32 step through the compiled kernels (fused_mamba.py): in_proj, the convolution, state updates,
         read-out and gated norm, row by row (the states updated where they sit and saved where asked), out_proj."""
         gate, xbc_dt = self._in_proj(x, separate_gate=x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS)
+        if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32 from the projection's values
+            gate, xbc_dt = gate.float(), xbc_dt.float()
         y = mamba_rows_(gate, xbc_dt, rows, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
-        return linear(y, self.out_proj.weight, self.out_proj.bias)
+        return linear(y.to(x.dtype), self.out_proj.weight, self.out_proj.bias)
 
     # From this many rows (a prefill chunk) the kernel path takes the gate apart (`_in_proj`): its SiLU then runs in
     # place (~40% faster than over the strided columns of one output), and the two products together take less
@@ -138,18 +142,22 @@ class Mamba2Mixer(nn.Module):
     SEPARATE_GATE_FROM_ROWS = 256
 
     def _weights_for_kernel(self) -> MambaKernelWeights:
-        """The kernel's numpy views of the parameters, made again only when a tensor they view was replaced (a
-        reloaded constant, a new Parameter); in-place loads write through the views."""
+        """The kernel's numpy views of the parameters (of float32 copies in a bfloat16 model), made again only when a
+        tensor they come from was replaced (a reloaded constant, a new Parameter) or, for a copy, written in place;
+        in-place loads write through the views of a float32 model."""
         A, D, dt_bias = self._constants()
         bias = self._zero_bias if self.conv1d.bias is None else self.conv1d.bias
         norm_weight = self._unit_norm_weight if self.norm_mode is MambaNorm.GATE_ONLY else self.norm.weight
         tensors = (self.conv_weight, bias, dt_bias, A, D, norm_weight)
-        if self._kernel_weights is None or any(a is not b for a, b in zip(tensors, self._kernel_weights_of)):
+        held = tuple((t, t._version if t.dtype != torch.float32 else 0) for t in tensors)
+        stale = any(a is not b or u != v for (a, u), (b, v) in zip(held, self._kernel_weights_of))
+        if self._kernel_weights is None or stale:
+            conv_weight, bias, norm_weight = (t.float() for t in (self.conv_weight, bias, norm_weight))
             self._kernel_weights = MambaKernelWeights.of(
-                self.conv_weight, bias, dt_bias, A, D, (self.dt_min, self.dt_max), norm_weight,
+                conv_weight, bias, dt_bias, A, D, (self.dt_min, self.dt_max), norm_weight,
                 self.norm_group, self.norm_eps, self.groups, self.norm_mode,
             )
-            self._kernel_weights_of = tensors
+            self._kernel_weights_of = held
         return self._kernel_weights
 
     def _caches_for_kernel(self, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> MambaKernelCaches:
