@@ -75,7 +75,8 @@ def all_free(engine: LLMEngine) -> bool:
     return all(engine.kv.num_free_blocks(g) == engine.kv.num_blocks(g) for g in range(len(engine.groups)))
 
 
-def make_recording_engine(model_dir: Path, *, num_blocks: int, budget: int) -> tuple[LLMEngine, list]:
+def make_recording_engine(model_dir: Path, *, num_blocks: int, budget: int,
+                          dtype: str = "float32") -> tuple[LLMEngine, list]:
     """Block size 4, up to 4 sequences; the list gets, per sampling step, each request's logits row."""
     rows: list = []
 
@@ -84,7 +85,7 @@ def make_recording_engine(model_dir: Path, *, num_blocks: int, budget: int) -> t
         rows.append({item.seq.request_id: row.clone() for item, row in zip(samplers, logits)})
 
     engine = LLMEngine(EngineConfig(
-        model_dir=model_dir, cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        model_dir=model_dir, dtype=dtype, cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4),
     ), logits_hook=record)
     return engine, rows
