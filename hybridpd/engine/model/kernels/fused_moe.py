@@ -1,4 +1,4 @@
-"""The routed experts of a few rows (a decode step) in one compiled pass (numba), float32.
+"""The routed experts of a few rows (a decode step) in one compiled pass (numba), float32 or bfloat16 weights.
 
 The grouped dispatch (layers/moe.py) runs a dozen torch operations per expert that received tokens: at a decode
 step of 16 rows with top-4 of 16 experts that is every expert, ~200 operations per layer of a few microseconds each
@@ -25,6 +25,8 @@ import numba
 import numpy as np
 import torch
 
+from hybridpd.engine.model.kernels.bf16_bits import widen
+
 RESIDENT_BYTES = 2 << 20   # a layer's expert weights up to this stay in cache from one row to the next
 RESIDENT_MAX_ROWS = 256    # then: fused up to this many rows (a step of 16 decodes beside a 192-token prefill chunk)
 STREAMED_MIN_ROWS = 16     # larger layers: fused up to this many rows, or while rows x top-k <= 2.5 x experts
@@ -40,11 +42,12 @@ def rows_worth_fusing(num_experts: int, top_k: int, expert_bytes: int) -> int:
 
 _F32_2D = numba.float32[:, ::1]
 _F32_3D = numba.float32[:, :, ::1]
+_U16_3D = numba.uint16[:, :, ::1]   # bfloat16 weights as their bits (bf16_bits.py)
 _I64_2D = numba.int64[:, ::1]
 
 
-@numba.njit(numba.void(_F32_2D, _I64_2D, _F32_2D, _F32_3D, _F32_3D, _F32_2D), cache=True, nogil=True, fastmath=True,
-            boundscheck=False)
+@numba.njit([numba.void(_F32_2D, _I64_2D, _F32_2D, weights, weights, _F32_2D) for weights in (_F32_3D, _U16_3D)],
+            cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _moe_rows(x, top_ids, top_weights, w_in, w_out, out):  # pragma: no cover - compiled
     rows, hidden = x.shape
     inter = w_out.shape[2]
@@ -62,28 +65,30 @@ def _moe_rows(x, top_ids, top_weights, w_in, w_out, out):  # pragma: no cover - 
                 g = np.float32(0.0)
                 u = np.float32(0.0)
                 for c in range(hidden):
-                    g += gate_row[c] * xt[c]
-                    u += up_row[c] * xt[c]
+                    g += widen(gate_row[c]) * xt[c]
+                    u += widen(up_row[c]) * xt[c]
                 act[i] = g / (np.float32(1.0) + np.exp(-g)) * u
             for c in range(hidden):
                 down_row = w_down[c]
                 y = np.float32(0.0)
                 for i in range(inter):
-                    y += down_row[i] * act[i]
+                    y += widen(down_row[i]) * act[i]
                 ot[c] += weight * y
 
 
 def fused_moe_rows(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, w_in: torch.Tensor,
                    w_out: torch.Tensor) -> torch.Tensor:
-    """sum_k top_weights[t, k] * expert_{top_ids[t, k]}(x[t]) for contiguous float32 `x` [T, H], `w_in` [E, 2I, H]
-    (gate rows, then up rows) and `w_out` [E, H, I]; `top_ids` [T, K] int64, `top_weights` [T, K]."""
+    """sum_k top_weights[t, k] * expert_{top_ids[t, k]}(x[t]) for contiguous `x` [T, H], `w_in` [E, 2I, H] (gate
+    rows, then up rows) and `w_out` [E, H, I], all float32 or all bfloat16 (read as stored, summed in float32, the
+    result rounded once); `top_ids` [T, K] int64, `top_weights` [T, K]."""
     experts, hidden, inter = w_out.shape
     if (w_in.shape != (experts, 2 * inter, hidden) or x.shape[1] != hidden or top_ids.shape != top_weights.shape
             or top_ids.shape[0] != x.shape[0]):
         raise ValueError(f"fused_moe_rows: x {tuple(x.shape)}, w_in {tuple(w_in.shape)}, w_out {tuple(w_out.shape)}, "
                          f"top_ids {tuple(top_ids.shape)} do not fit")   # the kernel reads unchecked
-    out = torch.empty_like(x)
-    _moe_rows(x.detach().numpy(), top_ids.detach().contiguous().numpy(),
-              top_weights.detach().float().contiguous().numpy(), w_in.detach().numpy(), w_out.detach().numpy(),
-              out.numpy())
-    return out
+    bf16 = w_in.dtype == torch.bfloat16
+    out = torch.empty(x.shape, dtype=torch.float32)
+    w_in, w_out = (w.detach().view(torch.uint16) if bf16 else w.detach() for w in (w_in, w_out))
+    _moe_rows(x.detach().float().contiguous().numpy(), top_ids.detach().contiguous().numpy(),
+              top_weights.detach().float().contiguous().numpy(), w_in.numpy(), w_out.numpy(), out.numpy())
+    return out.to(x.dtype)

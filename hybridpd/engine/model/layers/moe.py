@@ -7,9 +7,10 @@ those k only, cast back to the activations' dtype.
 
 Dispatch: the (token, slot) pairs are sorted by expert once, and each expert that received tokens runs two matmuls
 over all of its rows (a grouped GEMM spelled as one matmul per expert); the weighted results are summed back into
-their tokens with one `index_add_`. The Python loop runs over experts that have work, never over tokens. A float32
-step of few rows (a decode step; how few depends on the size of the experts, `kernels/fused_moe.rows_worth_fusing`)
-runs its experts in one compiled call instead: there the dozen operations per expert cost more than their arithmetic.
+their tokens with one `index_add_`. The Python loop runs over experts that have work, never over tokens. A step of
+few rows (a decode step; how few depends on the size of the experts, `kernels/fused_moe.rows_worth_fusing`), float32
+or bfloat16, runs its experts in one compiled call instead: there the dozen operations per expert cost more than
+their arithmetic.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from torch import nn
 
 from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows, rows_worth_fusing
 from hybridpd.engine.model.kernels.linear import plain_linear
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the compiled experts take (bfloat16 as its bits)
 
 ExpertForward = Callable[[int, torch.Tensor], torch.Tensor]  # (expert index, its rows [n, H]) -> [n, H]
 
@@ -71,7 +74,7 @@ class GraniteMoE(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, top_k, dtype)
         self.input_linear = _StackedLinear(num_experts, 2 * intermediate_size, hidden_size, dtype)
         self.output_linear = _StackedLinear(num_experts, hidden_size, intermediate_size, dtype)
-        # Up to this many rows a float32 layer runs its experts in one compiled call (fused_moe.py).
+        # Up to this many rows a layer runs its experts in one compiled call (fused_moe.py).
         expert_bytes = 3 * hidden_size * intermediate_size * num_experts * dtype.itemsize
         self.fused_max_rows = rows_worth_fusing(num_experts, top_k, expert_bytes)
 
@@ -82,7 +85,7 @@ class GraniteMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_ids, top_weights = self.router.forward(x)
         w_in, w_out = self.input_linear.weight, self.output_linear.weight
-        if (x.shape[0] <= self.fused_max_rows and x.dtype == torch.float32 and w_in.dtype == torch.float32
+        if (x.shape[0] <= self.fused_max_rows and x.dtype in FUSED_DTYPES and x.dtype == w_in.dtype == w_out.dtype
                 and x.is_contiguous() and w_in.is_contiguous() and w_out.is_contiguous()):
             return fused_moe_rows(x, top_ids, top_weights, w_in, w_out)
         return grouped_experts(x, top_ids, top_weights, self._expert, self.num_experts)

@@ -1,5 +1,6 @@
-"""The fused experts of a few rows agree with the grouped dispatch (layers/moe.py) to float32 rounding, and the
-layer sends them only float32 steps of at most as many rows as its experts' size makes worth it."""
+"""The fused experts of a few rows agree with the grouped dispatch (layers/moe.py) to float32 rounding (bfloat16
+weights: with the float32 sums of their values, rounded once), and the layer sends them only float32 or bfloat16
+steps of at most as many rows as its experts' size makes worth it."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ def test_agrees_with_the_grouped_dispatch(rows, hidden, inter, experts, top_k):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, hidden, inter, experts, top_k", [
+    (1, 16, 8, 4, 1), (5, 32, 24, 6, 2), (16, 128, 64, 16, 4),
+])
+def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows, hidden, inter, experts, top_k):
+    layer = _layer(hidden, inter, experts, top_k, seed=rows + hidden).to(torch.bfloat16)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    top_ids, top_weights = layer.router.forward(x)
+    got = fused_moe_rows(x, top_ids, top_weights, layer.input_linear.weight, layer.output_linear.weight)
+    wide = layer.float()
+    expected = grouped_experts(x.float(), top_ids, top_weights.float(), wide._expert, experts).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-6)   # one bfloat16 step
+
+
 @pytest.mark.parametrize("experts, top_k, expert_bytes, rows", [
     (16, 4, 3 * 128 * 64 * 16 * 4, RESIDENT_MAX_ROWS),   # the granite-moe preset: its experts stay in cache
     (16, 4, RESIDENT_BYTES, RESIDENT_MAX_ROWS),
@@ -46,9 +61,10 @@ def test_rows_worth_fusing_follow_the_size_of_the_experts(experts, top_k, expert
 @pytest.mark.parametrize("rows, dtype, fused", [
     (1, torch.float32, True), (RESIDENT_MAX_ROWS, torch.float32, True),
     (RESIDENT_MAX_ROWS + 1, torch.float32, False),   # a prefill: the grouped GEMMs
-    (4, torch.bfloat16, False),
+    (4, torch.bfloat16, True), (RESIDENT_MAX_ROWS + 1, torch.bfloat16, False),
+    (4, torch.float64, False),
 ])
-def test_the_layer_fuses_only_few_float32_rows(monkeypatch, rows, dtype, fused):
+def test_the_layer_fuses_only_few_float32_or_bfloat16_rows(monkeypatch, rows, dtype, fused):
     calls = []
     monkeypatch.setattr(moe_module, "fused_moe_rows", lambda *a: calls.append(1) or fused_moe_rows(*a))
     layer = _layer(32, 16, 4, 2, seed=1).to(dtype)
@@ -58,8 +74,8 @@ def test_the_layer_fuses_only_few_float32_rows(monkeypatch, rows, dtype, fused):
     assert bool(calls) is fused and out.shape == x.shape and out.dtype == dtype
     top_ids, top_weights = layer.router.forward(x)
     expected = grouped_experts(x, top_ids, top_weights, layer._expert, 4)
-    torch.testing.assert_close(out, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
-                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(out, expected, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_shapes_that_do_not_fit_are_refused_before_the_kernel_reads():
