@@ -1,5 +1,6 @@
-"""A step's attention bookkeeping in one compiled pass (numba), for float32 models: RoPE on the rows' query and key
-heads, then each row's K and V into the paged cache and, for a decode step, into the DecodeKV buffers.
+"""A step's attention bookkeeping in one compiled pass (numba), for float32 and bfloat16 models (bf16_bits.py): RoPE
+on the rows' query and key heads, then each row's K and V into the paged cache and, for a decode step, into the
+DecodeKV buffers.
 
 In torch that is a `roll`, a multiply and a multiply-add for RoPE (the roll allocates) and three advanced-index
 writes (the paged cache, the K buffer, the V buffer): six operations per attention layer whose dispatch costs more
@@ -17,28 +18,34 @@ import numba
 import numpy as np
 import torch
 
+from hybridpd.engine.model.kernels.bf16_bits import narrow, widen
 from hybridpd.engine.model.kernels.fused_mamba import flat_slots
 
-_F32_2D = numba.float32[:, ::1]
-_F32_4D = numba.float32[:, :, :, ::1]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bfloat16 handed over as its bits, computed in float32
+
 _I64_1D = numba.int64[::1]
-_SIGNATURE = numba.void(
-    _F32_2D,                  # qkv [S, (H + 2 KH) D]: q heads | k heads | v heads per row (rotated in place)
-    _F32_2D, _F32_2D,         # cos, signed sin [S, D]
-    numba.int64, numba.int64,  # H, KH
-    numba.float32[::1], numba.int64, numba.int64,  # the layer's cache, flat; block stride; block size
-    _I64_1D, _I64_1D,         # each row's block and offset in it
-    _F32_4D, _F32_4D,         # the K and V buffers [>= S, KH, >= position + 1, D]
-    _I64_1D,                  # each row's position (its buffer column)
-)
+_F32_1D = numba.float32[::1]
 
 
-_PAGED_SIGNATURE = numba.void(
-    _F32_2D, _F32_2D, _F32_2D, numba.int64, numba.int64, numba.float32[::1], numba.int64, numba.int64, _I64_1D, _I64_1D,
-)
-_ROPE_ROW_SIGNATURE = numba.void(
-    numba.float32[::1], _F32_2D, _F32_2D, numba.int64, numba.int64, numba.float32[::1], numba.float32[::1],
-)
+def _signatures(element) -> tuple[list, list, list]:
+    """The three kernels' signatures for one stored element type: float32, or bfloat16 as its bits (uint16)."""
+    one, two, four = element[::1], element[:, ::1], element[:, :, :, ::1]
+    write = numba.void(
+        two,                      # qkv [S, (H + 2 KH) D]: q heads | k heads | v heads per row (rotated in place)
+        two, two,                 # cos, signed sin [S, D]
+        numba.int64, numba.int64,  # H, KH
+        one, numba.int64, numba.int64,  # the layer's cache, flat; block stride; block size
+        _I64_1D, _I64_1D,         # each row's block and offset in it
+        four, four,               # the K and V buffers [>= S, KH, >= position + 1, D]
+        _I64_1D,                  # each row's position (its buffer column)
+    )
+    paged = numba.void(two, two, two, numba.int64, numba.int64, one, numba.int64, numba.int64, _I64_1D, _I64_1D)
+    rope_row = numba.void(one, two, two, numba.int64, numba.int64, _F32_1D, _F32_1D)
+    return write, paged, rope_row
+
+
+_BY_ELEMENT = [_signatures(element) for element in (numba.float32, numba.uint16)]
+_SIGNATURE, _PAGED_SIGNATURE, _ROPE_ROW_SIGNATURE = ([sigs[i] for sigs in _BY_ELEMENT] for i in range(3))
 
 
 @numba.njit(_ROPE_ROW_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
@@ -52,10 +59,11 @@ def _rope_row(row, cos, sin, r, heads, low, high):  # pragma: no cover - compile
         x_low = row[h * head_dim : h * head_dim + half]
         x_high = row[h * head_dim + half : (h + 1) * head_dim]
         for d in range(half):
-            low[d] = x_low[d] * c_low[d] + x_high[d] * s_low[d]
-            high[d] = x_high[d] * c_high[d] + x_low[d] * s_high[d]
-        x_low[:] = low
-        x_high[:] = high
+            low[d] = widen(x_low[d]) * widen(c_low[d]) + widen(x_high[d]) * widen(s_low[d])
+            high[d] = widen(x_high[d]) * widen(c_high[d]) + widen(x_low[d]) * widen(s_high[d])
+        for d in range(half):
+            x_low[d] = narrow(low[d], x_low)
+            x_high[d] = narrow(high[d], x_high)
 
 
 @numba.njit(_PAGED_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
@@ -90,14 +98,15 @@ def rope_and_write_(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, cache: torch.Tensor,
     blocks: torch.Tensor, offsets: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, positions: torch.Tensor,
 ) -> None:
-    """Rotates `qkv`'s q and k heads in place ([S, (H + 2 KH) D] float32, contiguous; cos / signed sin [S, 1, D])
-    and writes each row's K and V into `cache` ([blocks, 2, block_size, KH, D], at `blocks[r]`, `offsets[r]`) and
-    into the buffers at (row r, position[r])."""
-    flat, stride = flat_slots(cache)
+    """Rotates `qkv`'s q and k heads in place ([S, (H + 2 KH) D], contiguous; cos / signed sin [S, 1, D]) and
+    writes each row's K and V into `cache` ([blocks, 2, block_size, KH, D], at `blocks[r]`, `offsets[r]`) and into
+    the buffers at (row r, position[r]). Every tensor float32, or every one bfloat16 (rotated in float32, rounded
+    once)."""
+    flat, stride = flat_slots(_elements(cache))
     rows = qkv.shape[0]
     _rope_and_write(
-        qkv.numpy(), cos.view(rows, -1).numpy(), sin.view(rows, -1).numpy(), num_heads, cache.shape[3], flat, stride,
-        cache.shape[2], blocks.numpy(), offsets.numpy(), k_buf.numpy(), v_buf.numpy(), positions.numpy(),
+        _array(qkv), _array(cos.view(rows, -1)), _array(sin.view(rows, -1)), num_heads, cache.shape[3], flat, stride,
+        cache.shape[2], blocks.numpy(), offsets.numpy(), _array(k_buf), _array(v_buf), positions.numpy(),
     )
 
 
@@ -108,7 +117,16 @@ def rope_and_write_paged_(
     """`rope_and_write_` without the buffers: a prefill's (or a mixed step's) rows rotated in place and written into
     the paged cache. On a 4,096-row prefill of the default model it replaces ~4 ms of advanced-index write per
     attention layer, and the RoPE's roll, multiply and multiply-add."""
-    flat, stride = flat_slots(cache)
+    flat, stride = flat_slots(_elements(cache))
     rows = qkv.shape[0]
-    _rope_and_write_paged(qkv.numpy(), cos.view(rows, -1).numpy(), sin.view(rows, -1).numpy(), num_heads,
+    _rope_and_write_paged(_array(qkv), _array(cos.view(rows, -1)), _array(sin.view(rows, -1)), num_heads,
                           cache.shape[3], flat, stride, cache.shape[2], blocks.numpy(), offsets.numpy())
+
+
+def _elements(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a bfloat16 tensor's bits as uint16 (the same memory and strides)."""
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
+
+
+def _array(t: torch.Tensor):
+    return _elements(t).numpy()

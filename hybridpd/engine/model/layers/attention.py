@@ -17,7 +17,7 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
-from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
+from hybridpd.engine.model.kernels.fused_decode_write import KERNEL_DTYPES, rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 from hybridpd.engine.model.shapes import AttentionShape
 from hybridpd.engine.model.kernels.linear import linear, plain_linear
@@ -138,9 +138,9 @@ class Attention(nn.Module):
         self, qkv: torch.Tensor, ctx: StepContext, meta: AttentionGroupMeta, cache: torch.Tensor
     ) -> torch.Tensor:
         """RoPE on q and k in place, every row's K and V into the paged cache -> the K/V view [rows, 2, kv, D]: for a
-        float32 model one compiled pass (fused_decode_write.py), else the torch operations."""
+        float32 or bfloat16 model one compiled pass (fused_decode_write.py), else the torch operations."""
         rows = qkv.shape[0]
-        if ctx.rope_cos is not None and qkv.dtype == torch.float32 and cache.dtype == torch.float32:
+        if ctx.rope_cos is not None and _kernel_takes(qkv, cache, ctx.rope_cos):
             rope_and_write_paged_(qkv, ctx.rope_cos, ctx.rope_sin, self.num_heads, cache, meta.write_blocks,
                                   meta.write_offsets)
             return qkv[:, self.q_size :].view(rows, 2, self.num_kv_heads, self.head_dim)
@@ -156,10 +156,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """A step of decode rows only, served by DecodeKV -> [rows, q_size]. The buffers are made ready first
         (moves, fills from the paged cache: the column at each row's position is stale there and written next),
-        then RoPE, the paged write and the buffer append: for a float32 model one compiled pass
+        then RoPE, the paged write and the buffer append: for a float32 or bfloat16 model one compiled pass
         (fused_decode_write.py), else the torch operations."""
         k_buf, v_buf = self._ready_buffers(plan, meta.decode, ctx.decode_kv, kv, qkv.dtype)
-        if ctx.rope_cos is not None and all(t.dtype == torch.float32 for t in (qkv, cache, k_buf)):
+        if ctx.rope_cos is not None and _kernel_takes(qkv, cache, k_buf, ctx.rope_cos):
             rope_and_write_(qkv, ctx.rope_cos, ctx.rope_sin, self.num_heads, cache, meta.write_blocks,
                             meta.write_offsets, k_buf, v_buf, plan.positions)
         else:
@@ -197,3 +197,8 @@ class Attention(nn.Module):
             q_dec, k_buf[:rows, :, keys], v_buf[:rows, :, keys], attn_mask=plan.bias, scale=self.scale
         )
         return att.reshape(rows, q_size)
+
+
+def _kernel_takes(*tensors: torch.Tensor) -> bool:
+    """The compiled RoPE and writes take tensors of one dtype they know."""
+    return tensors[0].dtype in KERNEL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
