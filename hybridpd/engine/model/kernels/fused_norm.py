@@ -1,4 +1,4 @@
-"""RMSNorm, and the residual add followed by RMSNorm, each in one compiled pass (numba), for float32 rows.
+"""RMSNorm, and the residual add followed by RMSNorm, each in one compiled pass (numba), for float32 or bfloat16 rows.
 
 In torch an RMSNorm is seven operations (square-sum, reshape, divide, add eps, rsqrt, two multiplies) and the
 residual add before it an eighth; a decode step of the default model runs 21 norms and 20 adds, ~160 operations
@@ -9,8 +9,9 @@ memory traffic of the temporaries.
     residual_rms_norm: h' = h + alpha * delta;  normed = weight * h' / sqrt(mean(h'^2) + eps)
     rms_norm:          normed = weight * h / sqrt(mean(h^2) + eps)
 
-Sums run in float32 in another order than torch's, so results agree with the torch path (layers.py) to float32
-rounding, not bit for bit (tests/unit/engine/model/kernels/test_fused_norm.py).
+Sums run in float32 in another order than torch's, so results agree with the torch path (norms.py) to float32
+rounding, not bit for bit (tests/unit/engine/model/kernels/test_fused_norm.py). bfloat16 rows are rounded where
+torch's bfloat16 path rounds (the sum, the normalised row, its product by the weight), the rest is float32.
 """
 
 from __future__ import annotations
@@ -19,52 +20,74 @@ import numba
 import numpy as np
 import torch
 
+from hybridpd.engine.model.kernels.bf16_bits import narrow, widen
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 _F32_1D = numba.float32[::1]
-_F32_2D = numba.float32[:, ::1]
 
 
-@numba.njit(numba.void(_F32_2D, _F32_1D, numba.float32, _F32_2D), cache=True, nogil=True, fastmath=True,
-            boundscheck=False)
+def _signatures(element) -> tuple[list, list]:
+    """float32 rows, or bfloat16 rows as their bits (bf16_bits.py); the weight in the rows' dtype."""
+    one, two = element[::1], element[:, ::1]
+    return (numba.void(two, one, numba.float32, two),
+            numba.void(two, two, numba.float32, one, numba.float32, two, two))
+
+
+_NORM, _RESIDUAL_NORM = ([sigs[i] for sigs in map(_signatures, (numba.float32, numba.uint16))] for i in range(2))
+
+
+@numba.njit(inline="always", nogil=True, fastmath=True, boundscheck=False)
+def _scaled(row, scale, weight, normed):  # pragma: no cover - compiled
+    """normed = weight * (row * scale), rounded to the rows' dtype after each product as torch's bfloat16 is (the
+    normalised row, then the weight's product); in float32 the plain product."""
+    for c in range(row.shape[0]):
+        normed[c] = narrow(widen(narrow(widen(row[c]) * scale, normed)) * widen(weight[c]), normed)
+
+
+@numba.njit(_NORM, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _rms_norm(h, weight, eps, out):  # pragma: no cover - compiled
     width = h.shape[1]
     for r in range(h.shape[0]):
-        row, normed = h[r], out[r]
+        row = h[r]
         square = np.float32(0.0)
         for c in range(width):
-            square += row[c] * row[c]
-        scale = np.float32(1.0) / np.sqrt(square / np.float32(width) + eps)
-        for c in range(width):
-            normed[c] = row[c] * scale * weight[c]
+            value = widen(row[c])
+            square += value * value
+        _scaled(row, np.float32(1.0) / np.sqrt(square / np.float32(width) + eps), weight, out[r])
 
 
-@numba.njit(numba.void(_F32_2D, _F32_2D, numba.float32, _F32_1D, numba.float32, _F32_2D, _F32_2D), cache=True,
-            nogil=True, fastmath=True, boundscheck=False)
+@numba.njit(_RESIDUAL_NORM, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _residual_rms_norm(h, delta, alpha, weight, eps, h_out, out):  # pragma: no cover - compiled
     width = h.shape[1]
     for r in range(h.shape[0]):
-        row, added, summed, normed = h[r], delta[r], h_out[r], out[r]
+        row, added, summed = h[r], delta[r], h_out[r]
         square = np.float32(0.0)
         for c in range(width):
-            value = row[c] + alpha * added[c]
-            summed[c] = value
+            summed[c] = narrow(widen(row[c]) + alpha * widen(added[c]), summed)
+            value = widen(summed[c])
             square += value * value
-        scale = np.float32(1.0) / np.sqrt(square / np.float32(width) + eps)
-        for c in range(width):
-            normed[c] = summed[c] * scale * weight[c]
+        _scaled(summed, np.float32(1.0) / np.sqrt(square / np.float32(width) + eps), weight, out[r])
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A float32 tensor's numpy view, or a bfloat16 one's bits."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).detach().numpy()
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[T, W] float32 (contiguous) -> its RMSNorm, a new [T, W] tensor."""
+    """[T, W] (contiguous; float32, or bfloat16 with a bfloat16 weight) -> its RMSNorm, a new [T, W] tensor."""
     out = torch.empty_like(h)
-    _rms_norm(h.numpy(), weight.detach().numpy(), np.float32(eps), out.numpy())
+    _rms_norm(_array(h), _array(weight), np.float32(eps), _array(out))
     return out
 
 
 def residual_rms_norm(
     h: torch.Tensor, delta: torch.Tensor, alpha: float, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h, delta [T, W] float32 (contiguous) -> (h + alpha * delta, its RMSNorm), two new tensors."""
+    """h, delta [T, W] (contiguous; float32, or bfloat16 with a bfloat16 weight) -> (h + alpha * delta, its
+    RMSNorm), two new tensors."""
     summed, out = torch.empty_like(h), torch.empty_like(h)
-    _residual_rms_norm(h.numpy(), delta.numpy(), np.float32(alpha), weight.detach().numpy(), np.float32(eps),
-                       summed.numpy(), out.numpy())
+    _residual_rms_norm(_array(h), _array(delta), np.float32(alpha), _array(weight), np.float32(eps), _array(summed),
+                       _array(out))
     return summed, out

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpd.engine.model.kernels.fused_norm import residual_rms_norm, rms_norm
+from hybridpd.engine.model.kernels.fused_norm import KERNEL_DTYPES, residual_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +22,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`weight * (x / rms(x))`, the normalisation in float32 and the weight applied in x's dtype.
 
-        Float32 rows go through the compiled kernel (fused_norm.py: one call instead of seven operations). Other
-        dtypes: spelled out rather than `F.rms_norm`, whose CPU kernel is ~8x slower on a prefill's [4096, 128]; the
-        mean square as a dot product divided by the size, which is what `mean` computes (the same bits), in
-        fewer dispatches (a decode step normalises 21 times)."""
+        Float32 and bfloat16 rows go through the compiled kernel (fused_norm.py: one call instead of seven
+        operations). Other dtypes: spelled out rather than `F.rms_norm`, whose CPU kernel is ~8x slower on a
+        prefill's [4096, 128]; the mean square as a dot product divided by the size, which is what `mean` computes
+        (the same bits), in fewer dispatches (a decode step normalises 21 times)."""
         if _fusable(x, self.weight):
             return rms_norm(x, self.weight, self.eps)
         h = x.float()
@@ -37,8 +37,8 @@ class RMSNorm(nn.Module):
 
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + alpha * delta, its norm): the residual add and the norm after it, in one compiled pass for float32
-        rows."""
+        """(h + alpha * delta, its norm): the residual add and the norm after it, in one compiled pass for float32 or
+        bfloat16 rows."""
         if _fusable(h, self.weight) and _fusable(delta, self.weight):
             return residual_rms_norm(h, delta, alpha, self.weight, self.eps)
         h = torch.add(h, delta, alpha=alpha)
@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
 
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+    return x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.dim() == 2 and x.is_contiguous()
 
 
 class GatedRMSNorm(nn.Module):

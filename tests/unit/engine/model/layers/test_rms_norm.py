@@ -1,4 +1,5 @@
-"""RMSNorm's spelled-out form against torch's own `F.rms_norm` (float32) and transformers' formula (bfloat16)."""
+"""RMSNorm against torch's own `F.rms_norm` (float32) and transformers' formula (bfloat16: rounded at the same points,
+so equal but where the float32 sums, run in another order, put a value on the other side of a rounding boundary)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_rms_norm_matches_reference(rows: int, hidden: int, dtype: torch.dtype) 
     else:  # transformers: normalise in float32, apply the weight in the input's dtype
         h = x.float()
         expected = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
-        assert torch.equal(out, expected)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)   # one bfloat16 step
+        assert (out != expected).float().mean() < 1e-3   # measured: 3 of 32,896 values at 257 rows
     assert out.dtype == dtype and out.shape == x.shape
 
 
