@@ -1,4 +1,5 @@
-"""`x @ weight.T (+ bias)` for a few rows (a decode step's batch) in one compiled pass (numba), float32.
+"""`x @ weight.T (+ bias)` for a few rows (a decode step's batch) in one compiled pass (numba), float32 (or a
+bfloat16 weight: `few_rows_linear_bf16`).
 
 A decode step multiplies a handful of rows by every projection's weight, and its time is those products: on the
 `granite-350m` preset at batch 8, 95% of the step. There MKL's kernels are at their worst: on this project's 2-core
@@ -19,56 +20,43 @@ import numba
 import numpy as np
 import torch
 
+from hybridpd.engine.model.kernels.bf16_bits import widen
+
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]
 _U16_2D = numba.uint16[:, ::1]
 
 
-@numba.njit(inline="always", nogil=True, fastmath=True, boundscheck=False)
-def _rows_times_column(x, w, start, j, out):  # pragma: no cover - compiled
-    """out[:, j] = x @ w + start, four rows at a time (a last group short of four repeats its last row)."""
+@numba.njit([numba.void(_F32_2D, weights, _F32_1D, numba.boolean, _F32_2D) for weights in (_F32_2D, _U16_2D)],
+            cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _few_rows(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
+    """`weight` float32, or bfloat16 as its bits: each element widened where it is read (bf16_bits.py), so a
+    bfloat16 weight streams half the bytes and its products run in float32 (in 0.7-0.8 of the time a float32 scratch
+    copy of each row took)."""
     rows, width = x.shape
     last = rows - 1
-    for m in range(0, rows, 4):
-        x0, x1, x2, x3 = x[m], x[min(m + 1, last)], x[min(m + 2, last)], x[min(m + 3, last)]
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        s2 = np.float32(0.0)
-        s3 = np.float32(0.0)
-        for k in range(width):
-            wk = w[k]
-            s0 += x0[k] * wk
-            s1 += x1[k] * wk
-            s2 += x2[k] * wk
-            s3 += x3[k] * wk
-        out[m, j] = s0 + start
-        if m + 1 <= last:
-            out[m + 1, j] = s1 + start
-        if m + 2 <= last:
-            out[m + 2, j] = s2 + start
-        if m + 3 <= last:
-            out[m + 3, j] = s3 + start
-
-
-@numba.njit(numba.void(_F32_2D, _F32_2D, _F32_1D, numba.boolean, _F32_2D), cache=True, nogil=True, fastmath=True,
-            boundscheck=False)
-def _few_rows(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
     for j in range(weight.shape[0]):
-        _rows_times_column(x, weight[j], np.float32(bias[j]) if has_bias else np.float32(0.0), j, out)
-
-
-@numba.njit(numba.void(_F32_2D, _U16_2D, _F32_1D, numba.boolean, _F32_2D), cache=True, nogil=True, fastmath=True,
-            boundscheck=False)
-def _few_rows_bf16(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
-    """`weight` is bfloat16 seen as uint16: each row is widened to float32 (the high half of its bits) into a
-    scratch row that stays in L1, then multiplied as in `_few_rows`."""
-    bits = np.empty(x.shape[1], dtype=np.uint32)
-    w = bits.view(np.float32)
-    for j in range(weight.shape[0]):
-        row = weight[j]
-        for k in range(bits.shape[0]):
-            bits[k] = np.uint32(row[k]) << 16
-        _rows_times_column(x, w, np.float32(bias[j]) if has_bias else np.float32(0.0), j, out)
+        w = weight[j]
+        start = np.float32(bias[j]) if has_bias else np.float32(0.0)
+        for m in range(0, rows, 4):
+            x0, x1, x2, x3 = x[m], x[min(m + 1, last)], x[min(m + 2, last)], x[min(m + 3, last)]
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for k in range(width):
+                wk = widen(w[k])
+                s0 += x0[k] * wk
+                s1 += x1[k] * wk
+                s2 += x2[k] * wk
+                s3 += x3[k] * wk
+            out[m, j] = s0 + start
+            if m + 1 <= last:
+                out[m + 1, j] = s1 + start
+            if m + 2 <= last:
+                out[m + 2, j] = s2 + start
+            if m + 3 <= last:
+                out[m + 3, j] = s3 + start
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
@@ -96,6 +84,6 @@ def few_rows_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _check_shapes(x, weight, bias)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     b = _NO_BIAS if bias is None else bias.detach().float().numpy()
-    _few_rows_bf16(x.detach().float().contiguous().numpy(), weight.detach().view(torch.uint16).numpy(), b,
-                   bias is not None, out.numpy())
+    _few_rows(x.detach().float().contiguous().numpy(), weight.detach().view(torch.uint16).numpy(), b,
+              bias is not None, out.numpy())
     return out.to(torch.bfloat16)
