@@ -4,14 +4,15 @@ Two `LLMEngine`s on the same checkpoint (one thread, the roofline script's setti
 measures, for each engine in alternating order, a decode step at every `--batches` size (prompts of `--prompt-len`
 tokens; the median of the steps after the prefill) and one `--prefill-len`-token prefill. On a CPU with bfloat16
 units the bfloat16 steps should be the faster (half the bytes to read, products in the units); on one without, they
-show what the emulation costs after the engine's own bfloat16 routes (kernels/linear.py's `bf16_linear`, the Mamba
-kernel on float32 states). Last line: JSON with `bf16_over_f32` per batch and for the prefill (the median of the
-rounds' ratios; below 1 is faster in bfloat16), the CPU, and every figure.
+show what the emulation costs after the engine's own bfloat16 paths (kernels/linear.py's `bf16_linear`, the compiled
+kernels on bfloat16 bits). Last line: JSON with `bf16_over_f32` per batch and for the prefill (the median of the
+rounds' ratios; below 1 is faster in bfloat16), the CPU, the date, and every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -66,6 +67,7 @@ def main() -> None:
               for k in keys}
     print(json.dumps({
         "preset": args.preset, "cpu": this_cpus_model(), "bf16_units": sorted(this_cpus_flags() & BF16_FLAGS),
+        "date": datetime.date.today().isoformat(),
         "bf16_over_f32": ratios,
         "ms": {d: {k: [round(v, 2) for v in figures[d][k]] for k in keys} for d in DTYPES},
     }))

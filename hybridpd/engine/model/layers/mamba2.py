@@ -127,8 +127,9 @@ class Mamba2Mixer(nn.Module):
     def _forward_fused(
         self, x: torch.Tensor, rows: MambaRows, conv_cache: torch.Tensor, ssm_cache: torch.Tensor
     ) -> torch.Tensor:
-        """A float32 step through the compiled kernels (fused_mamba.py): in_proj, the convolution, state updates,
-        read-out and gated norm, row by row (the states updated where they sit and saved where asked), out_proj."""
+        """A step through the compiled kernels (fused_mamba.py), in float32 (a bfloat16 model's projections widened
+        to it, the result rounded back): in_proj, the convolution, state updates, read-out and gated norm, row by row
+        (the states updated where they sit and saved where asked), out_proj."""
         gate, xbc_dt = self._in_proj(x, separate_gate=x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS)
         if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32 from the projection's values
             gate, xbc_dt = gate.float(), xbc_dt.float()
