@@ -8,9 +8,20 @@ its arithmetic is float32 throughout, and a bfloat16 value is rounded once, when
 from __future__ import annotations
 
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
+
+
+def kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the kernels take it: a bfloat16 tensor as its bits (uint16: the same memory and strides), else as is."""
+    return t.detach().view(torch.uint16) if t.dtype == torch.bfloat16 else t.detach()
+
+
+def kernel_array(t: torch.Tensor) -> np.ndarray:
+    """The numpy array of `kernel_view(t)` (the same memory)."""
+    return kernel_view(t).numpy()
 
 
 @intrinsic

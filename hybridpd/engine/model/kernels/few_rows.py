@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import widen
+from hybridpd.engine.model.kernels.bf16_bits import kernel_array, widen
 
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]
@@ -84,6 +84,5 @@ def few_rows_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _check_shapes(x, weight, bias)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     b = _NO_BIAS if bias is None else bias.detach().float().numpy()
-    _few_rows(x.detach().float().contiguous().numpy(), weight.detach().view(torch.uint16).numpy(), b,
-              bias is not None, out.numpy())
+    _few_rows(x.detach().float().contiguous().numpy(), kernel_array(weight), b, bias is not None, out.numpy())
     return out.to(torch.bfloat16)

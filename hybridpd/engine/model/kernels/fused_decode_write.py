@@ -18,7 +18,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import kernel_array, kernel_view, narrow, widen
 from hybridpd.engine.model.kernels.fused_mamba import flat_slots
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bfloat16 handed over as its bits, computed in float32
@@ -102,11 +102,12 @@ def rope_and_write_(
     writes each row's K and V into `cache` ([blocks, 2, block_size, KH, D], at `blocks[r]`, `offsets[r]`) and into
     the buffers at (row r, position[r]). Every tensor float32, or every one bfloat16 (rotated in float32, rounded
     once)."""
-    flat, stride = flat_slots(_elements(cache))
+    flat, stride = flat_slots(kernel_view(cache))
     rows = qkv.shape[0]
+    cos, sin = (kernel_array(t.view(rows, -1)) for t in (cos, sin))
     _rope_and_write(
-        _array(qkv), _array(cos.view(rows, -1)), _array(sin.view(rows, -1)), num_heads, cache.shape[3], flat, stride,
-        cache.shape[2], blocks.numpy(), offsets.numpy(), _array(k_buf), _array(v_buf), positions.numpy(),
+        kernel_array(qkv), cos, sin, num_heads, cache.shape[3], flat, stride, cache.shape[2], blocks.numpy(),
+        offsets.numpy(), kernel_array(k_buf), kernel_array(v_buf), positions.numpy(),
     )
 
 
@@ -117,16 +118,9 @@ def rope_and_write_paged_(
     """`rope_and_write_` without the buffers: a prefill's (or a mixed step's) rows rotated in place and written into
     the paged cache. On a 4,096-row prefill of the default model it replaces ~4 ms of advanced-index write per
     attention layer, and the RoPE's roll, multiply and multiply-add."""
-    flat, stride = flat_slots(_elements(cache))
+    flat, stride = flat_slots(kernel_view(cache))
     rows = qkv.shape[0]
-    _rope_and_write_paged(_array(qkv), _array(cos.view(rows, -1)), _array(sin.view(rows, -1)), num_heads,
-                          cache.shape[3], flat, stride, cache.shape[2], blocks.numpy(), offsets.numpy())
+    cos, sin = (kernel_array(t.view(rows, -1)) for t in (cos, sin))
+    _rope_and_write_paged(kernel_array(qkv), cos, sin, num_heads, cache.shape[3], flat, stride, cache.shape[2],
+                          blocks.numpy(), offsets.numpy())
 
-
-def _elements(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a bfloat16 tensor's bits as uint16 (the same memory and strides)."""
-    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
-
-
-def _array(t: torch.Tensor):
-    return _elements(t).numpy()

@@ -25,7 +25,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import widen
+from hybridpd.engine.model.kernels.bf16_bits import kernel_array, widen
 
 RESIDENT_BYTES = 2 << 20   # a layer's expert weights up to this stay in cache from one row to the next
 RESIDENT_MAX_ROWS = 256    # then: fused up to this many rows (a step of 16 decodes beside a 192-token prefill chunk)
@@ -86,9 +86,7 @@ def fused_moe_rows(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Te
             or top_ids.shape[0] != x.shape[0]):
         raise ValueError(f"fused_moe_rows: x {tuple(x.shape)}, w_in {tuple(w_in.shape)}, w_out {tuple(w_out.shape)}, "
                          f"top_ids {tuple(top_ids.shape)} do not fit")   # the kernel reads unchecked
-    bf16 = w_in.dtype == torch.bfloat16
     out = torch.empty(x.shape, dtype=torch.float32)
-    w_in, w_out = (w.detach().view(torch.uint16) if bf16 else w.detach() for w in (w_in, w_out))
     _moe_rows(x.detach().float().contiguous().numpy(), top_ids.detach().contiguous().numpy(),
-              top_weights.detach().float().contiguous().numpy(), w_in.numpy(), w_out.numpy(), out.numpy())
+              top_weights.detach().float().contiguous().numpy(), kernel_array(w_in), kernel_array(w_out), out.numpy())
     return out.to(x.dtype)

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import kernel_array, narrow, widen
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -70,15 +70,10 @@ def _residual_rms_norm(h, delta, alpha, weight, eps, h_out, out):  # pragma: no 
         _scaled(summed, np.float32(1.0) / np.sqrt(square / np.float32(width) + eps), weight, out[r])
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A float32 tensor's numpy view, or a bfloat16 one's bits."""
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).detach().numpy()
-
-
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, W] (contiguous; float32, or bfloat16 with a bfloat16 weight) -> its RMSNorm, a new [T, W] tensor."""
     out = torch.empty_like(h)
-    _rms_norm(_array(h), _array(weight), np.float32(eps), _array(out))
+    _rms_norm(kernel_array(h), kernel_array(weight), np.float32(eps), kernel_array(out))
     return out
 
 
@@ -88,6 +83,6 @@ def residual_rms_norm(
     """h, delta [T, W] (contiguous; float32, or bfloat16 with a bfloat16 weight) -> (h + alpha * delta, its
     RMSNorm), two new tensors."""
     summed, out = torch.empty_like(h), torch.empty_like(h)
-    _residual_rms_norm(_array(h), _array(delta), np.float32(alpha), _array(weight), np.float32(eps), _array(summed),
-                       _array(out))
+    _residual_rms_norm(kernel_array(h), kernel_array(delta), np.float32(alpha), kernel_array(weight),
+                       np.float32(eps), kernel_array(summed), kernel_array(out))
     return summed, out
