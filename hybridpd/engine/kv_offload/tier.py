@@ -83,7 +83,6 @@ class OffloadTier:
         self._queued_lock = threading.Condition()   # notified as the writer takes bytes off
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
-        self._pending = 0
         self._pending_lock = threading.Condition()   # also guards `_inflight`, `_stalled` and every copy into pages
         self._inflight: dict[str, _Load] = {}          # loads asked for and not finished nor abandoned
         self._stalled = False                          # a load was abandoned and the loader is not back yet
@@ -127,7 +126,6 @@ class OffloadTier:
         self.counters.hit_tokens += num_tokens
         load = _Load(request_id, tuple(items), time.monotonic())
         with self._pending_lock:
-            self._pending += 1
             self._inflight[request_id] = load
         self._loads.put(load)
 
@@ -140,7 +138,6 @@ class OffloadTier:
             for load in overdue:
                 load.abandoned = True
                 del self._inflight[load.request_id]
-                self._pending -= 1
             if overdue:
                 self._stalled = True
                 self.counters.load_timeouts += len(overdue)
@@ -165,7 +162,7 @@ class OffloadTier:
     @property
     def loading(self) -> bool:
         """A load is under way or finished and not yet taken."""
-        return self._pending > 0 or bool(self._finished)
+        return bool(self._inflight) or bool(self._finished)
 
     def wait_for_load(self, timeout: float) -> None:
         """Wait up to `timeout` for a load to finish (the engine does when it has nothing else to do)."""
@@ -249,10 +246,9 @@ class OffloadTier:
                 ok = False
             with self._pending_lock:
                 self._stalled = False   # back from whatever it waited for
-                if not load.abandoned:
-                    del self._inflight[load.request_id]
+                if not load.abandoned:   # finished before it leaves `_inflight`: `loading` (read unlocked) sees one
                     self._finished.append((load.request_id, ok))
-                    self._pending -= 1
+                    del self._inflight[load.request_id]
                 self._pending_lock.notify_all()
 
     def _scan_loop(self) -> None:
