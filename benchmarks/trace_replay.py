@@ -247,8 +247,7 @@ def main() -> int:
     if args.restart_at is not None:
         with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
             result = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv", restart_at=args.restart_at)
-            # the control: the same replay without the restart, over the same two minutes (the slice's own reuse
-            # changes with time, so the minute before alone would not say what the restart cost)
+            # the control (module docstring): the same replay without the restart, over the same two minutes
             back = result["back_at_s"] if result["back_at_s"] is not None else args.restart_at
             control = run_setup("tier", args, prompts, offsets, Path(tmp) / "kv-control",
                                 windows=((args.restart_at - 60, args.restart_at), (back, back + 60)))
