@@ -48,10 +48,11 @@ class Recorder:
 
 
 def make_engine(model_dir, recorder, *, num_blocks=64, budget=2048, block_size=4, max_num_seqs=16,
-                offload_dir=None) -> LLMEngine:
+                offload_dir=None, mamba_cache_interval=None) -> LLMEngine:
     config = EngineConfig(
         model_dir=model_dir,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_offload_dir=offload_dir),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_offload_dir=offload_dir,
+                          mamba_cache_interval=mamba_cache_interval),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
     )
     return LLMEngine(config, logits_hook=recorder)
@@ -143,10 +144,13 @@ def test_chunked_prefill_under_a_small_token_budget(tiny):
     assert_drained(engine)
 
 
-def test_prefix_hit_in_every_group_kind(tiny):
+# The default interval (8: the checkpoint's scan chunk) and one that is not a multiple of it: the kernel holds a state
+# after every token, so a hit at 36 tokens is as exact as one at 40.
+@pytest.mark.parametrize("interval, mamba_hit", [(None, 40), (12, 36)])
+def test_prefix_hit_in_every_group_kind(tiny, interval, mamba_hit):
     model_dir, reference = tiny
     recorder = Recorder()
-    engine = make_engine(model_dir, recorder)
+    engine = make_engine(model_dir, recorder, mamba_cache_interval=interval)
     shared = prompt(5, 40)
     first = {"first": shared + prompt(6, 5)}
     run(engine, first, max_tokens=3)
@@ -156,6 +160,7 @@ def test_prefix_hit_in_every_group_kind(tiny):
     hits = {s.kind: s.hit_tokens for s in engine.kv.stats()}
     assert set(hits) == {"mamba", "full_attention", "sliding_window"}
     assert all(h > 0 for h in hits.values()), hits
+    assert hits["mamba"] == mamba_hit
     check_against_reference(reference, second, outputs, recorder)
     assert_drained(engine)
 

@@ -28,10 +28,9 @@ class PagedCausalLM(nn.Module):
     logits_scaling: float = 1.0      # a divisor of the logits (Granite)
     logits_multiplier: float = 1.0   # a factor of the logits (Falcon-H1's lm_head_multiplier)
 
-    def __init__(self, dtype: torch.dtype, mamba_chunk_size: int, rope: RotaryEmbedding | None) -> None:
+    def __init__(self, dtype: torch.dtype, rope: RotaryEmbedding | None) -> None:
         super().__init__()
         self.dtype = dtype
-        self.mamba_chunk_size = mamba_chunk_size
         self.rope = rope
         self.decode_kv = DecodeKV()
 
@@ -89,7 +88,7 @@ class PagedCausalLM(nn.Module):
         if self.rope is not None:
             rope = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
         self.decode_kv.bind(kv)
-        ctx = build_step_context(batch, kv.groups, self.mamba_chunk_size, rope, self.decode_kv)
+        ctx = build_step_context(batch, kv.groups, rope, self.decode_kv)
         h = self.embedding()(batch.input_ids)
         if self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier

@@ -84,7 +84,7 @@ class FalconH1Backbone(nn.Module):
 
 class FalconH1LM(PagedCausalLM):
     def __init__(self, config: FalconH1Config, dtype: torch.dtype) -> None:
-        super().__init__(dtype, config.mamba_chunk_size, RotaryEmbedding(config.attention.head_dim, config.rope_theta))
+        super().__init__(dtype, RotaryEmbedding(config.attention.head_dim, config.rope_theta))
         self.config = config
         self.embedding_multiplier = config.embedding_multiplier
         self.logits_multiplier = config.lm_head_multiplier

@@ -67,7 +67,7 @@ class GraniteBackbone(nn.Module):
 class GraniteLM(PagedCausalLM):
     def __init__(self, config: GraniteConfig, dtype: torch.dtype) -> None:
         rope = RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_embedding_type == "rope" else None
-        super().__init__(dtype, config.mamba_chunk_size, rope)
+        super().__init__(dtype, rope)
         self.config = config
         self.embedding_multiplier = config.embedding_multiplier
         self.logits_scaling = config.logits_scaling

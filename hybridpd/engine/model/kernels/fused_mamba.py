@@ -1,10 +1,10 @@
-"""A Mamba2 layer's step as compiled loops (numba), for float32 models and caches: token by token over each
-sequence, decode rows and prefill chunks alike.
+"""A Mamba2 layer's step as compiled loops (numba), on float32 states in either model dtype: token by token over each
+sequence, decode rows and prefill chunks alike; the only Mamba path the engine has.
 
-The torch path (mamba2.py) is ~25 tensor operations per layer for a decode step, on tensors of a few kB each (the
-convolution window, SiLU, softplus, the state update, the read-out, the gated norm): there each operation costs its
-dispatch more than its arithmetic, ~250 us per layer for 16 rows of the default model. Here a step is three passes
-over all its rows (`mamba_rows_`):
+As torch operations a decode step is ~25 tensor operations per layer on tensors of a few kB each (the convolution
+window, SiLU, softplus, the state update, the read-out, the gated norm): each costs its dispatch more than its
+arithmetic, ~250 us per layer for 16 rows of the default model, and a prefill needs a chunked scan with its own
+layouts. Here a step is three passes over all its rows (`mamba_rows_`):
 
 1. `_conv_rows` (compiled): the causal convolution, each output reading its K inputs where they are (this step's
    rows of in_proj's output, or the slot's window for those before the step); the window is written once at the end;
@@ -13,8 +13,8 @@ over all its rows (`mamba_rows_`):
 3. `_scan_rows` (compiled): softplus, the state update and read-out with the D skip, the gated norm, the SSM state
    updated where it sits in the cache.
 
-16 decode rows of the default model: ~80 us per layer (~1 ms less per decode step than the torch path); a 16 x 256
-prefill: ~8.5 ms per layer, about half of the chunked scan's path (ssd.py, with its layouts and the gated norm).
+16 decode rows of the default model: ~80 us per layer (~1 ms less per decode step than the torch operations); a
+16 x 256 prefill: ~8.5 ms per layer, about half of a chunked scan's in torch with its layouts and the gated norm.
 
 Per row (token) of a sequence, with C = conv_dim, I = intermediate, H heads of P channels, G groups of N:
 
@@ -27,9 +27,9 @@ Per row (token) of a sequence, with C = conv_dim, I = intermediate, H heads of P
 
 A sequence starts from its slot's states (resumed) or from zeros; after the rows the scheduler named, the states
 are also copied to other slots (prefix-cache saves). Accumulations are float32, as torch's are; sums run in another
-order, so results agree with the torch path to float32 rounding, not bit for bit (tests/unit/engine/model/kernels/test_fused_mamba.py
-against the formulas; tests/unit/engine/model/layers/test_mamba2_paths.py against the torch path; tests/oracle against
-transformers). Loops index slices from 0 (`y[start:end][c]`, not `y[start + c]`): only that form vectorises.
+order, so results agree with transformers' to float32 rounding, not bit for bit (test_fused_mamba.py against the
+formulas in float64; tests/oracle against transformers, chunked prefills, decodes, preemption and prefix hits on saved
+states included). Loops index slices from 0 (`y[start:end][c]`, not `y[start + c]`): only that form vectorises.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""RMSNorm and Mamba2's gated RMSNorm (parameter name `weight`, as transformers writes it)."""
+"""RMSNorm (parameter name `weight`, as transformers writes it) and the residual add before it, compiled for float32
+and bfloat16 rows."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.model.kernels.fused_norm import KERNEL_DTYPES, residual_rms_norm, rms_norm
@@ -35,7 +35,6 @@ class RMSNorm(nn.Module):
             return h.mul_(self.weight)
         return self.weight * h.to(x.dtype)
 
-
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + alpha * delta, its norm): the residual add and the norm after it, in one compiled pass for float32 or
         bfloat16 rows."""
@@ -47,34 +46,3 @@ class RMSNorm(nn.Module):
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.dim() == 2 and x.is_contiguous()
-
-
-class GatedRMSNorm(nn.Module):
-    """`weight * rmsnorm_per_group(y * silu(gate))`, the norm computed over groups of `group_size` channels; with
-    `norm_first`, `weight * rmsnorm_per_group(y) * silu(gate)`."""
-
-    def __init__(self, hidden_size: int, group_size: int, eps: float, dtype: torch.dtype,
-                 norm_first: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.norm_first = norm_first
-        self.group_size = group_size
-        self.eps = eps
-        self._eps = torch.tensor(eps)  # see RMSNorm
-        self._size = torch.tensor(float(group_size))
-
-    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """The normalisation in float32; the weight applied in float32 for a float32 `y`, else in y's dtype.
-
-        Spelled out (a silu, then in-place ops on the one new tensor) rather than `F.rms_norm`, whose CPU
-        kernel is ~4x slower on a prefill's [4096, 256]; see RMSNorm."""
-        silu_gate = F.silu(gate.float())
-        h = y.float().clone() if self.norm_first else silu_gate.mul_(y)
-        grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        mean_square = torch.linalg.vecdot(grouped, grouped).unsqueeze_(-1).div_(self._size)
-        grouped.mul_(mean_square.add_(self._eps).rsqrt_())
-        if self.norm_first:
-            return (self.weight * h.to(y.dtype)).float().mul_(silu_gate).to(y.dtype)
-        if y.dtype == torch.float32:
-            return h.mul_(self.weight)
-        return self.weight * h.to(y.dtype)

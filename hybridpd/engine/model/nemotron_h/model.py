@@ -118,7 +118,7 @@ class NemotronHBackbone(nn.Module):
 
 class NemotronHLM(PagedCausalLM):
     def __init__(self, config: NemotronHConfig, dtype: torch.dtype) -> None:
-        super().__init__(dtype, config.mamba_chunk_size, rope=None)
+        super().__init__(dtype, rope=None)
         self.config = config
         self.backbone = NemotronHBackbone(config, dtype)
         self.attach(self.backbone.embeddings, self.backbone.layers, self.backbone.norm_f,

@@ -24,7 +24,7 @@ class StepContext:
 
 
 def build_step_context(
-    batch: ForwardBatch, groups: Sequence[KVCacheGroup], mamba_chunk_size: int,
+    batch: ForwardBatch, groups: Sequence[KVCacheGroup],
     rope: tuple[torch.Tensor, torch.Tensor] | None, decode_kv: DecodeKV | None = None,
 ) -> StepContext:
     """Every group's metadata for one step. Groups of one kind with equal block sizes and windows (two full
@@ -34,19 +34,19 @@ def build_step_context(
     return StepContext(
         rope_cos=None if rope is None else rope[0], rope_sin=None if rope is None else rope[1],
         groups=tuple(
-            build_group_meta(batch, g, group, mamba_chunk_size, shared, decode_kv) for g, group in enumerate(groups)
+            build_group_meta(batch, g, group, shared, decode_kv) for g, group in enumerate(groups)
         ),
         decode_kv=decode_kv,
     )
 
 
 def build_group_meta(
-    batch: ForwardBatch, group_id: int, group: KVCacheGroup, mamba_chunk_size: int,
+    batch: ForwardBatch, group_id: int, group: KVCacheGroup,
     shared: dict[tuple, DecodeLayout] | None = None, decode_kv: DecodeKV | None = None,
 ) -> AttentionGroupMeta | MambaGroupMeta:
     spec = group.spec
     if isinstance(spec, AttentionSpec):
         return attention_group_meta(batch, group_id, spec, shared, decode_kv)
     if isinstance(spec, MambaSpec):
-        return mamba_group_meta(batch, group_id, spec, mamba_chunk_size)
+        return mamba_group_meta(batch, group_id, spec)
     raise TypeError(f"no model support for KV spec {type(spec).__name__}")

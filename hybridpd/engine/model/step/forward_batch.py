@@ -27,8 +27,8 @@ class SeqEntry:
       longer needs that block);
     - Mamba groups: `[state_slot]`, the running state; read when `num_computed > 0`, written at the step's end.
     `mamba_saves[g]`: `(num_tokens, slot)` pairs: after tokens `[0, num_tokens)` of this sequence, also write
-    the conv + ssm state to `slot`. `num_computed < num_tokens <= num_computed + num_new`, and num_tokens is a
-    multiple of `mamba_chunk_size` or the step's end. Empty for attention groups.
+    the conv + ssm state to `slot`. `num_computed < num_tokens <= num_computed + num_new` (the scheduler takes
+    them at multiples of the Mamba cache interval). Empty for attention groups.
     """
 
     num_computed: int

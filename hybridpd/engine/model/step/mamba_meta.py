@@ -1,9 +1,5 @@
-"""Mamba metadata of one step for one KV group.
-
-Float32 states: every sequence's rows in order, for the compiled kernel (fused_mamba.py). Other dtypes: decode rows
-(one new token, num_computed > 0) as one batched recurrent step, all other sequences as one batched convolution and
-chunked scan (mamba_layout.py).
-"""
+"""Mamba metadata of one step for one KV group: every sequence's rows in order, as the compiled kernel walks them
+(fused_mamba.py)."""
 
 from __future__ import annotations
 
@@ -14,31 +10,12 @@ import numpy as np
 import torch
 
 from hybridpd.engine.kv_cache.spec import MambaSpec
-from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry, int64_tensor
-from hybridpd.engine.model.step.mamba_layout import MambaPrefillLayout, PrefillSeq, build_prefill_layout
-
-
-@dataclass(frozen=True)
-class MambaDecode:
-    rows: torch.Tensor   # [Sd] rows of T
-    slots: torch.Tensor  # [Sd] running state slots
-    saves: tuple[tuple[int, int], ...]  # (index into rows, slot): copy that row's new state to slot
-    # When the slots are an ascending arithmetic progression (the usual case: slots taken in admission order),
-    # the slice that selects exactly them, in order: a view, so the states are updated where they are.
-    slot_slice: slice | None = None
-
-
-def _progression(values: list[int]) -> slice | None:
-    """The slice `s` with `range(...)[s] == values` if `values` is ascending with one constant step, else None."""
-    step = values[1] - values[0] if len(values) > 1 else 1
-    if step < 1 or any(b - a != step for a, b in zip(values, values[1:])):
-        return None
-    return slice(values[0], values[-1] + 1, step)
+from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry
 
 
 @dataclass(frozen=True)
 class MambaRows:
-    """A float32 group's step as the compiled kernels walk it (fused_mamba.py): sequence q's rows
+    """A group's step as the compiled kernel walks it (fused_mamba.py): sequence q's rows
     [starts[q], starts[q] + lengths[q]) in order, from its slot's state (resumed 1) or from zeros (0); after row
     `save_after[v]` of sequence `save_seqs[v]` (ordered by sequence, then row) the state is also copied to
     `save_slots[v]`. All int64 numpy arrays ([Q] or [V]): the kernels are their only readers."""
@@ -54,20 +31,13 @@ class MambaRows:
 
 @dataclass(frozen=True)
 class MambaGroupMeta:
-    decode: MambaDecode | None
-    prefill: MambaPrefillLayout | None  # every other sequence, convolved and scanned together
-    rows: MambaRows | None = None  # float32 caches: every sequence, for the kernel (then decode/prefill are None)
+    rows: MambaRows
 
 
-def mamba_group_meta(batch: ForwardBatch, group_id: int, spec: MambaSpec, chunk_size: int) -> MambaGroupMeta:
-    if fused_mamba(spec):
-        return MambaGroupMeta(decode=None, prefill=None, rows=_mamba_rows(batch, group_id))
-    return _mamba_meta(batch, group_id, chunk_size, spec.conv_state_shape[0])
-
-
-def fused_mamba(spec: MambaSpec) -> bool:
-    """Float32 states: the group's steps run the compiled kernel (fused_mamba.py); other dtypes the torch path."""
-    return all(dtype == torch.float32 for dtype in spec.dtypes)
+def mamba_group_meta(batch: ForwardBatch, group_id: int, spec: MambaSpec) -> MambaGroupMeta:
+    if not all(dtype == torch.float32 for dtype in spec.dtypes):
+        raise ValueError(f"Mamba states must be float32 (the compiled kernel's), not {spec.dtypes}")
+    return MambaGroupMeta(rows=_mamba_rows(batch, group_id))
 
 
 def _checked_saves(s: SeqEntry, g: int) -> tuple[tuple[int, int], ...]:
@@ -95,26 +65,3 @@ def _mamba_rows(batch: ForwardBatch, g: int) -> MambaRows:
 
 def _int64_array(values: Sequence[int]) -> np.ndarray:
     return np.array(values, dtype=np.int64)
-
-
-def _mamba_meta(batch: ForwardBatch, g: int, chunk_size: int, conv_width: int) -> MambaGroupMeta:
-    decode_rows, decode_slots, decode_saves, prefills = [], [], [], []
-    for row_start, s in zip(batch.row_starts, batch.seqs):
-        slot = int(s.block_tables[g][0])
-        saves = _checked_saves(s, g)
-        if s.num_new == 1 and s.num_computed > 0:
-            decode_saves.extend((len(decode_rows), save_slot) for _, save_slot in saves)
-            decode_rows.append(row_start)
-            decode_slots.append(slot)
-        else:
-            prefills.append(PrefillSeq(
-                row_start=row_start, num_rows=s.num_new, num_computed=s.num_computed, slot=slot, saves=tuple(saves)
-            ))
-    decode = None
-    if decode_rows:
-        decode = MambaDecode(
-            rows=int64_tensor(decode_rows), slots=int64_tensor(decode_slots), saves=tuple(decode_saves),
-            slot_slice=_progression(decode_slots),
-        )
-    prefill = build_prefill_layout(prefills, batch.input_ids.shape[0], chunk_size, conv_width) if prefills else None
-    return MambaGroupMeta(decode=decode, prefill=prefill)
