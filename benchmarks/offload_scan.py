@@ -1,12 +1,12 @@
-"""What a scan of the storage tier's directory costs a node while other nodes keep writing into it.
+"""What a scan of the storage tier's directory costs a node while another node keeps writing into it.
 
 A directory of `--files` block files of one group (the store's own layout: 256 shard folders) is scanned by one
-store while another store (another node sharing the directory) writes `--changes` new files and removes as many old
-ones between two scans (the directory keeps its size), as a busy cluster does between the tier's scans (the trace
-replay wrote ~1,000 files per node per 5 s). Per round,
-alternated: the store's `scan()` (it lists again only the folders whose time moved and parses only the names that
-came or went since its last listing), and a plain scan that lists every folder and parses every name (what a scan
-costs without either). Both are timed in CPU seconds of this thread, the median of `--scans` scans per round.
+store while another store (another node sharing the directory) writes `--changes` new files between two scans and
+evicts old ones to stay within a capacity of `--files` files (a tenth at a time), as a busy cluster does between
+the tier's scans (the trace replay wrote ~1,000 files per node per 5 s). Per round, alternated: the store's
+`scan()` between its full listings (it reads what the other store journaled since its last scan), and a plain
+scan that lists every folder and parses every name (what a full listing costs). Both are timed in CPU seconds of
+this thread, the median of `--scans` scans per round, and each must find exactly what a listing finds.
 
 Last line: JSON with `scan_ms` and `full_listing_ms` (medians over the rounds), their ratio, the files and changes,
 the CPU model and the date.
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from hybridpd.engine.dtype_choice import this_cpus_model
+from hybridpd.engine.kv_offload import block_file
 from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
 
 MODEL, GROUP, PAGE = b"m" * 32, b"g" * 16, 64
@@ -37,9 +38,13 @@ def full_listing(group_dir: Path) -> set[bytes]:
     return hashes
 
 
+def writer_file_bytes(layout: tuple[GroupLayout, ...]) -> int:
+    return block_file.HEADER_SIZE + layout[0].page_bytes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=30_000)
+    parser.add_argument("--files", type=int, default=30_000, help="the directory's size (the writer's capacity)")
     parser.add_argument("--changes", type=int, default=1_000, help="files another writer adds between two scans")
     parser.add_argument("--scans", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
@@ -47,19 +52,15 @@ def main() -> int:
     layout = (GroupLayout(GROUP, PAGE),)
     payload = memoryview(bytes(PAGE))
     counter = iter(range(1 << 62))
-    written: list[bytes] = []
 
-    def write(store: OffloadStore, n: int, remove: int = 0) -> None:
+    def write(store: OffloadStore, n: int) -> None:
         for _ in range(n):
-            written.append(next(counter).to_bytes(8, "little").rjust(32, b"\1")[::-1])
-            store.write(0, written[-1], payload)
-        for block_hash in written[:remove]:
-            store.path(0, block_hash).unlink()
-        del written[:remove]
+            store.write(0, next(counter).to_bytes(8, "little").rjust(32, b"\1")[::-1], payload)
 
     timings: dict[str, list[float]] = {"scan": [], "full_listing": []}
     with tempfile.TemporaryDirectory() as tmp:
-        reader, writer = (OffloadStore(Path(tmp), MODEL, layout, 1 << 40) for _ in range(2))
+        reader = OffloadStore(Path(tmp), MODEL, layout, 1 << 40)
+        writer = OffloadStore(Path(tmp), MODEL, layout, args.files * writer_file_bytes(layout))
         write(writer, args.files)
         group_dir = reader.model_dir / GROUP.hex()
         reader.scan()
@@ -67,9 +68,9 @@ def main() -> int:
             for way in ("scan", "full_listing") if r % 2 == 0 else ("full_listing", "scan"):
                 times = []
                 for _ in range(args.scans):
-                    write(writer, args.changes, remove=args.changes)
+                    write(writer, args.changes)
                     started = time.thread_time()
-                    found = reader.scan()[0] if way == "scan" else full_listing(group_dir)
+                    found = reader.scan(full=False)[0] if way == "scan" else full_listing(group_dir)
                     times.append(time.thread_time() - started)
                     if found != full_listing(group_dir):
                         raise SystemExit(f"{way} missed files")

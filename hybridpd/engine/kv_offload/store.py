@@ -3,17 +3,23 @@ under a capacity by evicting the least recently used files.
 
 Layout: `ROOT/<model key>/<group key>/<hash[:2]>/<hash>.kv` (hex). A write goes to a temporary file in the same
 folder and is renamed into place, so a reader sees a whole file or none, and a writer killed mid-write leaves only a
-temporary file (removed by the next scan that finds it older than a minute). A read that finds a file it cannot use
-(block_file.decode says no) removes it and reports a miss. Reading a file refreshes its modification time: the
-eviction order is least recently written or read.
+temporary file (removed by the next full listing that finds it older than a minute). A read that finds a file it
+cannot use (block_file.decode says no) removes it and reports a miss. Reading a file refreshes its modification
+time: the eviction order is least recently written or read.
 
 Several nodes may share one directory (NFS, a ReadWriteMany volume): names are content addresses, so two writers
-of one block write equal bytes and the last rename wins; each node enforces the capacity over what its last scan
-saw plus what it wrote since, so the directory can exceed it by what the others wrote since that scan.
+of one block write equal bytes and the last rename wins. Each store journals what it writes and removes
+(journal.py, `ROOT/<model key>/journal/`), and a scan reads what the others journaled since the last one: what
+changed, not every file. At least every `FULL_SCAN_S` (less often when a listing would take more than
+`FULL_SCAN_CPU_SHARE` of a core) a scan lists the whole directory instead, which finds what no journal told (files
+copied in or removed by hand, a writer that died between its rename and its journal line). Each store enforces the
+capacity over what it knows (its last listing, the journals since, its own writes), so the directory can exceed it
+by what the others wrote since this store's last scan.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -22,24 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpd.engine.kv_offload import block_file
+from hybridpd.engine.kv_offload.journal import Change, JournalReader, JournalWriter
+
+log = logging.getLogger(__name__)
 
 STALE_TEMP_S = 60.0
-SETTLE_S = 2.0           # a shard folder changed this recently is listed again at the next scan
-FULL_SCAN_EVERY = 12     # every 12th scan lists every folder (1 min at the tier's 5 s)
-
-
-@dataclass(frozen=True)
-class _Listing:
-    """One shard folder as a scan listed it."""
-
-    mtime_ns: int
-    names: frozenset[str]       # every entry, as listed
-    hashes: frozenset[bytes]    # the block files among them
-    temporary: frozenset[str]   # the temporary files among them (they age without touching the folder's time)
-    settled: bool = False       # its time was older than SETTLE_S at the listing
-
-
-_EMPTY = _Listing(-1, frozenset(), frozenset(), frozenset())
+FULL_SCAN_S = 60.0            # a scan lists the whole directory at least this often ...
+FULL_SCAN_CPU_SHARE = 0.02    # ... unless listings would take more of a core than this: then as often as they fit
 
 
 @dataclass(frozen=True)
@@ -61,10 +56,15 @@ class OffloadStore:
             d.mkdir(parents=True, exist_ok=True)
         self._dir_names = tuple(str(d) for d in self._group_dirs)   # plain strings: the hot paths join them
         self._shards: set[str] = set()                              # shard folders known to exist
-        self._lock = threading.Lock()
-        self._used = 0   # bytes under the model's folder: the last scan's sum, plus writes, minus evictions
-        self._listings: dict[str, _Listing] = {}   # shard folder -> its last listing (scan lists only what moved)
-        self._scans = 0
+        self._lock = threading.Lock()   # guards `_disk` and `_listing_changes`
+        # Each group's block hashes on disk as far as this store knows: its last listing, the others' journals since
+        # and its own changes.
+        self._disk: tuple[set[bytes], ...] = tuple(set() for _ in groups)
+        self._listing_changes: list[tuple[bool, int, bytes]] | None = None   # own changes while a listing runs
+        self._keys = {g.key: index for index, g in enumerate(groups)}
+        self._journal = JournalWriter(self.model_dir / "journal")
+        self._others = JournalReader(self.model_dir / "journal", self._journal.names)
+        self._next_full = 0.0   # time.monotonic() from which a scan lists the whole directory
         self.on_removed: Callable[[int, bytes], None] = lambda group, block_hash: None
 
     def path(self, group: int, block_hash: bytes) -> Path:
@@ -80,7 +80,9 @@ class OffloadStore:
     def write(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
         """Write one block (False if it is there already). OSError (a full disk, a read-only volume) propagates."""
         path = self._name(group, block_hash)
-        if os.path.exists(path):
+        if os.path.exists(path):   # another writer's: it journaled it
+            with self._lock:
+                self._disk[group].add(block_hash)
             return False
         shard = path[: path.rindex("/")]
         if shard not in self._shards:
@@ -101,10 +103,27 @@ class OffloadStore:
             except OSError:
                 pass
             raise
-        with self._lock:
-            self._used += self.file_bytes(group)
+        self._changed(True, group, block_hash)
         self._evict_over_capacity()
         return True
+
+    def _changed(self, added: bool, group: int, block_hash: bytes) -> None:
+        """This store wrote or removed a block file: what it knows, and its journal for the others."""
+        with self._lock:
+            (self._disk[group].add if added else self._disk[group].discard)(block_hash)
+            if self._listing_changes is not None:
+                self._listing_changes.append((added, group, block_hash))
+        try:
+            self._journal.append((Change(added, self.groups[group].key, block_hash),))
+        except OSError as exc:   # the others find the change at their next full listing
+            log.warning("kv offload: journal append failed (%s)", exc)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(len(hashes) * self.file_bytes(group) for group, hashes in enumerate(self._disk))
+
+    def close(self) -> None:
+        self._journal.close()
 
     def read(self, group: int, block_hash: bytes) -> memoryview | None:
         """The block's payload, or None if there is no usable file (a bad one is removed)."""
@@ -112,6 +131,10 @@ class OffloadStore:
         data = bytearray(self.file_bytes(group) + 1)   # one byte more: a longer file is not this block either
         try:
             fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:   # removed by hand or by a writer whose journal this store has not read yet
+            with self._lock:
+                self._disk[group].discard(block_hash)
+            return None
         except OSError:
             return None
         try:
@@ -126,81 +149,71 @@ class OffloadStore:
                                     self.groups[group].page_bytes)
         if payload is None:
             if self._remove(Path(path)):
+                self._changed(False, group, block_hash)
                 self.on_removed(group, block_hash)
             return None
         return payload
 
-    def scan(self) -> tuple[set[bytes], ...]:
-        """Every group's block hashes on disk now (and the bytes they use, for the capacity).
+    def scan(self, full: bool | None = None) -> tuple[set[bytes], ...]:
+        """Every group's block hashes on disk as far as this store knows (copies): the others' journals read since the
+        last scan, or (`full`, and by default every `FULL_SCAN_S`) a listing of the whole directory. What a scan misses
+        is only a miss or a failed read, never wrong bytes: reads are checked."""
+        now = time.monotonic()
+        changes = self._others.read_new()   # read before a listing, so the listing supersedes them
+        if full or (full is None and now >= self._next_full):
+            started = time.thread_time()
+            self._list_all()
+            cost = time.thread_time() - started
+            self._next_full = time.monotonic() + max(FULL_SCAN_S, cost / FULL_SCAN_CPU_SHARE)
+        else:
+            with self._lock:
+                for change in changes:
+                    group = self._keys.get(change.group_key)
+                    if group is not None:
+                        (self._disk[group].add if change.added else self._disk[group].discard)(change.block_hash)
+        self._evict_over_capacity()
+        with self._lock:
+            return tuple(set(hashes) for hashes in self._disk)
 
-        Only shard folders whose modification time moved since they were last listed are listed again (a file
-        added, renamed in or removed changes its folder's time), with three guards: a folder whose time is within
-        `SETTLE_S` of its listing is listed again next time (two changes inside the clock's tick look like one), a
-        folder holding temporary files is listed until they are gone (they age without touching it), and every
-        `FULL_SCAN_EVERY`-th scan lists everything (clocks of other hosts on a shared volume may be off). What a scan
-        misses is only a miss or a failed read, never wrong bytes: reads are checked."""
-        self._scans += 1
-        full = self._scans % FULL_SCAN_EVERY == 1
-        present: list[set[bytes]] = []
-        used = 0
+    def _list_all(self) -> None:
+        """Every group's block files as the directory lists them now (stale temporary files and journals removed);
+        this store's own changes during the listing are applied after it."""
+        with self._lock:
+            self._listing_changes = []
         now = time.time()
-        for group, d in enumerate(self._group_dirs):
+        disk: list[set[bytes]] = []
+        for d in self._group_dirs:
             hashes: set[bytes] = set()
             for shard in _shards(d):
-                listing = self._listing(shard, now, full)
-                hashes |= listing.hashes
-            present.append(hashes)
-            used += len(hashes) * self.file_bytes(group)
+                for name in _names(shard.path):
+                    if name.endswith(".tmp"):
+                        path = f"{shard.path}/{name}"
+                        if now - _mtime(path) > STALE_TEMP_S:
+                            self._remove(Path(path))
+                    elif (block_hash := _block_hash(name)) is not None:
+                        hashes.add(block_hash)
+            disk.append(hashes)
+        self._others.remove_stale(now)
         with self._lock:
-            self._used = used
-        self._evict_over_capacity()
-        return tuple(present)
-
-    def _listing(self, shard: os.DirEntry, now: float, full: bool) -> _Listing:
-        """What `shard` holds: its last listing if its time has not moved, else a new one. A new listing parses only
-        the names that came or went since the last (a folder of a busy directory changes by a few files between
-        scans, and its other names cost nothing but the listing itself)."""
-        try:
-            mtime_ns = shard.stat().st_mtime_ns
-        except OSError:
-            return _EMPTY
-        known = self._listings.get(shard.path, _EMPTY)
-        if not full and known.mtime_ns == mtime_ns and known.settled and not known.temporary:
-            return known
-        names = frozenset(_names(shard.path))
-        hashes, temporary = set(known.hashes), set(known.temporary)
-        for name in known.names - names:
-            hashes.discard(_block_hash(name))
-            temporary.discard(name)
-        for name in names - known.names:
-            if name.endswith(".tmp"):
-                temporary.add(name)
-            elif (block_hash := _block_hash(name)) is not None:
-                hashes.add(block_hash)
-        for name in list(temporary):
-            path = f"{shard.path}/{name}"
-            if now - _mtime(path) > STALE_TEMP_S and self._remove(Path(path)):
-                temporary.discard(name)
-        listing = _Listing(mtime_ns, names, frozenset(hashes), frozenset(temporary),
-                           settled=mtime_ns < (now - SETTLE_S) * 1e9)
-        self._listings[shard.path] = listing
-        return listing
+            for added, group, block_hash in self._listing_changes or ():
+                (disk[group].add if added else disk[group].discard)(block_hash)
+            self._listing_changes = None
+            self._disk = tuple(disk)
 
     def _evict_over_capacity(self) -> None:
-        with self._lock:
-            if self._used <= self.capacity:
-                return
+        used = self.used_bytes()
+        if used <= self.capacity:
+            return
         files = sorted(((_mtime(e), group, Path(e.path), block_hash) for group, d in enumerate(self._group_dirs)
                         for e in _files(d) if (block_hash := _block_hash(e.name)) is not None),
                        key=lambda item: item[0])
         target = self.capacity * 9 // 10  # evict a tenth at a time, not a file per write
         for _, group, path, block_hash in files:
-            with self._lock:
-                if self._used <= target:
-                    return
+            if used <= target:
+                return
             if self._remove(path):
-                with self._lock:
-                    self._used -= self.file_bytes(group)
+                used -= self.file_bytes(group)   # known to this store or not: it took that much
+                self._changed(False, group, block_hash)
                 self.on_removed(group, block_hash)
 
     @staticmethod

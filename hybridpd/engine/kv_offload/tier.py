@@ -3,8 +3,8 @@ and the loads of storage hits. Nothing here runs on the engine's step: the step 
 pages (`offer`: a copy into a bounded queue, or a counted drop) and collects finished loads (`take_finished`).
 
 Threads: a writer (the queue into files), a loader (files into the blocks a request was given), and a scanner that
-re-reads the directory every `rescan_s`, so blocks other nodes wrote become hits here too (less often when a scan
-costs more than `RESCAN_CPU_SHARE` of a core at that pace: a directory of millions of files).
+asks the store every `rescan_s` what changed (the other nodes' journals; now and then a listing of the whole
+directory: store.py), so blocks other nodes wrote become hits here too.
 
 A directory that hangs (an NFS server gone) must not hang the requests that read from it: the engine gives up on a
 load older than its timeout (`abandon_overdue`). From then on the loader copies nothing more into that request's
@@ -31,8 +31,7 @@ from hybridpd.engine.kv_offload.store import OffloadStore
 log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20   # page bytes waiting to be written at most; more are dropped (and counted), never waited for
-RESCAN_S = 5.0      # how often the directory is read again for blocks other nodes wrote (or removed) ...
-RESCAN_CPU_SHARE = 0.05   # ... unless the scans would take more of a core than this: then as often as they fit
+RESCAN_S = 5.0      # how often the store is asked what other nodes wrote (or removed)
 
 
 @dataclass(frozen=True)
@@ -189,6 +188,8 @@ class OffloadTier:
         self._loads.put(None)
         for thread in self._threads[1:]:
             thread.join(1.0)
+        if not self._threads[0].is_alive():   # else its writes may still journal
+            self.store.close()
 
     # -- threads --------------------------------------------------------------------------------------------------
     def _forget(self, group: int, block_hash: bytes) -> None:
@@ -252,16 +253,12 @@ class OffloadTier:
                 self._pending_lock.notify_all()
 
     def _scan_loop(self) -> None:
-        wait = self._rescan_s
-        while not self._stop.wait(wait):
-            started = time.thread_time()
+        while not self._stop.wait(self._rescan_s):
             try:
                 on_disk = self.store.scan()
             except OSError as exc:
                 log.warning("kv offload: scan failed (%s)", exc)
                 continue
-            finally:
-                wait = max(self._rescan_s, (time.thread_time() - started) / RESCAN_CPU_SHARE)
             for group, (held, disk) in enumerate(zip(self._present, on_disk)):
                 for block_hash in disk - held:       # written by another node sharing the directory
                     self._hold(group, block_hash)

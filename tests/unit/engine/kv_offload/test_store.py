@@ -1,5 +1,6 @@
 """The offload directory on its own: a block file accepts only the block it names, whole; writes are atomic and
-content-addressed, so writers sharing a directory never tear a file; the capacity evicts least recently used."""
+content-addressed, so writers sharing a directory never tear a file; the capacity evicts least recently used; a
+scan learns what other writers did from their journals, and what none journaled from a full listing."""
 
 from __future__ import annotations
 
@@ -133,53 +134,65 @@ def test_a_stale_temporary_file_is_removed_by_a_scan(tmp_path):
     s.write(0, h, payload)
     temp = s.path(0, h).with_name(".leftover.1.2.tmp")
     temp.write_bytes(b"half")
-    s.scan()
+    s.scan(full=True)
     assert temp.exists()                      # young: a writer may still be renaming it
     os.utime(temp, (time.time() - 3600, time.time() - 3600))
-    s.scan()
+    s.scan(full=False)
+    assert temp.exists()                      # only a full listing looks at temporaries
+    s.scan(full=True)
     assert not temp.exists()
 
 
-def _age_folder(path, seconds_ago: float) -> int:
-    """Set a shard folder's time back (as if nothing had changed in it for a while); its time in ns."""
-    stamp = time.time() - seconds_ago
-    os.utime(path, (stamp, stamp))
-    return os.stat(path).st_mtime_ns
-
-
-def _sneak_in(s: OffloadStore, i: int) -> bytes:
-    """A file that lands in block 1's shard without moving the folder's time (as a clock's tick can hide it)."""
-    h = bytes([1]) + bytes([i]) * 31                # the same first byte: the same shard as block(1)
-    folder = s.path(0, h).parent
-    stamp = os.stat(folder).st_mtime_ns
+def _by_hand(s: OffloadStore, h: bytes) -> None:
+    """A block file that lands without a journal line (copied in by hand, or its writer died before journaling)."""
+    s.path(0, h).parent.mkdir(parents=True, exist_ok=True)
     s.path(0, h).write_bytes(encoded(h, bytes(PAGE)))
-    os.utime(folder, ns=(stamp, stamp))
-    return h
 
 
-def test_a_scan_lists_again_only_the_folders_that_moved(tmp_path, monkeypatch):
-    monkeypatch.setattr("hybridpd.engine.kv_offload.store.FULL_SCAN_EVERY", 3)
+def test_a_scan_reads_what_other_writers_journaled_without_listing_the_directory(tmp_path, monkeypatch):
+    s, other = store(tmp_path), store(tmp_path)
+    assert s.scan() == (set(), set())                     # the first scan lists the directory
+    listed = []
+    monkeypatch.setattr("hybridpd.engine.kv_offload.store._names", lambda shard: listed.append(shard) or [])
+    (h1, p1), (h2, p2) = block(1), block(2)
+    other.write(0, h1, p1)
+    other.write(1, h2, p2)
+    assert s.scan() == ({h1}, {h2}) and listed == []
+    other.path(0, h1).write_bytes(b"torn")
+    assert other.read(0, h1) is None                      # the other writer removes the bad file, and journals it
+    assert s.scan() == (set(), {h2}) and listed == []
+
+
+def test_a_change_no_journal_told_is_found_by_the_next_full_listing(tmp_path, monkeypatch):
     s = store(tmp_path)
     h, payload = block(1)
     s.write(0, h, payload)
-    _age_folder(s.path(0, h).parent, 60)
-    assert s.scan()[0] == {h}                        # a full scan (the first) lists it: settled now
-    hidden = _sneak_in(s, 7)
-    assert s.scan()[0] == {h}                        # the folder's time did not move: its listing is reused
-    other = store(tmp_path)
-    h2, payload2 = block(2)
-    other.write(0, h2, payload2)                     # another writer: a new shard folder
-    assert s.scan()[0] == {h, h2}
-    assert s.scan()[0] == {h, hidden, h2}            # every third scan lists everything
+    hidden = block(2)[0]
+    _by_hand(s, hidden)
+    s.path(0, h).unlink()
+    assert s.scan(full=False)[0] == {h}
+    assert s.scan(full=True)[0] == {hidden}
+    _by_hand(s, h)
+    assert s.scan()[0] == {hidden}                        # the last full listing was less than FULL_SCAN_S ago
 
 
-def test_a_folder_changed_within_the_settling_time_is_listed_again(tmp_path):
+def test_scans_list_the_whole_directory_every_full_scan_s(tmp_path, monkeypatch):
+    monkeypatch.setattr("hybridpd.engine.kv_offload.store.FULL_SCAN_S", 0.0)
+    monkeypatch.setattr("hybridpd.engine.kv_offload.store.FULL_SCAN_CPU_SHARE", float("inf"))
     s = store(tmp_path)
+    h = block(1)[0]
+    assert s.scan()[0] == set()
+    _by_hand(s, h)
+    assert s.scan()[0] == {h}
+
+
+def test_a_read_of_a_file_that_is_gone_forgets_it(tmp_path):
+    s, other = store(tmp_path), store(tmp_path)
     h, payload = block(1)
-    s.write(0, h, payload)
-    assert s.scan()[0] == {h}                        # just written: not settled
-    hidden = _sneak_in(s, 8)                         # the same folder time as at the listing
-    assert s.scan()[0] == {h, hidden}
+    other.write(0, h, payload)
+    assert s.scan()[0] == {h}
+    other.path(0, h).unlink()                             # by hand: no journal says so
+    assert s.read(0, h) is None and s.scan(full=False)[0] == set()
 
 
 def _on_disk(root) -> set[bytes]:
@@ -187,22 +200,38 @@ def _on_disk(root) -> set[bytes]:
     return {bytes.fromhex(p.name[:-3]) for p in root.rglob("*.kv") if p.parent.parent.name == GROUP.hex()}
 
 
-def test_a_scan_sees_what_others_add_and_remove_as_a_full_listing_would(tmp_path):
-    """Each listing parses only the names that came or went since the last: over random writes and removals by
-    another writer, stray files and temporaries, every scan answers what a listing of the whole directory says."""
-    import random
+def test_scans_agree_with_a_listing_of_the_whole_directory(tmp_path):
+    """Random writes by this store and another, removals the other journals (a bad file it read), and changes no
+    journal tells (files written or removed by hand, stray files, temporaries): after journaled changes alone a scan
+    that reads only the journals answers what a brute-force listing says; after any other change a full listing
+    does."""
     rng = random.Random(5)
     s, other = store(tmp_path), store(tmp_path)
-    for _ in range(300):
+    unjournaled = False
+    for _ in range(400):
         h = bytes([rng.randrange(3)]) + bytes([rng.randrange(6)]) * 31     # three shards, a few files each
-        action = rng.choice(("write", "write", "remove", "stray", "temporary"))
+        action = rng.choice(("write", "write", "own write", "bad file", "by hand", "remove by hand", "stray",
+                             "temporary"))
         path = other.path(0, h)
         if action == "write":
             other.write(0, h, memoryview(bytes(PAGE)))
-        elif action == "remove" and path.exists():
+        elif action == "own write":
+            s.write(0, h, memoryview(bytes(PAGE)))
+        elif action == "bad file" and path.exists():
+            path.write_bytes(b"torn")
+            assert other.read(0, h) is None
+        elif action == "by hand":
+            unjournaled |= not path.exists()
+            _by_hand(other, h)
+        elif action == "remove by hand" and path.exists():
             path.unlink()
+            unjournaled = True
         elif action == "stray" and path.parent.exists():
             (path.parent / f"notes-{rng.randrange(3)}.txt").write_text("not a block")
         elif action == "temporary" and path.parent.exists():
             (path.parent / f".{h.hex()}.1.2.tmp").write_bytes(b"half")
-        assert s.scan()[0] == _on_disk(tmp_path)
+        if unjournaled:
+            assert s.scan(full=True)[0] == _on_disk(tmp_path)
+            unjournaled = False
+        else:
+            assert s.scan(full=False)[0] == _on_disk(tmp_path)
