@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +56,13 @@ class OffloadStore:
             d.mkdir(parents=True, exist_ok=True)
         self._dir_names = tuple(str(d) for d in self._group_dirs)   # plain strings: the hot paths join them
         self._shards: set[str] = set()                              # shard folders known to exist
-        self._lock = threading.Lock()   # guards `_disk` and `_listing_changes`
+        self._lock = threading.Lock()   # guards `_disk`, `_used`, `_listing_changes` and `_unjournaled`
         # Each group's block hashes on disk as far as this store knows: its last listing, the others' journals since
         # and its own changes.
         self._disk: tuple[set[bytes], ...] = tuple(set() for _ in groups)
+        self._used = 0   # the bytes of the files in `_disk`
         self._listing_changes: list[tuple[bool, int, bytes]] | None = None   # own changes while a listing runs
+        self._unjournaled: list[Change] = []   # own changes for the journal, appended a batch at a time
         self._keys = {g.key: index for index, g in enumerate(groups)}
         self._journal = JournalWriter(self.model_dir / "journal")
         self._others = JournalReader(self.model_dir / "journal", self._journal.names)
@@ -79,10 +81,28 @@ class OffloadStore:
 
     def write(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
         """Write one block (False if it is there already). OSError (a full disk, a read-only volume) propagates."""
+        (result,) = self.write_many(group, ((block_hash, payload),))
+        if isinstance(result, OSError):
+            raise result
+        return result
+
+    def write_many(self, group: int, blocks: Iterable[tuple[bytes, memoryview]]) -> list[bool | OSError]:
+        """Write a group's blocks (hash, payload), one file each: per block True (written), False (there already) or
+        the OSError that kept it out; then one journal append and one capacity check for them all."""
+        results: list[bool | OSError] = []
+        for block_hash, payload in blocks:
+            try:
+                results.append(self._write_file(group, block_hash, payload))
+            except OSError as exc:
+                results.append(exc)
+        self._evict_over_capacity()
+        self._flush_journal()
+        return results
+
+    def _write_file(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
         path = self._name(group, block_hash)
         if os.path.exists(path):   # another writer's: it journaled it
-            with self._lock:
-                self._disk[group].add(block_hash)
+            self._changed(True, group, block_hash, journal=False)
             return False
         shard = path[: path.rindex("/")]
         if shard not in self._shards:
@@ -104,25 +124,38 @@ class OffloadStore:
                 pass
             raise
         self._changed(True, group, block_hash)
-        self._evict_over_capacity()
         return True
 
-    def _changed(self, added: bool, group: int, block_hash: bytes) -> None:
-        """This store wrote or removed a block file: what it knows, and its journal for the others."""
+    def _changed(self, added: bool, group: int, block_hash: bytes, journal: bool = True) -> None:
+        """A block file is there or gone: what this store knows, and (`journal`: it wrote or removed the file itself)
+        a line for its journal, appended at `_flush_journal`."""
         with self._lock:
-            (self._disk[group].add if added else self._disk[group].discard)(block_hash)
+            hashes = self._disk[group]
+            if added and block_hash not in hashes:
+                hashes.add(block_hash)
+                self._used += self.file_bytes(group)
+            elif not added and block_hash in hashes:
+                hashes.discard(block_hash)
+                self._used -= self.file_bytes(group)
             if self._listing_changes is not None:
                 self._listing_changes.append((added, group, block_hash))
+            if journal:
+                self._unjournaled.append(Change(added, self.groups[group].key, block_hash))
+
+    def _flush_journal(self) -> None:
+        with self._lock:
+            changes, self._unjournaled = self._unjournaled, []
         try:
-            self._journal.append((Change(added, self.groups[group].key, block_hash),))
-        except OSError as exc:   # the others find the change at their next full listing
+            self._journal.append(changes)
+        except OSError as exc:   # the others find the changes at their next full listing
             log.warning("kv offload: journal append failed (%s)", exc)
 
     def used_bytes(self) -> int:
-        with self._lock:
-            return sum(len(hashes) * self.file_bytes(group) for group, hashes in enumerate(self._disk))
+        """The bytes of the block files this store knows of."""
+        return self._used
 
     def close(self) -> None:
+        self._flush_journal()
         self._journal.close()
 
     def read(self, group: int, block_hash: bytes) -> memoryview | None:
@@ -132,8 +165,7 @@ class OffloadStore:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:   # removed by hand or by a writer whose journal this store has not read yet
-            with self._lock:
-                self._disk[group].discard(block_hash)
+            self._changed(False, group, block_hash, journal=False)
             return None
         except OSError:
             return None
@@ -150,6 +182,7 @@ class OffloadStore:
         if payload is None:
             if self._remove(Path(path)):
                 self._changed(False, group, block_hash)
+                self._flush_journal()
                 self.on_removed(group, block_hash)
             return None
         return payload
@@ -166,18 +199,17 @@ class OffloadStore:
             cost = time.thread_time() - started
             self._next_full = time.monotonic() + max(FULL_SCAN_S, cost / FULL_SCAN_CPU_SHARE)
         else:
-            with self._lock:
-                for change in changes:
-                    group = self._keys.get(change.group_key)
-                    if group is not None:
-                        (self._disk[group].add if change.added else self._disk[group].discard)(change.block_hash)
+            for change in changes:
+                if (group := self._keys.get(change.group_key)) is not None:
+                    self._changed(change.added, group, change.block_hash, journal=False)
         self._evict_over_capacity()
+        self._flush_journal()
         with self._lock:
             return tuple(set(hashes) for hashes in self._disk)
 
     def _list_all(self) -> None:
         """Every group's block files as the directory lists them now (stale temporary files and journals removed);
-        this store's own changes during the listing are applied after it."""
+        the changes this store made or met during the listing are applied after it."""
         with self._lock:
             self._listing_changes = []
         now = time.time()
@@ -199,6 +231,7 @@ class OffloadStore:
                 (disk[group].add if added else disk[group].discard)(block_hash)
             self._listing_changes = None
             self._disk = tuple(disk)
+            self._used = sum(len(hashes) * self.file_bytes(group) for group, hashes in enumerate(disk))
 
     def _evict_over_capacity(self) -> None:
         used = self.used_bytes()

@@ -209,14 +209,14 @@ class OffloadTier:
                 return
             group, hashes, pages = item
             rows = pages.numpy()
-            for block_hash, row in zip(hashes, rows):
-                try:
-                    if self.store.write(group, block_hash, memoryview(row)):
-                        self.counters.written += 1
-                    self._hold(group, block_hash)
-                except OSError as exc:
+            results = self.store.write_many(group, zip(hashes, map(memoryview, rows)))
+            for block_hash, result in zip(hashes, results):
+                if isinstance(result, OSError):
                     self.counters.dropped_write_error += 1
-                    log.warning("kv offload: write dropped (%s)", exc)
+                    log.warning("kv offload: write dropped (%s)", result)
+                    continue
+                self.counters.written += result
+                self._hold(group, block_hash)
             with self._queued_lock:
                 self._queued -= rows.nbytes
                 self._queued_lock.notify_all()

@@ -124,7 +124,7 @@ def test_a_full_disk_drops_writes_and_serving_goes_on(tiny_dir, tmp_path, refere
     def disk_full(self, group, block_hash, payload):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(OffloadStore, "write", disk_full)
+    monkeypatch.setattr(OffloadStore, "_write_file", disk_full)   # every block file's write
     full = engine(tiny_dir, tmp_path)
     drive(full, FIRST)
     out, _ = drive(full, SECOND)

@@ -4,6 +4,7 @@ scan learns what other writers did from their journals, and what none journaled 
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -62,6 +63,29 @@ def test_write_then_read_and_a_bad_file_is_removed(tmp_path):
     s.on_removed = lambda group, block_hash: removed.append((group, block_hash))
     assert s.read(0, h) is None and not path.exists() and removed == [(0, h)]
     assert s.scan() == (set(), set())
+
+
+def test_write_many_answers_for_each_block_and_journals_them_in_one_append(tmp_path, monkeypatch):
+    s, other = store(tmp_path), store(tmp_path)
+    other.scan()
+    (h1, p1), (h2, p2), (h3, p3) = block(1), block(2), block(3)
+    s.write(0, h2, p2)
+    write_file = OffloadStore._write_file
+
+    def disk_full_for_h3(self, group, block_hash, payload):
+        if block_hash == h3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_file(self, group, block_hash, payload)
+
+    monkeypatch.setattr(OffloadStore, "_write_file", disk_full_for_h3)
+    appends = []
+    append = s._journal.append
+    monkeypatch.setattr(s._journal, "append", lambda changes: appends.append(list(changes)) or append(changes))
+    results = s.write_many(0, [(h1, p1), (h2, p2), (h3, p3)])
+    assert results[:2] == [True, False] and isinstance(results[2], OSError) and results[2].errno == errno.ENOSPC
+    assert [len(batch) for batch in appends] == [1]        # h1 alone: h2 was there, h3 never landed
+    assert other.scan()[0] == {h1, h2}
+    assert s.used_bytes() == 2 * s.file_bytes(0)
 
 
 def test_another_model_never_sees_the_files(tmp_path):
