@@ -12,7 +12,8 @@ p90 TTFT at the client, and each request's token ids, compared across setups.
 
 Last line: JSON with `hit_rate_over_ideal` (the tier's decode-side hit rate over the slice's ideal, an unbounded
 cache's; goal >= 0.9), `mean_ttft_ratio` (tier / round robin; goal <= 0.6), `outputs_identical`, the raw figures
-per setup and round, the tier's counters, the CPU model and the date.
+per setup and round, the tier's counters (summed over the nodes, per label: the CPU of each of its threads among
+them), the CPU model and the date.
 
 With `--restart-at S` it runs the tier setup alone and SIGKILLs every node S seconds into the replay (the
 supervisor restarts them, as `hybridpd up` does); requests that fail meanwhile are counted, not retried. Last line:
@@ -122,14 +123,14 @@ def sessions_cpu_s(sessions: set[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def summed(metrics_urls: list[str], prefix: str) -> dict[str, float]:
-    """Every sample whose name starts with `prefix`, summed over the nodes (and over labels)."""
+def summed(metrics_urls: list[str], prefix: str, by_label: bool = False) -> dict[str, float]:
+    """Every sample whose name starts with `prefix`, summed over the nodes (and over labels, unless `by_label`)."""
     totals: dict[str, float] = {}
     for url in metrics_urls:
         with urllib.request.urlopen(url, timeout=10) as response:
             for line in response.read().decode().splitlines():
                 if line.startswith(prefix):
-                    name = line.split("{")[0].split(" ")[0]
+                    name = line.rsplit(" ", 1)[0] if by_label else line.split("{")[0].split(" ")[0]
                     totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
@@ -177,7 +178,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
         node_metrics = [n.metrics_url for n in (*info.prefill, *info.decode)]
-        counters = summed(node_metrics, "hybridpd:kv_offload_") if tier else {}
+        counters = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
         prefill_side = role_figures([n.metrics_url for n in info.prefill])
         replayed.set()
     if restart_at is not None:

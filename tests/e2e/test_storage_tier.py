@@ -48,6 +48,7 @@ def test_a_restarted_node_serves_the_prefix_from_storage(model_dir, tmp_path):
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256   # read from storage
         assert metric_total(nodes["restarted"], "hybridpd:kv_offload_hit_tokens_total") >= 256
         assert metric_total(nodes["restarted"], "hybridpd:kv_offload_load_misses_total") == 0
+        assert metric_total(nodes["restarted"], "hybridpd:kv_offload_thread_cpu_seconds_total") > 0   # the loader's
         assert_drained(nodes["restarted"])
     finally:
         stop_all(nodes.values())

@@ -59,6 +59,11 @@ class TierCounters:
     load_timeouts: int = 0     # a load the engine gave up on (the directory hung): its request is recomputed
     hits: int = 0              # requests that took a storage hit
     hit_tokens: int = 0        # tokens those hits covered beyond the memory hit
+    # CPU seconds each of the tier's threads has used (the engine thread's share, its offers and hit searches, is not
+    # in them)
+    writer_cpu_s: float = 0.0
+    loader_cpu_s: float = 0.0
+    scanner_cpu_s: float = 0.0
 
 
 class OffloadTier:
@@ -217,6 +222,7 @@ class OffloadTier:
                     continue
                 self.counters.written += result
                 self._hold(group, block_hash)
+            self.counters.writer_cpu_s = time.thread_time()
             with self._queued_lock:
                 self._queued -= rows.nbytes
                 self._queued_lock.notify_all()
@@ -245,6 +251,7 @@ class OffloadTier:
             except Exception:  # noqa: BLE001 - any failure is a miss: the request is recomputed, never served wrong
                 log.exception("kv offload: load of %s failed", load.request_id)
                 ok = False
+            self.counters.loader_cpu_s = time.thread_time()
             with self._pending_lock:
                 self._stalled = False   # back from whatever it waited for
                 if not load.abandoned:   # finished before it leaves `_inflight`: `loading` (read unlocked) sees one
@@ -259,6 +266,8 @@ class OffloadTier:
             except OSError as exc:
                 log.warning("kv offload: scan failed (%s)", exc)
                 continue
+            finally:
+                self.counters.scanner_cpu_s = time.thread_time()
             for group, (held, disk) in enumerate(zip(self._present, on_disk)):
                 for block_hash in disk - held:       # written by another node sharing the directory
                     self._hold(group, block_hash)

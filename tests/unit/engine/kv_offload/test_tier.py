@@ -31,13 +31,13 @@ def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
 
 def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     release = threading.Event()
-    real_write = OffloadStore.write
+    real_write = OffloadStore.write_many
 
     def slow_write(self, *args):
         release.wait(10)
         return real_write(self, *args)
 
-    monkeypatch.setattr(OffloadStore, "write", slow_write)
+    monkeypatch.setattr(OffloadStore, "write_many", slow_write)
     _, _, tier = make(tmp_path, queue_pages=1)
     for i in range(4):
         tier.offer(0, [(bytes([i]) * 32, i)])
@@ -47,6 +47,7 @@ def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     release.set()
     tier.close()
     assert tier.counters.written == 1 and tier.counters.dropped_queue_full == 5
+    assert tier.counters.writer_cpu_s > 0   # the writer thread's CPU, counted as it goes
 
 
 def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
