@@ -5,8 +5,8 @@ Layout: `<model folder>/journal/<writer id>.<n>.log`, each appended to by one wr
 one line per change: `+<group key hex> <block hash hex>` after a file was renamed into place, `-...` after one was
 removed. A reader keeps an offset per journal and reads what was appended since; a line still missing its newline
 waits for the next read. A writer begins a new journal after `MAX_BYTES`; a journal untouched for `KEEP_S` is
-removed by whichever store lists the whole directory next (every store has listed it since, so nothing in it is
-news to anyone).
+removed by whichever store lists the whole directory next: nothing in it is news to anyone (a running store reads
+every journal every few seconds, and a store that starts lists the whole directory first).
 
 The journals are hints, not the truth: every store still lists the whole directory now and then, and every read is
 checked. A lost, torn, forged or foreign line costs a miss or a failed load, never wrong bytes.
