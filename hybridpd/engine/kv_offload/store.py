@@ -23,7 +23,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,9 @@ class OffloadStore:
         self._journal = JournalWriter(self.model_dir / "journal")
         self._others = JournalReader(self.model_dir / "journal", self._journal.names)
         self._next_full = 0.0   # time.monotonic() from which a scan lists the whole directory
-        self.on_removed: Callable[[int, bytes], None] = lambda group, block_hash: None
+        # What this store came to hold or lost, oldest first: (True: held / False: gone, group, hash), for the tier's
+        # KV events (`take_changes`).
+        self._feed: deque[tuple[bool, int, bytes]] = deque()
 
     def path(self, group: int, block_hash: bytes) -> Path:
         return Path(self._name(group, block_hash))
@@ -134,9 +137,11 @@ class OffloadStore:
             if added and block_hash not in hashes:
                 hashes.add(block_hash)
                 self._used += self.file_bytes(group)
+                self._feed.append((True, group, block_hash))
             elif not added and block_hash in hashes:
                 hashes.discard(block_hash)
                 self._used -= self.file_bytes(group)
+                self._feed.append((False, group, block_hash))
             if self._listing_changes is not None:
                 self._listing_changes.append((added, group, block_hash))
             if journal:
@@ -149,6 +154,21 @@ class OffloadStore:
             self._journal.append(changes)
         except OSError as exc:   # the others find the changes at their next full listing
             log.warning("kv offload: journal append failed (%s)", exc)
+
+    def holds(self, group: int, block_hash: bytes) -> bool:
+        """Whether the block is on disk as far as this store knows (a set lookup: the engine's step asks it)."""
+        return block_hash in self._disk[group]
+
+    @property
+    def empty(self) -> bool:
+        return not any(self._disk)
+
+    def take_changes(self) -> list[tuple[bool, int, bytes]]:
+        """What this store came to hold or lost since the last call: (held, group, hash), oldest first."""
+        changes = []
+        while self._feed:
+            changes.append(self._feed.popleft())
+        return changes
 
     def used_bytes(self) -> int:
         """The bytes of the block files this store knows of."""
@@ -164,15 +184,14 @@ class OffloadStore:
         data = bytearray(self.file_bytes(group) + 1)   # one byte more: a longer file is not this block either
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:   # removed by hand or by a writer whose journal this store has not read yet
-            self._changed(False, group, block_hash, journal=False)
-            return None
-        except OSError:
+        except OSError:   # gone (removed by hand, or by a writer whose journal is not read yet), or unreadable
+            self._changed(False, group, block_hash, journal=False)   # not counted on again until seen again
             return None
         try:
             size = os.readv(fd, [data])
             os.utime(fd)   # the eviction order: least recently written or read
         except OSError:
+            self._changed(False, group, block_hash, journal=False)
             return None
         finally:
             os.close(fd)
@@ -180,17 +199,17 @@ class OffloadStore:
         payload = block_file.decode(data, self.model_key, self.groups[group].key, block_hash,
                                     self.groups[group].page_bytes)
         if payload is None:
-            if self._remove(Path(path)):
-                self._changed(False, group, block_hash)
-                self._flush_journal()
-                self.on_removed(group, block_hash)
+            removed = self._remove(Path(path))
+            self._changed(False, group, block_hash, journal=removed)
+            self._flush_journal()
             return None
         return payload
 
     def scan(self, full: bool | None = None) -> tuple[set[bytes], ...]:
-        """Every group's block hashes on disk as far as this store knows (copies): the others' journals read since the
-        last scan, or (`full`, and by default every `FULL_SCAN_S`) a listing of the whole directory. What a scan misses
-        is only a miss or a failed read, never wrong bytes: reads are checked."""
+        """Learn what changed on disk: the others' journals read since the last scan, or (`full`, and by default
+        every `FULL_SCAN_S`) a listing of the whole directory. Returns every group's block hashes as far as this store
+        now knows (its own sets, not copies: read them, never change them). What a scan misses is only a miss or a
+        failed read, never wrong bytes: reads are checked."""
         now = time.monotonic()
         changes = self._others.read_new()   # read before a listing, so the listing supersedes them
         if full or (full is None and now >= self._next_full):
@@ -204,8 +223,7 @@ class OffloadStore:
                     self._changed(change.added, group, change.block_hash, journal=False)
         self._evict_over_capacity()
         self._flush_journal()
-        with self._lock:
-            return tuple(set(hashes) for hashes in self._disk)
+        return self._disk
 
     def _list_all(self) -> None:
         """Every group's block files as the directory lists them now (stale temporary files and journals removed);
@@ -230,6 +248,9 @@ class OffloadStore:
             for added, group, block_hash in self._listing_changes or ():
                 (disk[group].add if added else disk[group].discard)(block_hash)
             self._listing_changes = None
+            for group, (old, new) in enumerate(zip(self._disk, disk)):
+                self._feed.extend((False, group, block_hash) for block_hash in old - new)
+                self._feed.extend((True, group, block_hash) for block_hash in new - old)
             self._disk = tuple(disk)
             self._used = sum(len(hashes) * self.file_bytes(group) for group, hashes in enumerate(disk))
 
@@ -247,7 +268,6 @@ class OffloadStore:
             if self._remove(path):
                 used -= self.file_bytes(group)   # known to this store or not: it took that much
                 self._changed(False, group, block_hash)
-                self.on_removed(group, block_hash)
 
     @staticmethod
     def _remove(path: Path) -> bool:

@@ -74,11 +74,7 @@ class OffloadTier:
         self.pages = tuple(pages)
         self._page_arrays = tuple(p.numpy() for p in self.pages)   # the same memory: a numpy row copy is cheaper
         self.counters = TierCounters()
-        self._present: tuple[set[bytes], ...] = store.scan()
-        # Changes of `_present`, for KV events: (True: now held / False: gone, group, hash), oldest first.
-        self._changes: deque[tuple[bool, int, bytes]] = deque(
-            (True, g, h) for g, hashes in enumerate(self._present) for h in hashes)
-        store.on_removed = self._forget
+        store.scan()   # the first lists the whole directory: every block on it is a change to report
         self._writes: queue.Queue = queue.Queue()
         self._queue_bytes = queue_bytes
         # Page bytes in the queue: the engine thread adds, the writer subtracts, both under the lock (a `-=` lost
@@ -100,17 +96,16 @@ class OffloadTier:
 
     # -- the engine's side (cheap, never waits for the disk) -----------------------------------------------------
     def has(self, group: int, block_hash: bytes) -> bool:
-        return not self._stalled and block_hash in self._present[group]
+        return not self._stalled and self.store.holds(group, block_hash)
 
     @property
     def empty(self) -> bool:
-        return not any(self._present)
+        return self.store.empty
 
     def offer(self, group: int, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Write `group`'s blocks (hash, block id) behind: one copy of their pages into the queue, as many as its
         byte budget takes (the rest dropped and counted); blocks storage holds already are skipped."""
-        present = self._present[group]
-        todo = [(h, b) for h, b in blocks if h not in present]
+        todo = [(h, b) for h, b in blocks if not self.store.holds(group, h)]
         page_bytes = self.pages[group].shape[1]
         with self._queued_lock:
             room = max(0, (self._queue_bytes - self._queued) // page_bytes)
@@ -152,10 +147,7 @@ class OffloadTier:
 
     def take_changes(self) -> list[tuple[bool, int, bytes]]:
         """What the tier came to hold or lost since the last call: (held, group, hash), oldest first."""
-        changes = []
-        while self._changes:
-            changes.append(self._changes.popleft())
-        return changes
+        return self.store.take_changes()
 
     def take_finished(self) -> list[tuple[str, bool]]:
         done = []
@@ -197,16 +189,6 @@ class OffloadTier:
             self.store.close()
 
     # -- threads --------------------------------------------------------------------------------------------------
-    def _forget(self, group: int, block_hash: bytes) -> None:
-        if block_hash in self._present[group]:
-            self._present[group].discard(block_hash)
-            self._changes.append((False, group, block_hash))
-
-    def _hold(self, group: int, block_hash: bytes) -> None:
-        if block_hash not in self._present[group]:
-            self._present[group].add(block_hash)
-            self._changes.append((True, group, block_hash))
-
     def _write_loop(self) -> None:
         while True:
             item = self._writes.get()
@@ -215,13 +197,12 @@ class OffloadTier:
             group, hashes, pages = item
             rows = pages.numpy()
             results = self.store.write_many(group, zip(hashes, map(memoryview, rows)))
-            for block_hash, result in zip(hashes, results):
+            for result in results:
                 if isinstance(result, OSError):
                     self.counters.dropped_write_error += 1
                     log.warning("kv offload: write dropped (%s)", result)
-                    continue
-                self.counters.written += result
-                self._hold(group, block_hash)
+                else:
+                    self.counters.written += result
             self.counters.writer_cpu_s = time.thread_time()
             with self._queued_lock:
                 self._queued -= rows.nbytes
@@ -238,8 +219,7 @@ class OffloadTier:
                     if load.abandoned:
                         break
                     payload = self.store.read(item.group, item.block_hash)
-                    if payload is None:   # gone, torn or foreign: never counted on again until rewritten
-                        self._forget(item.group, item.block_hash)
+                    if payload is None:   # gone, torn or foreign: the store counts on it no more until rewritten
                         self.counters.load_misses += 1
                         ok = False
                         break
@@ -262,14 +242,8 @@ class OffloadTier:
     def _scan_loop(self) -> None:
         while not self._stop.wait(self._rescan_s):
             try:
-                on_disk = self.store.scan()
+                self.store.scan()   # what other nodes wrote or removed becomes the store's changes
             except OSError as exc:
                 log.warning("kv offload: scan failed (%s)", exc)
-                continue
             finally:
                 self.counters.scanner_cpu_s = time.thread_time()
-            for group, (held, disk) in enumerate(zip(self._present, on_disk)):
-                for block_hash in disk - held:       # written by another node sharing the directory
-                    self._hold(group, block_hash)
-                for block_hash in held - disk:       # evicted or removed by another node
-                    self._forget(group, block_hash)

@@ -59,9 +59,8 @@ def test_write_then_read_and_a_bad_file_is_removed(tmp_path):
     assert s.read(1, h) is None                                   # the other group has no such block
     path = s.path(0, h)
     path.write_bytes(path.read_bytes()[:-3])
-    removed = []
-    s.on_removed = lambda group, block_hash: removed.append((group, block_hash))
-    assert s.read(0, h) is None and not path.exists() and removed == [(0, h)]
+    assert s.take_changes() == [(True, 0, h)]
+    assert s.read(0, h) is None and not path.exists() and s.take_changes() == [(False, 0, h)]
     assert s.scan() == (set(), set())
 
 
@@ -105,11 +104,10 @@ def test_capacity_evicts_the_least_recently_used(tmp_path):
         os.utime(s.path(0, h), (time.time() - 100 + i, time.time() - 100 + i))   # written in order, seconds apart
         hashes.append(h)
     assert s.read(0, hashes[0]) is not None   # read: now the most recently used
-    removed = []
-    s.on_removed = lambda group, block_hash: removed.append(block_hash)
+    s.take_changes()
     h, payload = block(9)
     s.write(0, h, payload)                    # over capacity: evict down to 9/10 of it
-    assert removed == [hashes[1], hashes[2]]
+    assert [block_hash for held, _, block_hash in s.take_changes() if not held] == [hashes[1], hashes[2]]
     assert s.scan()[0] == {hashes[0], hashes[3], h}
 
 
@@ -122,10 +120,10 @@ def test_eviction_passes_over_a_file_that_only_looks_like_a_block(tmp_path):
     stray = s.path(0, h).with_name("not-a-hash.kv")
     stray.write_bytes(b"x")
     os.utime(stray, (time.time() - 3600, time.time() - 3600))   # the oldest file there
-    removed = []
-    s.on_removed = lambda group, block_hash: removed.append(block_hash)
+    s.take_changes()
     for i in (2, 3):
         s.write(0, *block(i))                 # the third block: over capacity, evicted down to 9/10 of it
+    removed = [block_hash for held, _, block_hash in s.take_changes() if not held]
     assert removed == [h, block(2)[0]] and stray.exists()
 
 
@@ -182,9 +180,11 @@ def test_a_scan_reads_what_other_writers_journaled_without_listing_the_directory
     other.write(0, h1, p1)
     other.write(1, h2, p2)
     assert s.scan() == ({h1}, {h2}) and listed == []
+    assert s.take_changes() == [(True, 0, h1), (True, 1, h2)]   # what the tier reports as KV events
     other.path(0, h1).write_bytes(b"torn")
     assert other.read(0, h1) is None                      # the other writer removes the bad file, and journals it
     assert s.scan() == (set(), {h2}) and listed == []
+    assert s.take_changes() == [(False, 0, h1)]
 
 
 def test_a_change_no_journal_told_is_found_by_the_next_full_listing(tmp_path, monkeypatch):
@@ -195,7 +195,9 @@ def test_a_change_no_journal_told_is_found_by_the_next_full_listing(tmp_path, mo
     _by_hand(s, hidden)
     s.path(0, h).unlink()
     assert s.scan(full=False)[0] == {h}
+    s.take_changes()
     assert s.scan(full=True)[0] == {hidden}
+    assert s.take_changes() == [(False, 0, h), (True, 0, hidden)]
     _by_hand(s, h)
     assert s.scan()[0] == {hidden}                        # the last full listing was less than FULL_SCAN_S ago
 
