@@ -21,7 +21,7 @@ from hybridpd.engine.model.kernels.fused_mamba import MambaKernelCaches, MambaKe
 from hybridpd.engine.model.shapes import Mamba2Shape, MambaNorm
 from hybridpd.engine.model.kernels.linear import linear
 from hybridpd.engine.model.step.context import StepContext
-from hybridpd.engine.model.step.mamba_meta import MambaGroupMeta
+from hybridpd.engine.model.step.mamba_meta import MambaRows
 
 
 class Mamba2Mixer(nn.Module):
@@ -95,13 +95,13 @@ class Mamba2Mixer(nn.Module):
         to it, the result rounded back): in_proj, the convolution, state updates, read-out and gated norm, row by row
         (the states updated where they sit and saved where asked), out_proj."""
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
-        if not isinstance(meta, MambaGroupMeta):
+        if not isinstance(meta, MambaRows):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
         gate, xbc_dt = self._in_proj(x, separate_gate=x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS)
         if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32 from the projection's values
             gate, xbc_dt = gate.float(), xbc_dt.float()
-        y = mamba_rows_(gate, xbc_dt, meta.rows, self._caches_for_kernel(conv_cache, ssm_cache),
+        y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
         return linear(y.to(x.dtype), self.out_proj.weight, self.out_proj.bias)
 

@@ -12,14 +12,14 @@ from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec
 from hybridpd.engine.model.step.attention_meta import AttentionGroupMeta, DecodeLayout, attention_group_meta
 from hybridpd.engine.model.step.decode_kv import DecodeKV
 from hybridpd.engine.model.step.forward_batch import ForwardBatch
-from hybridpd.engine.model.step.mamba_meta import MambaGroupMeta, mamba_group_meta
+from hybridpd.engine.model.step.mamba_meta import MambaRows, mamba_group_meta
 
 
 @dataclass(frozen=True)
 class StepContext:
     rope_cos: torch.Tensor | None  # [T, 1, head_dim]
     rope_sin: torch.Tensor | None
-    groups: tuple[AttentionGroupMeta | MambaGroupMeta, ...]
+    groups: tuple[AttentionGroupMeta | MambaRows, ...]
     decode_kv: DecodeKV | None = None  # the buffers the groups' DecodeKVPlans refer to
 
 
@@ -43,7 +43,7 @@ def build_step_context(
 def build_group_meta(
     batch: ForwardBatch, group_id: int, group: KVCacheGroup,
     shared: dict[tuple, DecodeLayout] | None = None, decode_kv: DecodeKV | None = None,
-) -> AttentionGroupMeta | MambaGroupMeta:
+) -> AttentionGroupMeta | MambaRows:
     spec = group.spec
     if isinstance(spec, AttentionSpec):
         return attention_group_meta(batch, group_id, spec, shared, decode_kv)

@@ -29,15 +29,10 @@ class MambaRows:
     save_slots: np.ndarray
 
 
-@dataclass(frozen=True)
-class MambaGroupMeta:
-    rows: MambaRows
-
-
-def mamba_group_meta(batch: ForwardBatch, group_id: int, spec: MambaSpec) -> MambaGroupMeta:
+def mamba_group_meta(batch: ForwardBatch, group_id: int, spec: MambaSpec) -> MambaRows:
     if not all(dtype == torch.float32 for dtype in spec.dtypes):
         raise ValueError(f"Mamba states must be float32 (the compiled kernel's), not {spec.dtypes}")
-    return MambaGroupMeta(rows=_mamba_rows(batch, group_id))
+    return _mamba_rows(batch, group_id)
 
 
 def _checked_saves(s: SeqEntry, g: int) -> tuple[tuple[int, int], ...]:
