@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 from hybridpd.engine.dtype_choice import this_cpus_model
-from hybridpd.engine.kv_offload import block_file
 from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
 
 MODEL, GROUP, PAGE = b"m" * 32, b"g" * 16, 64
@@ -36,10 +35,6 @@ def full_listing(group_dir: Path) -> set[bytes]:
             if name.endswith(".kv"):
                 hashes.add(bytes.fromhex(name[:-3]))
     return hashes
-
-
-def writer_file_bytes(layout: tuple[GroupLayout, ...]) -> int:
-    return block_file.HEADER_SIZE + layout[0].page_bytes
 
 
 def main() -> int:
@@ -60,7 +55,7 @@ def main() -> int:
     timings: dict[str, list[float]] = {"scan": [], "full_listing": []}
     with tempfile.TemporaryDirectory() as tmp:
         reader = OffloadStore(Path(tmp), MODEL, layout, 1 << 40)
-        writer = OffloadStore(Path(tmp), MODEL, layout, args.files * writer_file_bytes(layout))
+        writer = OffloadStore(Path(tmp), MODEL, layout, args.files * reader.file_bytes(0))
         write(writer, args.files)
         group_dir = reader.model_dir / GROUP.hex()
         reader.scan()
