@@ -90,16 +90,20 @@ def sequential_read(paths: list[Path]) -> float:
     return time.perf_counter() - start
 
 
-def tier_load(engine: LLMEngine, root: Path, paths_by_group: list[list[Path]]) -> float:
-    """Every file through a fresh tier's loader, into scratch pages shaped like the engine's."""
+def tier_load(engine: LLMEngine, root: Path, paths: list[Path]) -> float:
+    """Every file (every page in it) through a fresh tier's loader, into scratch pages shaped like the engine's."""
     written = engine.offload.store
     store = OffloadStore(root, written.model_key, written.groups, 8 << 30)
-    pages = [torch.zeros(max(1, len(p)), layout.page_bytes, dtype=torch.int8)
-             for p, layout in zip(paths_by_group, written.groups)]
+    items, rows = [], [0] * len(written.groups)
+    for path in paths:
+        block_hash, groups = path.name.split(".")[:2]
+        for g in range(len(written.groups)):
+            if int(groups, 16) >> g & 1:
+                items.append(LoadItem(g, rows[g], bytes.fromhex(block_hash)))
+                rows[g] += 1
+    pages = [torch.zeros(max(1, n), layout.page_bytes, dtype=torch.int8) for n, layout in zip(rows, written.groups)]
     tier = OffloadTier(store, pages, rescan_s=3600)
-    items = [LoadItem(g, i, bytes.fromhex(path.stem)) for g, paths in enumerate(paths_by_group)
-             for i, path in enumerate(paths)]
-    drop_cache([p for paths in paths_by_group for p in paths])
+    drop_cache(paths)
     start = time.perf_counter()
     tier.start_load("bench", items)
     done = []
@@ -130,16 +134,14 @@ def main() -> int:
         run(writer, [prompt(100 + i, args.prompt_len) for i in range(args.prompts)], 1)
         writer.close()
         counters = writer.offload.snapshot()
-        dirs = [root / writer.offload.store.model_key.hex() / layout.key.hex() for layout in writer.offload.store.groups]
-        paths_by_group = [sorted(d.rglob("*.kv")) for d in dirs]
-        paths = [p for group in paths_by_group for p in group]
+        paths = sorted(writer.offload.store.folder.rglob("*.kv"))
         total_mb = sum(p.stat().st_size for p in paths) / 1e6
         print(f"{len(paths)} block files, {total_mb:.1f} MB", flush=True)
 
         seq_times, tier_times = [], []
         for r in range(args.rounds):
             seq_times.append(sequential_read(paths))
-            tier_times.append(tier_load(writer, root, paths_by_group))
+            tier_times.append(tier_load(writer, root, paths))
             print(f"round {r}: sequential {seq_times[-1]:.3f} s, tier {tier_times[-1]:.3f} s", flush=True)
 
         shared = prompt(7, 192)

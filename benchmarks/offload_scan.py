@@ -28,12 +28,14 @@ from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
 MODEL, GROUP, PAGE = b"m" * 32, b"g" * 16, 64
 
 
-def full_listing(group_dir: Path) -> set[bytes]:
+def full_listing(folder: Path) -> set[bytes]:
     hashes: set[bytes] = set()
-    for shard in os.scandir(group_dir):
+    for shard in os.scandir(folder):
+        if len(shard.name) != 2:   # the journals' folder
+            continue
         for name in os.listdir(shard.path):
             if name.endswith(".kv"):
-                hashes.add(bytes.fromhex(name[:-3]))
+                hashes.add(bytes.fromhex(name.split(".")[0]))
     return hashes
 
 
@@ -55,9 +57,9 @@ def main() -> int:
     timings: dict[str, list[float]] = {"scan": [], "full_listing": []}
     with tempfile.TemporaryDirectory() as tmp:
         reader = OffloadStore(Path(tmp), MODEL, layout, 1 << 40)
-        writer = OffloadStore(Path(tmp), MODEL, layout, args.files * reader.file_bytes(0))
+        writer = OffloadStore(Path(tmp), MODEL, layout, args.files * reader.file_bytes(0b1))
         write(writer, args.files)
-        group_dir = reader.model_dir / GROUP.hex()
+        folder = reader.folder
         reader.scan()
         for r in range(args.rounds):
             for way in ("scan", "full_listing") if r % 2 == 0 else ("full_listing", "scan"):
@@ -65,12 +67,12 @@ def main() -> int:
                 for _ in range(args.scans):
                     write(writer, args.changes)
                     started = time.thread_time()
-                    found = reader.scan(full=False)[0] if way == "scan" else full_listing(group_dir)
+                    found = reader.scan(full=False)[0] if way == "scan" else full_listing(folder)
                     times.append(time.thread_time() - started)
-                    if found != full_listing(group_dir):
+                    if found != full_listing(folder):
                         raise SystemExit(f"{way} missed files")
                 timings[way].append(statistics.median(times))
-        files = len(full_listing(group_dir))
+        files = len(full_listing(folder))
     scan_ms = statistics.median(timings["scan"]) * 1e3
     full_ms = statistics.median(timings["full_listing"]) * 1e3
     print(json.dumps({

@@ -335,11 +335,7 @@ class LLMEngine:
         """Offer the blocks that became hits this step to the tier's write-behind (copies; never waits)."""
         tier = self.offload
         assert tier is not None
-        by_group: dict[int, list[tuple[bytes, int]]] = {}
-        for group, block_hash, block_id in self.kv.take_new_cached():
-            by_group.setdefault(group, []).append((block_hash, block_id))
-        for group, blocks in by_group.items():
-            tier.offer(group, blocks)
+        tier.offer(self.kv.take_new_cached())
 
     @staticmethod
     def _logprob(sampled) -> TokenLogprob | None:

@@ -1,37 +1,56 @@
-"""One offloaded block as a file: a fixed header that says whose block it is, then the page's bytes.
+"""One offloaded block position as a file: a header that says whose block it is, then the pages of the groups that
+hold it (one or more: the groups whose blocks at that hash were written behind together).
 
-The header names the model (its identity digest), the group (its layout digest), the block hash and the payload's
-length and checksum; `decode` accepts a file only if every one of them matches what the reader asked for, so a torn,
-truncated, foreign or corrupted file reads as a miss, never as another block's bytes.
+The header names the model (its identity digest), the block hash, and per page the group (its layout digest), the
+payload's length and its checksum; `decode` accepts a file only if every one of them matches what the reader expects
+for the groups the file's name lists, so a torn, truncated, foreign or corrupted file reads as a miss, never as
+another block's bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 
 MAGIC = b"HPDKVBLK"
-VERSION = 1
-# magic, version, model key (32), group key (16), block hash (32), payload length, payload checksum (16)
-_HEADER = struct.Struct("<8sI32s16s32sQ16s")
-HEADER_SIZE = _HEADER.size
+VERSION = 2
+# magic, version, model key (32), block hash (32), number of pages
+_HEAD = struct.Struct("<8sI32s32sI")
+# per page: group key (16), payload length, payload checksum (16)
+_PAGE = struct.Struct("<16sQ16s")
+
+
+def header_size(num_pages: int) -> int:
+    return _HEAD.size + num_pages * _PAGE.size
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
-def encode_header(model_key: bytes, group_key: bytes, block_hash: bytes, payload: bytes | memoryview) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, model_key, group_key, block_hash, len(payload), checksum(payload))
+def encode_header(model_key: bytes, block_hash: bytes, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> bytes:
+    """The header of a file holding `pages` ((group key, payload), in the order they follow it)."""
+    return _HEAD.pack(MAGIC, VERSION, model_key, block_hash, len(pages)) + b"".join(
+        _PAGE.pack(group_key, len(payload), checksum(payload)) for group_key, payload in pages)
 
 
-def decode(data: bytes | bytearray, model_key: bytes, group_key: bytes, block_hash: bytes, payload_size: int) -> memoryview | None:
-    """The payload of `data` if it is exactly the block asked for, whole and intact; else None."""
-    if len(data) != HEADER_SIZE + payload_size:
+def decode(data: bytes | bytearray, model_key: bytes, block_hash: bytes,
+           layouts: Sequence[tuple[bytes, int]]) -> list[memoryview] | None:
+    """The payloads of `data`, one per (group key, page bytes) of `layouts` in that order, if it is exactly that block
+    of those groups, whole and intact; else None."""
+    size = header_size(len(layouts))
+    if len(data) != size + sum(page_bytes for _, page_bytes in layouts):
         return None
-    magic, version, model, group, stored_hash, length, digest = _HEADER.unpack_from(data)
-    if (magic, version, model, group, stored_hash, length) != (MAGIC, VERSION, model_key, group_key, block_hash,
-                                                               payload_size):
+    magic, version, model, stored_hash, num_pages = _HEAD.unpack_from(data)
+    if (magic, version, model, stored_hash, num_pages) != (MAGIC, VERSION, model_key, block_hash, len(layouts)):
         return None
-    payload = memoryview(data)[HEADER_SIZE:]
-    return payload if checksum(payload) == digest else None
+    view, offset, payloads = memoryview(data), size, []
+    for i, (group_key, page_bytes) in enumerate(layouts):
+        key, length, digest = _PAGE.unpack_from(data, _HEAD.size + i * _PAGE.size)
+        payload = view[offset: offset + page_bytes]
+        if key != group_key or length != page_bytes or checksum(payload) != digest:
+            return None
+        payloads.append(payload)
+        offset += page_bytes
+    return payloads

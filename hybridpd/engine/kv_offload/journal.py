@@ -1,12 +1,13 @@
 """Each writer's journal of the block files it added and removed, so that nodes sharing an offload directory learn
 of each other's writes by reading what changed instead of listing every file.
 
-Layout: `<model folder>/journal/<writer id>.<n>.log`, each appended to by one writer only (a store: one process),
-one line per change: `+<group key hex> <block hash hex>` after a file was renamed into place, `-...` after one was
-removed. A reader keeps an offset per journal and reads what was appended since; a line still missing its newline
-waits for the next read. A writer begins a new journal after `MAX_BYTES`; a journal untouched for `KEEP_S` is
-removed by whichever store lists the whole directory next: nothing in it is news to anyone (a running store reads
-every journal every few seconds, and a store that starts lists the whole directory first).
+Layout: `<store folder>/journal/<writer id>.<n>.log`, each appended to by one writer only (a store: one process),
+one line per change: `+<groups hex> <block hash hex>` after a file was renamed into place, `-...` after one was
+removed (the groups: the bit mask of the groups whose pages the file holds, as its name says). A reader keeps an
+offset per journal and reads what was appended since; a line still missing its newline waits for the next read. A
+writer begins a new journal after `MAX_BYTES`; a journal untouched for `KEEP_S` is removed by whichever store lists
+the whole directory next: nothing in it is news to anyone (a running store reads every journal every few seconds,
+and a store that starts lists the whole directory first).
 
 The journals are hints, not the truth: every store still lists the whole directory now and then, and every read is
 checked. A lost, torn, forged or foreign line costs a miss or a failed load, never wrong bytes.
@@ -27,28 +28,31 @@ MAX_BYTES = 4 << 20     # a journal's size before its writer begins the next (~4
 KEEP_S = 600.0          # a journal untouched this long is removed at a full listing ...
 IDLE_S = KEEP_S / 2     # ... so a writer idle this long begins a new one rather than append to one maybe gone
 SUFFIX = ".log"
+HEX_DIGITS = b"0123456789abcdef"
 
 
 @dataclass(frozen=True)
 class Change:
     added: bool           # True: the file was written; False: removed
-    group_key: bytes
+    groups: int           # the file's groups, a bit per group of the store's layout
     block_hash: bytes
 
     def line(self) -> bytes:
-        return f"{'+' if self.added else '-'}{self.group_key.hex()} {self.block_hash.hex()}\n".encode()
+        return f"{'+' if self.added else '-'}{self.groups:x} {self.block_hash.hex()}\n".encode()
 
 
 def parse(line: bytes) -> Change | None:
     """The change a line records, or None for anything else (a reader skips it)."""
     if len(line) < 4 or line[:1] not in (b"+", b"-"):
         return None
-    key, _, block_hash = line[1:].partition(b" ")
+    groups, _, block_hash = line[1:].partition(b" ")
+    if not groups or groups.strip(HEX_DIGITS):   # int() would take signs, spaces and 0x too
+        return None
     try:
-        change = Change(line[:1] == b"+", bytes.fromhex(key.decode()), bytes.fromhex(block_hash.decode()))
+        change = Change(line[:1] == b"+", int(groups, 16), bytes.fromhex(block_hash.decode()))
     except ValueError:
         return None
-    return change if change.group_key and change.block_hash else None
+    return change if change.groups > 0 and change.block_hash else None
 
 
 class JournalWriter:

@@ -1,16 +1,21 @@
-"""The offload directory: one file per (model, group, block hash), written atomically, read back checked, kept
-under a capacity by evicting the least recently used files.
+"""The offload directory: one file per block hash holding the pages of the groups written behind together (usually
+every group that caches a block there), written atomically, read back checked, kept under a capacity by evicting
+the least recently used files.
 
-Layout: `ROOT/<model key>/<group key>/<hash[:2]>/<hash>.kv` (hex). A write goes to a temporary file in the same
-folder and is renamed into place, so a reader sees a whole file or none, and a writer killed mid-write leaves only a
-temporary file (removed by the next full listing that finds it older than a minute). A read that finds a file it
+Layout: `ROOT/<model key>/<layout key>/<hash[:2]>/<hash>.<groups>.kv` (hex; the layout key covers every group's key,
+`groups` is the bit mask of the groups whose pages the file holds, in group order). A hash may have several files
+(another writer, or a later offer, wrote other groups' pages of it); a group's page is read from whichever holds it.
+One file for all the groups of a block position, not one per group: a file's create, write and rename cost more
+than its bytes do at these page sizes. A write goes to a temporary file in the same folder and is renamed into
+place, so a reader sees a whole file or none, and a writer killed mid-write leaves only a temporary file (removed by
+the next full listing that finds it older than a minute). A read that finds a file it
 cannot use (block_file.decode says no) removes it and reports a miss. Reading a file refreshes its modification
 time: the eviction order is least recently written or read.
 
 Several nodes may share one directory (NFS, a ReadWriteMany volume): names are content addresses, so two writers
 of one block write equal bytes and the last rename wins. Each store journals what it writes and removes
-(journal.py, `ROOT/<model key>/journal/`), and a scan reads what the others journaled since the last one: what
-changed, not every file. At least every `FULL_SCAN_S` (less often when a listing would take more than
+(journal.py, `ROOT/<model key>/<layout key>/journal/`), and a scan reads what the others journaled since the last
+one: what changed, not every file. At least every `FULL_SCAN_S` (less often when a listing would take more than
 `FULL_SCAN_CPU_SHARE` of a core) a scan lists the whole directory instead, which finds what no journal told (files
 copied in or removed by hand, a writer that died between its rename and its journal line). Each store enforces the
 capacity over what it knows (its last listing, the journals since, its own writes), so the directory can exceed it
@@ -19,12 +24,13 @@ by what the others wrote since this store's last scan.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,71 +58,108 @@ class OffloadStore:
         self.groups = groups
         self.capacity = capacity_bytes
         self.model_dir = Path(root) / model_key.hex()
-        self._group_dirs = tuple(self.model_dir / g.key.hex() for g in groups)
-        for d in self._group_dirs:
-            d.mkdir(parents=True, exist_ok=True)
-        self._dir_names = tuple(str(d) for d in self._group_dirs)   # plain strings: the hot paths join them
-        self._shards: set[str] = set()                              # shard folders known to exist
-        self._lock = threading.Lock()   # guards `_disk`, `_used`, `_listing_changes` and `_unjournaled`
-        # Each group's block hashes on disk as far as this store knows: its last listing, the others' journals since
-        # and its own changes.
-        self._disk: tuple[set[bytes], ...] = tuple(set() for _ in groups)
-        self._used = 0   # the bytes of the files in `_disk`
-        self._listing_changes: list[tuple[bool, int, bytes]] | None = None   # own changes while a listing runs
+        self.folder = self.model_dir / layout_key(groups).hex()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._folder = str(self.folder)   # a plain string: the hot paths join it
+        self._all_groups = (1 << len(groups)) - 1
+        self._file_bytes: dict[int, int] = {}   # by the bit mask of a file's groups
+        self._shards: set[str] = set()          # shard folders known to exist
+        self._lock = threading.Lock()   # guards `_files`, `_held`, `_used`, `_listing_changes` and `_unjournaled`
+        # The block files on disk as far as this store knows (its last listing, the others' journals since and its
+        # own changes): each hash's files, by the bit mask of their groups; and per group the hashes some file holds.
+        self._files: dict[bytes, set[int]] = {}
+        self._held: tuple[set[bytes], ...] = tuple(set() for _ in groups)
+        self._used = 0   # the bytes of the files in `_files`
+        self._listing_changes: list[tuple[bool, bytes, int]] | None = None   # own changes while a listing runs
         self._unjournaled: list[Change] = []   # own changes for the journal, appended a batch at a time
-        self._keys = {g.key: index for index, g in enumerate(groups)}
-        self._journal = JournalWriter(self.model_dir / "journal")
-        self._others = JournalReader(self.model_dir / "journal", self._journal.names)
+        self._journal = JournalWriter(self.folder / "journal")
+        self._others = JournalReader(self.folder / "journal", self._journal.names)
         self._next_full = 0.0   # time.monotonic() from which a scan lists the whole directory
         # What this store came to hold or lost, oldest first: (True: held / False: gone, group, hash), for the tier's
         # KV events (`take_changes`).
         self._feed: deque[tuple[bool, int, bytes]] = deque()
 
     def path(self, group: int, block_hash: bytes) -> Path:
-        return Path(self._name(group, block_hash))
+        """The file that holds `group`'s page of the block as far as this store knows, else the one that would hold
+        that page alone."""
+        for groups in tuple(self._files.get(block_hash, ())):
+            if groups >> group & 1:
+                return Path(self._name(block_hash, groups))
+        return Path(self._name(block_hash, 1 << group))
 
-    def _name(self, group: int, block_hash: bytes) -> str:
+    def _name(self, block_hash: bytes, groups: int) -> str:
         name = block_hash.hex()
-        return f"{self._dir_names[group]}/{name[:2]}/{name}.kv"
+        return f"{self._folder}/{name[:2]}/{name}.{groups:x}.kv"
 
-    def file_bytes(self, group: int) -> int:
-        return block_file.HEADER_SIZE + self.groups[group].page_bytes
+    def _parse(self, name: str) -> tuple[bytes, int] | None:
+        """(block hash, groups) of a block file's name; None for any other name."""
+        if not name.endswith(".kv"):
+            return None
+        hash_hex, _, groups_hex = name[:-3].partition(".")
+        try:
+            block_hash, groups = bytes.fromhex(hash_hex), int(groups_hex, 16)
+        except ValueError:
+            return None
+        if not block_hash or not 0 < groups <= self._all_groups or groups_hex != f"{groups:x}":
+            return None
+        return block_hash, groups
+
+    def file_bytes(self, groups: int) -> int:
+        """The size of a block file holding the pages of `groups` (a bit mask)."""
+        size = self._file_bytes.get(groups)
+        if size is None:
+            members = _members(groups)
+            size = self._file_bytes[groups] = (block_file.header_size(len(members))
+                                               + sum(self.groups[g].page_bytes for g in members))
+        return size
 
     def write(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
-        """Write one block (False if it is there already). OSError (a full disk, a read-only volume) propagates."""
-        (result,) = self.write_many(group, ((block_hash, payload),))
+        """Write one group's page of a block (False if it is there already). OSError (a full disk, a read-only
+        volume) propagates."""
+        (result,) = self.write_many(((block_hash, ((group, payload),)),))
         if isinstance(result, OSError):
             raise result
         return result
 
-    def write_many(self, group: int, blocks: Iterable[tuple[bytes, memoryview]]) -> list[bool | OSError]:
-        """Write a group's blocks (hash, payload), one file each: per block True (written), False (there already) or
-        the OSError that kept it out; then one journal append and one capacity check for them all."""
+    def write_many(self, blocks: Iterable[tuple[bytes, Sequence[tuple[int, memoryview]]]]) -> list[bool | OSError]:
+        """Write blocks (hash, its pages: (group, payload) each), one file each: per block True (written), False
+        (there already) or the OSError that kept it out; then one journal append and one capacity check for them
+        all."""
         results: list[bool | OSError] = []
-        for block_hash, payload in blocks:
+        for block_hash, pages in blocks:
             try:
-                results.append(self._write_file(group, block_hash, payload))
+                results.append(self._write_file(block_hash, pages))
             except OSError as exc:
                 results.append(exc)
         self._evict_over_capacity()
         self._flush_journal()
         return results
 
-    def _write_file(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
-        path = self._name(group, block_hash)
+    def _write_file(self, block_hash: bytes, pages: Sequence[tuple[int, memoryview]]) -> bool:
+        pages = sorted(((g, payload) for g, payload in pages if not self.holds(g, block_hash)),
+                       key=lambda page: page[0])
+        if not pages:   # a file holds every one of them already
+            return False
+        groups = 0
+        for group, payload in pages:
+            if groups >> group & 1 or payload.nbytes != self.groups[group].page_bytes:
+                raise ValueError(f"group {group}'s page given twice, or not of {self.groups[group].page_bytes} bytes")
+            groups |= 1 << group
+        path = self._name(block_hash, groups)
         if os.path.exists(path):   # another writer's: it journaled it
-            self._changed(True, group, block_hash, journal=False)
+            self._changed(True, block_hash, groups, journal=False)
             return False
         shard = path[: path.rindex("/")]
         if shard not in self._shards:
             os.makedirs(shard, exist_ok=True)
             self._shards.add(shard)
         temp = f"{shard}/.{block_hash.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per writer thread
-        header = block_file.encode_header(self.model_key, self.groups[group].key, block_hash, payload)
+        header = block_file.encode_header(self.model_key, block_hash,
+                                          [(self.groups[group].key, payload) for group, payload in pages])
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.writev(fd, [header, payload])
+                os.writev(fd, [header, *(payload for _, payload in pages)])
             finally:
                 os.close(fd)
             os.replace(temp, path)
@@ -126,26 +169,36 @@ class OffloadStore:
             except OSError:
                 pass
             raise
-        self._changed(True, group, block_hash)
+        self._changed(True, block_hash, groups)
         return True
 
-    def _changed(self, added: bool, group: int, block_hash: bytes, journal: bool = True) -> None:
+    def _changed(self, added: bool, block_hash: bytes, groups: int, journal: bool = True) -> None:
         """A block file is there or gone: what this store knows, and (`journal`: it wrote or removed the file itself)
         a line for its journal, appended at `_flush_journal`."""
         with self._lock:
-            hashes = self._disk[group]
-            if added and block_hash not in hashes:
-                hashes.add(block_hash)
-                self._used += self.file_bytes(group)
-                self._feed.append((True, group, block_hash))
-            elif not added and block_hash in hashes:
-                hashes.discard(block_hash)
-                self._used -= self.file_bytes(group)
-                self._feed.append((False, group, block_hash))
+            files = self._files.get(block_hash)
+            if added and (files is None or groups not in files):
+                files = self._files.setdefault(block_hash, set())
+                before = _union(files)
+                files.add(groups)
+                self._used += self.file_bytes(groups)
+                self._report(True, block_hash, groups & ~before)
+            elif not added and files is not None and groups in files:
+                files.discard(groups)
+                self._used -= self.file_bytes(groups)
+                self._report(False, block_hash, groups & ~_union(files))
+                if not files:
+                    del self._files[block_hash]
             if self._listing_changes is not None:
-                self._listing_changes.append((added, group, block_hash))
+                self._listing_changes.append((added, block_hash, groups))
             if journal:
-                self._unjournaled.append(Change(added, self.groups[group].key, block_hash))
+                self._unjournaled.append(Change(added, groups, block_hash))
+
+    def _report(self, held: bool, block_hash: bytes, groups: int) -> None:
+        """The groups of `groups` came to hold the block, or lost it (under the lock)."""
+        for group in _members(groups):
+            (self._held[group].add if held else self._held[group].discard)(block_hash)
+            self._feed.append((held, group, block_hash))
 
     def _flush_journal(self) -> None:
         with self._lock:
@@ -156,12 +209,13 @@ class OffloadStore:
             log.warning("kv offload: journal append failed (%s)", exc)
 
     def holds(self, group: int, block_hash: bytes) -> bool:
-        """Whether the block is on disk as far as this store knows (a set lookup: the engine's step asks it)."""
-        return block_hash in self._disk[group]
+        """Whether a file holds the group's page of the block as far as this store knows (a set lookup: the engine's
+        step asks it)."""
+        return block_hash in self._held[group]
 
     @property
     def empty(self) -> bool:
-        return not any(self._disk)
+        return not self._files
 
     def take_changes(self) -> list[tuple[bool, int, bytes]]:
         """What this store came to hold or lost since the last call: (held, group, hash), oldest first."""
@@ -179,31 +233,54 @@ class OffloadStore:
         self._journal.close()
 
     def read(self, group: int, block_hash: bytes) -> memoryview | None:
-        """The block's payload, or None if there is no usable file (a bad one is removed)."""
-        path = self._name(group, block_hash)
-        data = bytearray(self.file_bytes(group) + 1)   # one byte more: a longer file is not this block either
+        """One group's page of the block, or None if there is no usable file for it (a bad one is removed)."""
+        pages = self.read_many(block_hash, (group,))
+        return None if pages is None else pages[group]
+
+    def read_many(self, block_hash: bytes, groups: Iterable[int]) -> dict[int, memoryview] | None:
+        """The pages of `groups` of the block, by group, read from the files this store knows hold them (the fewest
+        that cover them); None if one is missing, gone or bad (a bad file is removed)."""
+        want = sum({1 << group for group in groups})
+        with self._lock:
+            files = sorted(self._files.get(block_hash, ()), key=lambda groups: -groups.bit_count())
+        pages: dict[int, memoryview] = {}
+        for file_groups in files:
+            if not want & file_groups:
+                continue
+            payloads = self._read_file(block_hash, file_groups)
+            if payloads is None:
+                return None
+            pages.update((group, payload) for group, payload in zip(_members(file_groups), payloads)
+                         if want >> group & 1)
+            want &= ~file_groups
+            if not want:
+                return pages
+        return None
+
+    def _read_file(self, block_hash: bytes, groups: int) -> list[memoryview] | None:
+        path = self._name(block_hash, groups)
+        data = bytearray(self.file_bytes(groups) + 1)   # one byte more: a longer file is not this block either
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:   # gone (removed by hand, or by a writer whose journal is not read yet), or unreadable
-            self._changed(False, group, block_hash, journal=False)   # not counted on again until seen again
+            self._changed(False, block_hash, groups, journal=False)   # not counted on again until seen again
             return None
         try:
             size = os.readv(fd, [data])
             os.utime(fd)   # the eviction order: least recently written or read
         except OSError:
-            self._changed(False, group, block_hash, journal=False)
+            self._changed(False, block_hash, groups, journal=False)
             return None
         finally:
             os.close(fd)
         del data[size:]
-        payload = block_file.decode(data, self.model_key, self.groups[group].key, block_hash,
-                                    self.groups[group].page_bytes)
-        if payload is None:
+        payloads = block_file.decode(data, self.model_key, block_hash,
+                                     [(self.groups[g].key, self.groups[g].page_bytes) for g in _members(groups)])
+        if payloads is None:
             removed = self._remove(Path(path))
-            self._changed(False, group, block_hash, journal=removed)
+            self._changed(False, block_hash, groups, journal=removed)
             self._flush_journal()
-            return None
-        return payload
+        return payloads
 
     def scan(self, full: bool | None = None) -> tuple[set[bytes], ...]:
         """Learn what changed on disk: the others' journals read since the last scan, or (`full`, and by default
@@ -219,55 +296,60 @@ class OffloadStore:
             self._next_full = time.monotonic() + max(FULL_SCAN_S, cost / FULL_SCAN_CPU_SHARE)
         else:
             for change in changes:
-                if (group := self._keys.get(change.group_key)) is not None:
-                    self._changed(change.added, group, change.block_hash, journal=False)
+                if change.groups <= self._all_groups:
+                    self._changed(change.added, change.block_hash, change.groups, journal=False)
         self._evict_over_capacity()
         self._flush_journal()
-        return self._disk
+        return self._held
 
     def _list_all(self) -> None:
-        """Every group's block files as the directory lists them now (stale temporary files and journals removed);
-        the changes this store made or met during the listing are applied after it."""
+        """Every block file as the directory lists them now (stale temporary files and journals removed); the
+        changes this store made or met during the listing are applied after it."""
         with self._lock:
             self._listing_changes = []
         now = time.time()
-        disk: list[set[bytes]] = []
-        for d in self._group_dirs:
-            hashes: set[bytes] = set()
-            for shard in _shards(d):
-                for name in _names(shard.path):
-                    if name.endswith(".tmp"):
-                        path = f"{shard.path}/{name}"
-                        if now - _mtime(path) > STALE_TEMP_S:
-                            self._remove(Path(path))
-                    elif (block_hash := _block_hash(name)) is not None:
-                        hashes.add(block_hash)
-            disk.append(hashes)
+        files: dict[bytes, set[int]] = {}
+        for shard in _shards(self.folder):
+            for name in _names(shard.path):
+                if name.endswith(".tmp"):
+                    path = f"{shard.path}/{name}"
+                    if now - _mtime(path) > STALE_TEMP_S:
+                        self._remove(Path(path))
+                elif (parsed := self._parse(name)) is not None:
+                    files.setdefault(parsed[0], set()).add(parsed[1])
         self._others.remove_stale(now)
         with self._lock:
-            for added, group, block_hash in self._listing_changes or ():
-                (disk[group].add if added else disk[group].discard)(block_hash)
+            for added, block_hash, groups in self._listing_changes or ():
+                if added:
+                    files.setdefault(block_hash, set()).add(groups)
+                elif groups in files.get(block_hash, ()):
+                    files[block_hash].discard(groups)
+                    if not files[block_hash]:
+                        del files[block_hash]
             self._listing_changes = None
-            for group, (old, new) in enumerate(zip(self._disk, disk)):
+            held: tuple[set[bytes], ...] = tuple(set() for _ in self.groups)
+            for block_hash, masks in files.items():
+                for group in _members(_union(masks)):
+                    held[group].add(block_hash)
+            for group, (old, new) in enumerate(zip(self._held, held)):
                 self._feed.extend((False, group, block_hash) for block_hash in old - new)
                 self._feed.extend((True, group, block_hash) for block_hash in new - old)
-            self._disk = tuple(disk)
-            self._used = sum(len(hashes) * self.file_bytes(group) for group, hashes in enumerate(disk))
+            self._files, self._held = files, held
+            self._used = sum(self.file_bytes(groups) for masks in files.values() for groups in masks)
 
     def _evict_over_capacity(self) -> None:
         used = self.used_bytes()
         if used <= self.capacity:
             return
-        files = sorted(((_mtime(e), group, Path(e.path), block_hash) for group, d in enumerate(self._group_dirs)
-                        for e in _files(d) if (block_hash := _block_hash(e.name)) is not None),
-                       key=lambda item: item[0])
+        files = sorted(((_mtime(e), e.path, parsed) for e in _files(self.folder)
+                        if (parsed := self._parse(e.name)) is not None), key=lambda item: item[0])
         target = self.capacity * 9 // 10  # evict a tenth at a time, not a file per write
-        for _, group, path, block_hash in files:
+        for _, path, (block_hash, groups) in files:
             if used <= target:
                 return
-            if self._remove(path):
-                used -= self.file_bytes(group)   # known to this store or not: it took that much
-                self._changed(False, group, block_hash)
+            if self._remove(Path(path)):
+                used -= self.file_bytes(groups)   # known to this store or not: it took that much
+                self._changed(False, block_hash, groups)
 
     @staticmethod
     def _remove(path: Path) -> bool:
@@ -278,9 +360,27 @@ class OffloadStore:
             return False
 
 
-def _shards(group_dir: Path) -> list[os.DirEntry]:
+def layout_key(groups: Sequence[GroupLayout]) -> bytes:
+    """The digest of every group's key, in order: the bits of a file's groups mean the same to every store of it."""
+    return hashlib.blake2b(b"".join(g.key for g in groups), digest_size=16).digest()
+
+
+def _members(groups: int) -> list[int]:
+    """The group indices of a bit mask, ascending."""
+    return [g for g in range(groups.bit_length()) if groups >> g & 1]
+
+
+def _union(masks: Iterable[int]) -> int:
+    union = 0
+    for groups in masks:
+        union |= groups
+    return union
+
+
+def _shards(folder: Path) -> list[os.DirEntry]:
+    """The shard folders (two hex digits each; not the journals')."""
     try:
-        return [entry for entry in os.scandir(group_dir) if entry.is_dir()]
+        return [entry for entry in os.scandir(folder) if len(entry.name) == 2 and entry.is_dir()]
     except OSError:
         return []
 
@@ -292,16 +392,6 @@ def _names(shard: str) -> list[str]:
         return []
 
 
-def _block_hash(name: str) -> bytes | None:
-    """The block hash a file name stands for (None: not a block file)."""
-    if not name.endswith(".kv"):
-        return None
-    try:
-        return bytes.fromhex(name[:-3])
-    except ValueError:
-        return None
-
-
 def _entries(shard: str) -> list[os.DirEntry]:
     try:
         return list(os.scandir(shard))
@@ -309,8 +399,8 @@ def _entries(shard: str) -> list[os.DirEntry]:
         return []
 
 
-def _files(group_dir: Path) -> Iterator[os.DirEntry]:
-    for shard in _shards(group_dir):
+def _files(folder: Path) -> Iterator[os.DirEntry]:
+    for shard in _shards(folder):
         yield from _entries(shard.path)
 
 

@@ -2,9 +2,10 @@
 and the loads of storage hits. Nothing here runs on the engine's step: the step asks `has` (a set lookup), offers
 pages (`offer`: a copy into a bounded queue, or a counted drop) and collects finished loads (`take_finished`).
 
-Threads: a writer (the queue into files), a loader (files into the blocks a request was given), and a scanner that
-asks the store every `rescan_s` what changed (the other nodes' journals; now and then a listing of the whole
-directory: store.py), so blocks other nodes wrote become hits here too.
+Threads: a writer (the queue into files: one per block hash, with the pages of every group offered for it), a loader
+(files into the blocks a request was given), and a scanner that asks the store every `rescan_s` what changed (the
+other nodes' journals; now and then a listing of the whole directory: store.py), so blocks other nodes wrote become
+hits here too.
 
 A directory that hangs (an NFS server gone) must not hang the requests that read from it: the engine gives up on a
 load older than its timeout (`abandon_overdue`). From then on the loader copies nothing more into that request's
@@ -102,22 +103,35 @@ class OffloadTier:
     def empty(self) -> bool:
         return self.store.empty
 
-    def offer(self, group: int, blocks: Sequence[tuple[bytes, int]]) -> None:
-        """Write `group`'s blocks (hash, block id) behind: one copy of their pages into the queue, as many as its
-        byte budget takes (the rest dropped and counted); blocks storage holds already are skipped."""
-        todo = [(h, b) for h, b in blocks if not self.store.holds(group, h)]
-        page_bytes = self.pages[group].shape[1]
+    def offer(self, blocks: Sequence[tuple[int, bytes, int]]) -> None:
+        """Write blocks (group, hash, block id) behind: one copy of their pages into the queue, as many as its byte
+        budget takes (the rest dropped and counted); pages storage holds already are skipped. The pages of one hash
+        go to one file."""
+        todo = [(g, h, b) for g, h, b in blocks if not self.store.holds(g, h)]
         with self._queued_lock:
-            room = max(0, (self._queue_bytes - self._queued) // page_bytes)
-        if len(todo) > room:
-            self.counters.dropped_queue_full += len(todo) - room
-            todo = todo[:room]
+            room = max(0, self._queue_bytes - self._queued)
+        taken, size = 0, 0
+        for group, _, _ in todo:
+            if size + self.pages[group].shape[1] > room:
+                break
+            size += self.pages[group].shape[1]
+            taken += 1
+        self.counters.dropped_queue_full += len(todo) - taken
+        todo = todo[:taken]
         if not todo:
             return
-        ids = torch.tensor([b for _, b in todo], dtype=torch.int64)
+        rows: dict[int, list[int]] = {}   # per group: its block ids, in offer order
+        for group, _, block_id in todo:
+            rows.setdefault(group, []).append(block_id)
+        copies = {g: self.pages[g].index_select(0, torch.tensor(ids, dtype=torch.int64)) for g, ids in rows.items()}
+        seen = {g: 0 for g in rows}
+        by_hash: dict[bytes, list[tuple[int, torch.Tensor]]] = {}
+        for group, block_hash, _ in todo:
+            by_hash.setdefault(block_hash, []).append((group, copies[group][seen[group]]))
+            seen[group] += 1
         with self._queued_lock:
-            self._queued += len(todo) * page_bytes
-        self._writes.put((group, [h for h, _ in todo], self.pages[group].index_select(0, ids)))
+            self._queued += size
+        self._writes.put((list(by_hash.items()), size))
 
     def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
         """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
@@ -194,18 +208,18 @@ class OffloadTier:
             item = self._writes.get()
             if item is None:
                 return
-            group, hashes, pages = item
-            rows = pages.numpy()
-            results = self.store.write_many(group, zip(hashes, map(memoryview, rows)))
-            for result in results:
+            blocks, size = item
+            results = self.store.write_many((block_hash, [(group, memoryview(page.numpy())) for group, page in pages])
+                                            for block_hash, pages in blocks)
+            for (_, pages), result in zip(blocks, results):
                 if isinstance(result, OSError):
-                    self.counters.dropped_write_error += 1
+                    self.counters.dropped_write_error += len(pages)
                     log.warning("kv offload: write dropped (%s)", result)
-                else:
-                    self.counters.written += result
+                elif result:
+                    self.counters.written += len(pages)
             self.counters.writer_cpu_s = time.thread_time()
             with self._queued_lock:
-                self._queued -= rows.nbytes
+                self._queued -= size
                 self._queued_lock.notify_all()
 
     def _load_loop(self) -> None:
@@ -215,19 +229,24 @@ class OffloadTier:
                 return
             ok = True
             try:
+                by_hash: dict[bytes, list[LoadItem]] = {}   # a file holds every group's page of its hash
                 for item in load.items:
+                    by_hash.setdefault(item.block_hash, []).append(item)
+                for block_hash, items in by_hash.items():
                     if load.abandoned:
                         break
-                    payload = self.store.read(item.group, item.block_hash)
-                    if payload is None:   # gone, torn or foreign: the store counts on it no more until rewritten
+                    pages = self.store.read_many(block_hash, [item.group for item in items])
+                    if pages is None:   # gone, torn or foreign: the store counts on it no more until rewritten
                         self.counters.load_misses += 1
                         ok = False
                         break
                     with self._pending_lock:
                         if load.abandoned:   # its blocks may be another request's by now
                             break
-                        self._page_arrays[item.group][item.block_id] = np.frombuffer(payload, dtype=np.int8)
-                    self.counters.loaded_blocks += 1
+                        for item in items:
+                            self._page_arrays[item.group][item.block_id] = np.frombuffer(pages[item.group],
+                                                                                         dtype=np.int8)
+                    self.counters.loaded_blocks += len(items)
             except Exception:  # noqa: BLE001 - any failure is a miss: the request is recomputed, never served wrong
                 log.exception("kv offload: load of %s failed", load.request_id)
                 ok = False

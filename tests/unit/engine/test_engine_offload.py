@@ -51,6 +51,15 @@ def reference(tiny_dir):
     return computed["c"], rows, cached["c"]
 
 
+def on_disk(root: Path, pattern: str = "*.kv") -> set[tuple[int, bytes]]:
+    """(group, block hash) of every page the block files under `root` hold, parsed from their names."""
+    held = set()
+    for path in root.rglob(pattern):
+        block_hash, groups = path.name.split(".")[:2]
+        held.update((g, bytes.fromhex(block_hash)) for g in range(8) if int(groups, 16) >> g & 1)
+    return held
+
+
 def written_dir(tiny_dir: Path, root: Path) -> Path:
     first = engine(tiny_dir, root)
     drive(first, FIRST)
@@ -121,7 +130,7 @@ def test_bad_files_are_misses_and_the_prompt_is_computed(tiny_dir, tmp_path, ref
 def test_a_full_disk_drops_writes_and_serving_goes_on(tiny_dir, tmp_path, reference, monkeypatch):
     tokens, _, _ = reference
 
-    def disk_full(self, group, block_hash, payload):
+    def disk_full(self, block_hash, pages):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(OffloadStore, "_write_file", disk_full)   # every block file's write
@@ -137,9 +146,10 @@ def test_a_full_disk_drops_writes_and_serving_goes_on(tiny_dir, tmp_path, refere
 def test_files_carry_their_checksummed_header(tiny_dir, tmp_path):
     root = written_dir(tiny_dir, tmp_path)
     path = next(root.rglob("*.kv"))
-    header = path.read_bytes()[: block_file.HEADER_SIZE]
+    block_hash, groups = path.name.split(".")[:2]
+    header = path.read_bytes()[: block_file.header_size(int(groups, 16).bit_count())]
     assert header.startswith(block_file.MAGIC)
-    assert bytes.fromhex(path.stem) in header   # the block hash the name says
+    assert bytes.fromhex(block_hash) in header   # the block hash the name says
 
 
 def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir, tmp_path):
@@ -157,8 +167,7 @@ def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir,
     assert stored and all(e.medium is Medium.STORAGE and e.token_ids == () for e in stored)
     announced = {(e.group_idx, h) for e in stored for h in e.block_hashes}
     assert len(stored) < len(announced)   # runs of one group's writes go out as one event
-    groups = [layout.key.hex() for layout in writer.offload.store.groups]
-    assert announced == {(groups.index(p.parent.parent.name), bytes.fromhex(p.stem)) for p in tmp_path.rglob("*.kv")}
+    assert announced == on_disk(tmp_path)
     assert all(e.medium is Medium.MEMORY for e in writer.kv.take_events())   # the memory pool's own, as before
     on_wire = to_wire(stored[0], [GroupInfo.of(i, g) for i, g in enumerate(writer.groups)])
     assert on_wire.medium == "DISK" and on_wire.group_idx == stored[0].group_idx
@@ -167,11 +176,12 @@ def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir,
     assert {(e.group_idx, h) for e in restarted.storage_events() for h in e.block_hashes} == announced
     path = next(tmp_path.rglob("*.kv"))
     path.write_bytes(b"torn")
-    group = [layout.key.hex() for layout in restarted.offload.store.groups].index(path.parent.parent.name)
-    assert restarted.offload.store.read(group, bytes.fromhex(path.stem)) is None   # a bad file read: removed
+    ((group, block_hash), *others) = sorted(on_disk(path.parent, path.name))
+    assert restarted.offload.store.read(group, block_hash) is None   # a bad file read: removed, with every group in it
     removed = restarted.storage_events()
     assert [(type(e), e.medium, e.block_hashes) for e in removed] == [
-        (BlockRemoved, Medium.STORAGE, (bytes.fromhex(path.stem),))]
+        (BlockRemoved, Medium.STORAGE, (block_hash,)) for _ in (group, *others)]
+    assert {e.group_idx for e in removed} == {group, *(g for g, _ in others)}
     restarted.close()
 
 
@@ -179,13 +189,13 @@ def test_a_read_that_hangs_is_given_up_and_the_prompt_computed(tiny_dir, tmp_pat
     tokens, _, _ = reference
     root = written_dir(tiny_dir, tmp_path)
     release = threading.Event()
-    real_read = OffloadStore.read
+    real_read = OffloadStore.read_many
 
-    def hanging_read(self, group, block_hash):
+    def hanging_read(self, block_hash, groups):
         release.wait(30)   # the directory hangs until the test ends
-        return real_read(self, group, block_hash)
+        return real_read(self, block_hash, groups)
 
-    monkeypatch.setattr(OffloadStore, "read", hanging_read)
+    monkeypatch.setattr(OffloadStore, "read_many", hanging_read)
     cold = LLMEngine(EngineConfig(
         model_dir=tiny_dir, cache=CacheConfig(block_size=4, num_blocks=400, kv_offload_dir=root,
                                               kv_offload_read_timeout=0.2),

@@ -11,20 +11,24 @@ import pytest
 from hybridpd.engine.kv_offload import journal
 from hybridpd.engine.kv_offload.journal import Change, JournalReader, JournalWriter, parse
 
-KEY = b"g" * 16
+GROUPS = 0b101
 
 
 def change(i: int, added: bool = True) -> Change:
-    return Change(added, KEY, bytes([i]) * 32)
+    return Change(added, GROUPS, bytes([i]) * 32)
 
 
 @pytest.mark.parametrize("line, expected", [
     (change(1).line().rstrip(b"\n"), change(1)),
     (change(2, added=False).line().rstrip(b"\n"), change(2, added=False)),
     (b"*" + change(1).line()[1:].rstrip(b"\n"), None),        # not a change
-    (b"+" + KEY.hex().encode() + b" zz", None),                # not hex
-    (b"+" + KEY.hex().encode(), None),                         # no hash
-    (b"+ " + bytes([1]).hex().encode() * 32, None),            # no group
+    (b"+5 zz", None),                                          # not hex
+    (b"+5", None),                                             # no hash
+    (b"+ " + bytes([1]).hex().encode() * 32, None),            # no groups
+    (b"+0 " + bytes([1]).hex().encode() * 32, None),           # no group in them
+    (b"+-5 " + bytes([1]).hex().encode() * 32, None),          # what int() would take, and no writer writes
+    (b"+0x5 " + bytes([1]).hex().encode() * 32, None),
+    (b"+ 5 " + bytes([1]).hex().encode() * 32, None),
     (b"", None),
     (b"+", None),
 ])

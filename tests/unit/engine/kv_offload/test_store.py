@@ -1,5 +1,6 @@
-"""The offload directory on its own: a block file accepts only the block it names, whole; writes are atomic and
-content-addressed, so writers sharing a directory never tear a file; the capacity evicts least recently used; a
+"""The offload directory on its own: a block file accepts only the block and groups it names, whole; the pages of
+several groups share one file, and a hash's groups may come in several; writes are atomic and content-addressed, so
+writers sharing a directory never tear a file; the capacity evicts least recently used; a
 scan learns what other writers did from their journals, and what none journaled from a full listing."""
 
 from __future__ import annotations
@@ -29,26 +30,38 @@ def block(i: int) -> tuple[bytes, memoryview]:
 
 
 def encoded(h: bytes, payload: bytes) -> bytes:
-    return block_file.encode_header(MODEL, GROUP, h, payload) + payload
+    return block_file.encode_header(MODEL, h, [(GROUP, payload)]) + payload
 
 
-@pytest.mark.parametrize("change, accepted", [
-    (lambda data: data, True),
-    (lambda data: data[:-1], False),                                    # truncated
-    (lambda data: data + b"\0", False),                                 # longer
-    (lambda data: data[:-1] + bytes([data[-1] ^ 1]), False),            # a payload bit flipped
-    (lambda data: b"X" + data[1:], False),                              # not our magic
-    (lambda data: data[:12] + OTHER_MODEL + data[44:], False),          # another model's block
-    (lambda data: data[:44] + b"h" * 16 + data[60:], False),            # another group's
-    (lambda data: data[:60] + b"\7" * 32 + data[92:], False),           # another block hash
+OTHER_GROUP = b"h" * 16
+PAGE2 = 2 * PAGE
+# A file of two pages: header (magic 0:8, version 8:12, model 12:44, hash 44:76, pages 76:80), then per page its
+# group key, length and checksum (40 bytes each, from 80), then the payloads.
+LAYOUTS = [(GROUP, PAGE), (OTHER_GROUP, PAGE2)]
+
+
+@pytest.mark.parametrize("change, layouts, accepted", [
+    (lambda data: data, LAYOUTS, True),
+    (lambda data: data[:-1], LAYOUTS, False),                                   # truncated
+    (lambda data: data + b"\0", LAYOUTS, False),                                # longer
+    (lambda data: data[:-1] + bytes([data[-1] ^ 1]), LAYOUTS, False),           # the second payload's bit flipped
+    (lambda data: data[:161] + bytes([data[161] ^ 1]) + data[162:], LAYOUTS, False),  # the first payload's
+    (lambda data: b"X" + data[1:], LAYOUTS, False),                             # not our magic
+    (lambda data: data[:12] + OTHER_MODEL + data[44:], LAYOUTS, False),         # another model's block
+    (lambda data: data[:44] + b"\7" * 32 + data[76:], LAYOUTS, False),          # another block hash
+    (lambda data: data[:80] + b"x" * 16 + data[96:], LAYOUTS, False),           # the first page another group's
+    (lambda data: data, LAYOUTS[::-1], False),                                  # the groups in another order
+    (lambda data: data, LAYOUTS[:1], False),                                    # fewer groups than it holds
+    (lambda data: data, [(GROUP, PAGE), (OTHER_GROUP, PAGE)], False),           # a page of another size
 ])
-def test_a_block_file_is_accepted_only_whole_and_as_what_it_names(change, accepted):
-    h, payload = block(3)
-    data = change(encoded(h, bytes(payload)))
-    got = block_file.decode(data, MODEL, GROUP, h, PAGE)
+def test_a_block_file_is_accepted_only_whole_and_as_what_it_names(change, layouts, accepted):
+    h = block(3)[0]
+    payloads = [bytes(range(PAGE)), bytes(range(100, 100 + PAGE2))]
+    data = change(block_file.encode_header(MODEL, h, list(zip((GROUP, OTHER_GROUP), payloads))) + b"".join(payloads))
+    got = block_file.decode(data, MODEL, h, layouts)
     assert (got is not None) == accepted
     if accepted:
-        assert bytes(got) == bytes(payload)
+        assert [bytes(page) for page in got] == payloads
 
 
 def test_write_then_read_and_a_bad_file_is_removed(tmp_path):
@@ -71,20 +84,49 @@ def test_write_many_answers_for_each_block_and_journals_them_in_one_append(tmp_p
     s.write(0, h2, p2)
     write_file = OffloadStore._write_file
 
-    def disk_full_for_h3(self, group, block_hash, payload):
+    def disk_full_for_h3(self, block_hash, pages):
         if block_hash == h3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write_file(self, group, block_hash, payload)
+        return write_file(self, block_hash, pages)
 
     monkeypatch.setattr(OffloadStore, "_write_file", disk_full_for_h3)
     appends = []
     append = s._journal.append
     monkeypatch.setattr(s._journal, "append", lambda changes: appends.append(list(changes)) or append(changes))
-    results = s.write_many(0, [(h1, p1), (h2, p2), (h3, p3)])
+    results = s.write_many([(h1, [(0, p1)]), (h2, [(0, p2)]), (h3, [(0, p3)])])
     assert results[:2] == [True, False] and isinstance(results[2], OSError) and results[2].errno == errno.ENOSPC
     assert [len(batch) for batch in appends] == [1]        # h1 alone: h2 was there, h3 never landed
     assert other.scan()[0] == {h1, h2}
-    assert s.used_bytes() == 2 * s.file_bytes(0)
+    assert s.used_bytes() == 2 * s.file_bytes(0b01)
+
+
+def test_the_pages_of_several_groups_share_one_file_and_a_hash_may_have_several(tmp_path):
+    s, other = store(tmp_path), store(tmp_path)
+    other.scan()
+    h, p0 = block(1)
+    p1 = memoryview(bytes([7]) * PAGE)
+    assert s.write_many([(h, [(1, p1), (0, p0)])]) == [True]
+    assert [p.name for p in tmp_path.rglob("*.kv")] == [f"{h.hex()}.3.kv"]
+    assert s.take_changes() == [(True, 0, h), (True, 1, h)]
+    assert s.used_bytes() == s.file_bytes(0b11) == block_file.header_size(2) + 2 * PAGE
+    assert {g: bytes(page) for g, page in s.read_many(h, [0, 1]).items()} == {0: bytes(p0), 1: bytes(p1)}
+    assert other.scan() == ({h}, {h}) and bytes(other.read(1, h)) == bytes(p1)   # one journal line for both
+    assert not s.write(0, h, p0)                          # group 0's page is there already, in the shared file
+
+    h2, q0 = block(2)
+    s.write(0, h2, q0)
+    s.write(1, h2, p1)                                    # a later write of another group: a second file
+    assert sorted(p.name for p in tmp_path.rglob(f"{h2.hex()}.*")) == [f"{h2.hex()}.1.kv", f"{h2.hex()}.2.kv"]
+    assert {g: bytes(page) for g, page in s.read_many(h2, [0, 1]).items()} == {0: bytes(q0), 1: bytes(p1)}
+    s.take_changes()
+    s.path(1, h2).unlink()                                # one of them gone: only its group loses the block
+    assert s.read_many(h2, [0, 1]) is None and s.holds(0, h2) and not s.holds(1, h2)
+    assert s.take_changes() == [(False, 1, h2)]
+
+    s.path(0, h).write_bytes(b"torn")                     # a bad shared file: both groups lose the block
+    assert s.read(0, h) is None and s.take_changes() == [(False, 0, h), (False, 1, h)]
+    assert other.scan() == ({h2}, {h2})                   # the torn file's removal is journaled, the unlink not
+    assert other.scan(full=True) == ({h2}, set())
 
 
 def test_another_model_never_sees_the_files(tmp_path):
@@ -95,7 +137,7 @@ def test_another_model_never_sees_the_files(tmp_path):
 
 
 def test_capacity_evicts_the_least_recently_used(tmp_path):
-    file_size = block_file.HEADER_SIZE + PAGE
+    file_size = block_file.header_size(1) + PAGE
     s = store(tmp_path, capacity=4 * file_size)
     hashes = []
     for i in range(4):
@@ -113,7 +155,7 @@ def test_capacity_evicts_the_least_recently_used(tmp_path):
 
 def test_eviction_passes_over_a_file_that_only_looks_like_a_block(tmp_path):
     """A `.kv` name that is not a hash (another tool's file) is no block for the scan, nor for the eviction."""
-    file_size = block_file.HEADER_SIZE + PAGE
+    file_size = block_file.header_size(1) + PAGE
     s = store(tmp_path, capacity=2 * file_size)
     h, payload = block(1)
     s.write(0, h, payload)
@@ -222,8 +264,9 @@ def test_a_read_of_a_file_that_is_gone_forgets_it(tmp_path):
 
 
 def _on_disk(root) -> set[bytes]:
-    """Brute force: every block file of group 0 under `root`, parsed from its name."""
-    return {bytes.fromhex(p.name[:-3]) for p in root.rglob("*.kv") if p.parent.parent.name == GROUP.hex()}
+    """Brute force: every block hash some file under `root` holds group 0's page of, parsed from the file's name."""
+    names = [p.name.split(".") for p in root.rglob("*.kv")]
+    return {bytes.fromhex(name[0]) for name in names if len(name) == 3 and int(name[1], 16) & 1}
 
 
 def test_scans_agree_with_a_listing_of_the_whole_directory(tmp_path):

@@ -40,9 +40,9 @@ def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(OffloadStore, "write_many", slow_write)
     _, _, tier = make(tmp_path, queue_pages=1)
     for i in range(4):
-        tier.offer(0, [(bytes([i]) * 32, i)])
+        tier.offer([(0, bytes([i]) * 32, i)])
     assert tier.counters.dropped_queue_full == 3   # the first is being written (its bytes still counted), the rest
-    tier.offer(0, [(bytes([9]) * 32, 0), (bytes([8]) * 32, 1)])
+    tier.offer([(0, bytes([9]) * 32, 0), (0, bytes([8]) * 32, 1)])
     assert tier.counters.dropped_queue_full == 5
     release.set()
     tier.close()
@@ -53,7 +53,7 @@ def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
 def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
     store, pages, tier = make(tmp_path)
     original = pages.clone()
-    tier.offer(0, [(b"a" * 32, 1), (b"b" * 32, 2)])
+    tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])
     tier.close()   # flushes the writes
     assert tier.has(0, b"a" * 32) and tier.has(0, b"b" * 32)
 
@@ -72,19 +72,19 @@ def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
 
 def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(tmp_path, monkeypatch):
     store, pages, tier = make(tmp_path)
-    tier.offer(0, [(b"a" * 32, 1), (b"b" * 32, 2)])
+    tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])
     tier.close()
 
     entered, release = threading.Event(), threading.Event()
-    real_read = OffloadStore.read
+    real_read = OffloadStore.read_many
 
-    def hanging_read(self, group, block_hash):
+    def hanging_read(self, block_hash, groups):
         if block_hash == b"a" * 32 and not release.is_set():
             entered.set()
             release.wait(10)   # an NFS server gone, until it comes back
-        return real_read(self, group, block_hash)
+        return real_read(self, block_hash, groups)
 
-    monkeypatch.setattr(OffloadStore, "read", hanging_read)
+    monkeypatch.setattr(OffloadStore, "read_many", hanging_read)
     _, pages, reader = make(tmp_path)
     pages.fill_(7)
     reader.start_load("stuck", [LoadItem(0, 0, b"a" * 32), LoadItem(0, 3, b"b" * 32)])
