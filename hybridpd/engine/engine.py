@@ -145,7 +145,7 @@ class LLMEngine:
         tier = OffloadTier(store, self.storage.tensors)
         self.kv.use_storage(tier)
         self.scheduler.storage = tier
-        log.info("storage tier: %s (%s bytes at most)", store.model_dir, cache.kv_offload_size)
+        log.info("storage tier: %s (%s bytes at most)", store.folder, cache.kv_offload_size)
         return tier
 
     def storage_events(self) -> list[KVCacheEvent]:

@@ -57,8 +57,7 @@ class OffloadStore:
         self.model_key = model_key
         self.groups = groups
         self.capacity = capacity_bytes
-        self.model_dir = Path(root) / model_key.hex()
-        self.folder = self.model_dir / layout_key(groups).hex()
+        self.folder = Path(root) / model_key.hex() / layout_key(groups).hex()
         self.folder.mkdir(parents=True, exist_ok=True)
         self._folder = str(self.folder)   # a plain string: the hot paths join it
         self._all_groups = (1 << len(groups)) - 1
@@ -70,6 +69,8 @@ class OffloadStore:
         self._files: dict[bytes, set[int]] = {}
         self._held: tuple[set[bytes], ...] = tuple(set() for _ in groups)
         self._used = 0   # the bytes of the files in `_files`
+        self._masks: set[int] = set()              # the sets of groups files have been seen with ...
+        self._mask_order: tuple[int, ...] = ()     # ... the largest first
         self._listing_changes: list[tuple[bool, bytes, int]] | None = None   # own changes while a listing runs
         self._unjournaled: list[Change] = []   # own changes for the journal, appended a batch at a time
         self._journal = JournalWriter(self.folder / "journal")
@@ -82,7 +83,9 @@ class OffloadStore:
     def path(self, group: int, block_hash: bytes) -> Path:
         """The file that holds `group`'s page of the block as far as this store knows, else the one that would hold
         that page alone."""
-        for groups in tuple(self._files.get(block_hash, ())):
+        with self._lock:
+            files = sorted(self._files.get(block_hash, ()))
+        for groups in files:
             if groups >> group & 1:
                 return Path(self._name(block_hash, groups))
         return Path(self._name(block_hash, 1 << group))
@@ -119,13 +122,13 @@ class OffloadStore:
         (result,) = self.write_many(((block_hash, ((group, payload),)),))
         if isinstance(result, OSError):
             raise result
-        return result
+        return result > 0
 
-    def write_many(self, blocks: Iterable[tuple[bytes, Sequence[tuple[int, memoryview]]]]) -> list[bool | OSError]:
-        """Write blocks (hash, its pages: (group, payload) each), one file each: per block True (written), False
-        (there already) or the OSError that kept it out; then one journal append and one capacity check for them
-        all."""
-        results: list[bool | OSError] = []
+    def write_many(self, blocks: Iterable[tuple[bytes, Sequence[tuple[int, memoryview]]]]) -> list[int | OSError]:
+        """Write blocks (hash, its pages: (group, payload) each), one file each: per block the number of pages written
+        (0: files hold them all already) or the OSError that kept it out; then one journal append and one capacity
+        check for them all."""
+        results: list[int | OSError] = []
         for block_hash, pages in blocks:
             try:
                 results.append(self._write_file(block_hash, pages))
@@ -135,20 +138,21 @@ class OffloadStore:
         self._flush_journal()
         return results
 
-    def _write_file(self, block_hash: bytes, pages: Sequence[tuple[int, memoryview]]) -> bool:
+    def _write_file(self, block_hash: bytes, pages: Sequence[tuple[int, memoryview]]) -> int:
         pages = sorted(((g, payload) for g, payload in pages if not self.holds(g, block_hash)),
                        key=lambda page: page[0])
         if not pages:   # a file holds every one of them already
-            return False
+            return 0
         groups = 0
         for group, payload in pages:
             if groups >> group & 1 or payload.nbytes != self.groups[group].page_bytes:
                 raise ValueError(f"group {group}'s page given twice, or not of {self.groups[group].page_bytes} bytes")
             groups |= 1 << group
+        groups &= ~self._written_elsewhere(block_hash, groups)
+        if not groups:
+            return 0
+        pages = [(group, payload) for group, payload in pages if groups >> group & 1]
         path = self._name(block_hash, groups)
-        if os.path.exists(path):   # another writer's: it journaled it
-            self._changed(True, block_hash, groups, journal=False)
-            return False
         shard = path[: path.rindex("/")]
         if shard not in self._shards:
             os.makedirs(shard, exist_ok=True)
@@ -170,7 +174,21 @@ class OffloadStore:
                 pass
             raise
         self._changed(True, block_hash, groups)
-        return True
+        return len(pages)
+
+    def _written_elsewhere(self, block_hash: bytes, groups: int) -> int:
+        """Which of `groups` files of the block that this store does not know of yet hold (another writer's, not
+        journaled or not read yet): the nodes of a cluster write the same prefixes moments apart, each with the
+        groups its own step cached (a decode node's pulled blocks lack the prefill node's Mamba states, say). One
+        stat per set of groups files have been seen with (a few), the largest first."""
+        found = 0
+        for mask in self._mask_order if groups in self._masks else (*self._mask_order, groups):
+            if mask & groups & ~found and os.path.exists(self._name(block_hash, mask)):
+                self._changed(True, block_hash, mask, journal=False)
+                found |= mask
+                if not groups & ~found:
+                    break
+        return found & groups
 
     def _changed(self, added: bool, block_hash: bytes, groups: int, journal: bool = True) -> None:
         """A block file is there or gone: what this store knows, and (`journal`: it wrote or removed the file itself)
@@ -178,6 +196,7 @@ class OffloadStore:
         with self._lock:
             files = self._files.get(block_hash)
             if added and (files is None or groups not in files):
+                self._seen(groups)
                 files = self._files.setdefault(block_hash, set())
                 before = _union(files)
                 files.add(groups)
@@ -193,6 +212,12 @@ class OffloadStore:
                 self._listing_changes.append((added, block_hash, groups))
             if journal:
                 self._unjournaled.append(Change(added, groups, block_hash))
+
+    def _seen(self, groups: int) -> None:
+        """Files with these groups exist (under the lock)."""
+        if groups not in self._masks:
+            self._masks.add(groups)
+            self._mask_order = tuple(sorted(self._masks, key=lambda mask: (-mask.bit_count(), mask)))
 
     def _report(self, held: bool, block_hash: bytes, groups: int) -> None:
         """The groups of `groups` came to hold the block, or lost it (under the lock)."""
@@ -331,6 +356,8 @@ class OffloadStore:
             for block_hash, masks in files.items():
                 for group in _members(_union(masks)):
                     held[group].add(block_hash)
+                for groups in masks:
+                    self._seen(groups)
             for group, (old, new) in enumerate(zip(self._held, held)):
                 self._feed.extend((False, group, block_hash) for block_hash in old - new)
                 self._feed.extend((True, group, block_hash) for block_hash in new - old)

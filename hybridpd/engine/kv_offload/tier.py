@@ -215,8 +215,8 @@ class OffloadTier:
                 if isinstance(result, OSError):
                     self.counters.dropped_write_error += len(pages)
                     log.warning("kv offload: write dropped (%s)", result)
-                elif result:
-                    self.counters.written += len(pages)
+                else:
+                    self.counters.written += result
             self.counters.writer_cpu_s = time.thread_time()
             with self._queued_lock:
                 self._queued -= size

@@ -94,7 +94,7 @@ def test_write_many_answers_for_each_block_and_journals_them_in_one_append(tmp_p
     append = s._journal.append
     monkeypatch.setattr(s._journal, "append", lambda changes: appends.append(list(changes)) or append(changes))
     results = s.write_many([(h1, [(0, p1)]), (h2, [(0, p2)]), (h3, [(0, p3)])])
-    assert results[:2] == [True, False] and isinstance(results[2], OSError) and results[2].errno == errno.ENOSPC
+    assert results[:2] == [1, 0] and isinstance(results[2], OSError) and results[2].errno == errno.ENOSPC
     assert [len(batch) for batch in appends] == [1]        # h1 alone: h2 was there, h3 never landed
     assert other.scan()[0] == {h1, h2}
     assert s.used_bytes() == 2 * s.file_bytes(0b01)
@@ -105,7 +105,7 @@ def test_the_pages_of_several_groups_share_one_file_and_a_hash_may_have_several(
     other.scan()
     h, p0 = block(1)
     p1 = memoryview(bytes([7]) * PAGE)
-    assert s.write_many([(h, [(1, p1), (0, p0)])]) == [True]
+    assert s.write_many([(h, [(1, p1), (0, p0)])]) == [2]
     assert [p.name for p in tmp_path.rglob("*.kv")] == [f"{h.hex()}.3.kv"]
     assert s.take_changes() == [(True, 0, h), (True, 1, h)]
     assert s.used_bytes() == s.file_bytes(0b11) == block_file.header_size(2) + 2 * PAGE
@@ -127,6 +127,23 @@ def test_the_pages_of_several_groups_share_one_file_and_a_hash_may_have_several(
     assert s.read(0, h) is None and s.take_changes() == [(False, 0, h), (False, 1, h)]
     assert other.scan() == ({h2}, {h2})                   # the torn file's removal is journaled, the unlink not
     assert other.scan(full=True) == ({h2}, set())
+
+
+def test_a_write_finds_the_groups_another_writer_has_just_written(tmp_path):
+    """Nodes write the same prefix moments apart, each with the groups its own step cached: a write looks for the
+    block under every set of groups files have been seen with, and writes only what no file holds."""
+    s, other = store(tmp_path), store(tmp_path)
+    (h0, p0), (h, p), (h2, q), (h3, r) = block(0), block(1), block(2), block(3)
+    other.write_many([(h0, [(0, p0), (1, p0)])])
+    other.write(1, h3, r)
+    s.scan()                                              # has seen files of both groups and of group 1 alone
+    assert s.take_changes()
+    other.write_many([(h, [(0, p), (1, p)])])
+    other.write(1, h2, q)
+    assert s.write_many([(h, [(0, p)]), (h2, [(0, q), (1, q)])]) == [0, 1]
+    assert sorted(p.name for p in tmp_path.rglob("*.kv")) == sorted(
+        [f"{h0.hex()}.3.kv", f"{h3.hex()}.2.kv", f"{h.hex()}.3.kv", f"{h2.hex()}.2.kv", f"{h2.hex()}.1.kv"])
+    assert s.take_changes() == [(True, 0, h), (True, 1, h), (True, 1, h2), (True, 0, h2)]
 
 
 def test_another_model_never_sees_the_files(tmp_path):

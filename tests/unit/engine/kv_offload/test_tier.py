@@ -70,6 +70,33 @@ def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
     reader.close()
 
 
+def test_the_pages_a_step_offers_for_one_hash_share_a_file_and_load_into_each_groups_blocks(tmp_path):
+    layouts = (GroupLayout(b"g" * 16, PAGE), GroupLayout(b"h" * 16, 2 * PAGE))
+
+    def two_groups():
+        store = OffloadStore(tmp_path, b"m" * 32, layouts, 1 << 20)
+        pages = [torch.arange(4 * layout.page_bytes).remainder(90 + g).to(torch.int8).view(4, layout.page_bytes)
+                 for g, layout in enumerate(layouts)]
+        return store, pages, OffloadTier(store, pages, rescan_s=3600)
+
+    store, pages, tier = two_groups()
+    original = [p.clone() for p in pages]
+    tier.offer([(0, b"a" * 32, 1), (1, b"a" * 32, 3), (0, b"b" * 32, 2)])
+    tier.close()
+    assert sorted(p.name for p in store.folder.rglob("*.kv")) == [f"{(b'a' * 32).hex()}.3.kv",
+                                                                   f"{(b'b' * 32).hex()}.1.kv"]
+    assert tier.counters.written == 3   # pages, as the metric counts them
+
+    _, pages, reader = two_groups()
+    for p in pages:
+        p.zero_()
+    reader.start_load("r", [LoadItem(1, 0, b"a" * 32), LoadItem(0, 2, b"b" * 32), LoadItem(0, 3, b"a" * 32)])
+    assert wait_loaded(reader) == [("r", True)]
+    assert torch.equal(pages[1][0], original[1][3]) and torch.equal(pages[0][3], original[0][1])
+    assert torch.equal(pages[0][2], original[0][2]) and reader.counters.loaded_blocks == 3
+    reader.close()
+
+
 def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(tmp_path, monkeypatch):
     store, pages, tier = make(tmp_path)
     tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])
