@@ -107,7 +107,11 @@ class OffloadTier:
         """Write blocks (group, hash, block id) behind: one copy of their pages into the queue, as many as its byte
         budget takes (the rest dropped and counted); pages storage holds already are skipped. The pages of one hash
         go to one file."""
-        todo = [(g, h, b) for g, h, b in blocks if not self.store.holds(g, h)]
+        todo, offered = [], set()
+        for group, block_hash, block_id in blocks:   # a group's page of a hash once (a file holds it once)
+            if (group, block_hash) not in offered and not self.store.holds(group, block_hash):
+                offered.add((group, block_hash))
+                todo.append((group, block_hash, block_id))
         with self._queued_lock:
             room = max(0, self._queue_bytes - self._queued)
         taken, size = 0, 0
@@ -209,10 +213,15 @@ class OffloadTier:
             if item is None:
                 return
             blocks, size = item
-            results = self.store.write_many((block_hash, [(group, memoryview(page.numpy())) for group, page in pages])
-                                            for block_hash, pages in blocks)
+            try:
+                results = self.store.write_many(
+                    (block_hash, [(group, memoryview(page.numpy())) for group, page in pages])
+                    for block_hash, pages in blocks)
+            except Exception as exc:  # noqa: BLE001 - a bug must not stop the writer: its bytes would stay queued
+                log.exception("kv offload: a batch of writes failed")
+                results = [exc] * len(blocks)
             for (_, pages), result in zip(blocks, results):
-                if isinstance(result, OSError):
+                if isinstance(result, Exception):
                     self.counters.dropped_write_error += len(pages)
                     log.warning("kv offload: write dropped (%s)", result)
                 else:

@@ -50,6 +50,24 @@ def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     assert tier.counters.writer_cpu_s > 0   # the writer thread's CPU, counted as it goes
 
 
+def test_a_page_offered_twice_is_written_once_and_a_failed_batch_does_not_stop_the_writer(tmp_path, monkeypatch):
+    real_write = OffloadStore.write_many
+    failures = iter([ValueError("a bug")])
+
+    def fails_once(self, blocks):
+        for exc in failures:
+            raise exc
+        return real_write(self, blocks)
+
+    monkeypatch.setattr(OffloadStore, "write_many", fails_once)
+    _, _, tier = make(tmp_path)
+    tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])                # the failing batch
+    tier.offer([(0, b"c" * 32, 1), (0, b"c" * 32, 1), (0, b"d" * 32, 3)])
+    tier.close()
+    assert tier.counters.dropped_write_error == 2 and tier.counters.written == 2
+    assert tier.has(0, b"c" * 32) and tier.has(0, b"d" * 32) and not tier.has(0, b"a" * 32)
+
+
 def test_a_load_copies_pages_and_a_missing_file_fails_it(tmp_path):
     store, pages, tier = make(tmp_path)
     original = pages.clone()
