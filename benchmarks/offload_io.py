@@ -126,6 +126,8 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where the tier writes (default: a temporary "
                         "directory on the disk /tmp is on)")
     args = parser.parse_args()
+    if args.dir is not None and not args.dir.is_dir():
+        parser.error(f"--dir {args.dir}: no such directory")
     torch.set_num_threads(1)
     model_dir = default_model_dir(args.preset)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

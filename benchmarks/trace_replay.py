@@ -236,6 +236,8 @@ def main() -> int:
                              "restarted by the supervisor; the decode-side hit rate of the minute after they are back "
                              "against the minute before")
     args = parser.parse_args()
+    if args.offload_root is not None and not args.offload_root.is_dir():
+        parser.error(f"--offload-root {args.offload_root}: no such directory")
 
     _, records, prompts, offsets = load_slice(args)
     hits, total = mooncake.ideal_hit_tokens(records, args.tokens_per_hash)
