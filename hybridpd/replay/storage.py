@@ -1,13 +1,15 @@
 """The storage tier as the simulator models it: one `--kv-offload-dir` shared by every simulated node (a shared
-volume), holding block files by (group, block hash) under `--kv-offload-size`.
+volume), holding each (group, block hash) page under `--kv-offload-size`.
 
 What it keeps is the real tier's rule (engine/kv_offload/): every block that becomes a hit on a node is written
 (`KVCacheManager.take_new_cached`: full-attention and window blocks, the Mamba states retention saves), a block
 already there is not written again, and beyond the capacity the least recently written or read files go, a tenth
-at a time. What it leaves out: writes are never dropped (the real queue drops under overload), they land at once
-(the real writer is behind by a queue), and every node sees every file at once (the real nodes see others' files at
-their next scan, within 5 s). The simulator's node asks it through the coordinator's own storage search
-(`use_storage`, `storage_hit`, `storage_sources`), as the engine does.
+at a time. The real tier puts the pages a step caches at one hash into one file, evicted as one; here each page is
+evicted on its own, but the pages of one hash are written in one call and mostly read in one, so they age together.
+What it leaves out: writes are never dropped (the real queue drops under overload), they land at once (the real
+writer is behind by a queue), and every node sees every file at once (the real nodes see others' files at their
+next scan, within 5 s). The simulator's node asks it through the coordinator's own storage search (`use_storage`,
+`storage_hit`, `storage_sources`), as the engine does.
 """
 
 from __future__ import annotations
