@@ -2,9 +2,9 @@
 hold it (one or more: the groups whose blocks at that hash were written behind together).
 
 The header names the model (its identity digest), the block hash, and per page the group (its layout digest), the
-payload's length and its checksum; `decode` accepts a file only if every one of them matches what the reader expects
-for the groups the file's name lists, so a torn, truncated, foreign or corrupted file reads as a miss, never as
-another block's bytes.
+payload's length and its checksum (SHA-256); `decode` accepts a file only if every one of them matches what the
+reader expects for the groups the file's name lists, so a torn, truncated, foreign or corrupted file reads as a
+miss, never as another block's bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def header_size(num_pages: int) -> int:
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+    """SHA-256, cut to 16 bytes: on the SHA extensions every current x86 and Arm server CPU has, ~1.4 GB/s here against
+    BLAKE2b's ~0.5 (benchmarks/README.md), and a load checks every byte it reads."""
+    return hashlib.sha256(payload).digest()[:16]
 
 
 def encode_header(model_key: bytes, block_hash: bytes, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> bytes:

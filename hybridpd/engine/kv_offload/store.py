@@ -266,21 +266,41 @@ class OffloadStore:
         """The pages of `groups` of the block, by group, read from the files this store knows hold them (the fewest
         that cover them); None if one is missing, gone or bad (a bad file is removed)."""
         want = sum({1 << group for group in groups})
-        with self._lock:
-            files = sorted(self._files.get(block_hash, ()), key=lambda groups: -groups.bit_count())
         pages: dict[int, memoryview] = {}
-        for file_groups in files:
-            if not want & file_groups:
-                continue
+        for file_groups in self._covering(block_hash, want):
             payloads = self._read_file(block_hash, file_groups)
             if payloads is None:
                 return None
             pages.update((group, payload) for group, payload in zip(_members(file_groups), payloads)
                          if want >> group & 1)
             want &= ~file_groups
-            if not want:
-                return pages
-        return None
+        return None if want else pages
+
+    def prefetch(self, block_hash: bytes, groups: Iterable[int]) -> None:
+        """Ask the kernel to start reading the files `read_many` would read (POSIX_FADV_WILLNEED), so the disk (or an
+        NFS server) works while the reader checks and copies the files before them; errors are the read's to find."""
+        for file_groups in self._covering(block_hash, sum({1 << group for group in groups})):
+            try:
+                fd = os.open(self._name(block_hash, file_groups), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def _covering(self, block_hash: bytes, want: int) -> list[int]:
+        """The files (by their groups) that hold the groups of `want`, the largest first, each adding some."""
+        with self._lock:
+            files = sorted(self._files.get(block_hash, ()), key=lambda groups: -groups.bit_count())
+        chosen = []
+        for file_groups in files:
+            if want & file_groups:
+                chosen.append(file_groups)
+                want &= ~file_groups
+        return chosen
 
     def _read_file(self, block_hash: bytes, groups: int) -> list[memoryview] | None:
         path = self._name(block_hash, groups)

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20   # page bytes waiting to be written at most; more are dropped (and counted), never waited for
 RESCAN_S = 5.0      # how often the store is asked what other nodes wrote (or removed)
+PREFETCH = 8        # files a load asks the kernel to read ahead of the one it checks and copies
 
 
 @dataclass(frozen=True)
@@ -241,9 +242,15 @@ class OffloadTier:
                 by_hash: dict[bytes, list[LoadItem]] = {}   # a file holds every group's page of its hash
                 for item in load.items:
                     by_hash.setdefault(item.block_hash, []).append(item)
-                for block_hash, items in by_hash.items():
+                order = list(by_hash.items())
+                for block_hash, items in order[:PREFETCH]:
+                    self.store.prefetch(block_hash, [item.group for item in items])
+                for i, (block_hash, items) in enumerate(order):
                     if load.abandoned:
                         break
+                    if i + PREFETCH < len(order):   # keep the disk PREFETCH files ahead of the checks and copies
+                        ahead_hash, ahead = order[i + PREFETCH]
+                        self.store.prefetch(ahead_hash, [item.group for item in ahead])
                     pages = self.store.read_many(block_hash, [item.group for item in items])
                     if pages is None:   # gone, torn or foreign: the store counts on it no more until rewritten
                         self.counters.load_misses += 1
