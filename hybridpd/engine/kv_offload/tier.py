@@ -125,18 +125,16 @@ class OffloadTier:
         todo = todo[:taken]
         if not todo:
             return
-        rows: dict[int, list[int]] = {}   # per group: its block ids, in offer order
-        for group, _, block_id in todo:
-            rows.setdefault(group, []).append(block_id)
-        copies = {g: self.pages[g].index_select(0, torch.tensor(ids, dtype=torch.int64)) for g, ids in rows.items()}
-        seen = {g: 0 for g in rows}
-        by_hash: dict[bytes, list[tuple[int, torch.Tensor]]] = {}
-        for group, block_hash, _ in todo:
-            by_hash.setdefault(block_hash, []).append((group, copies[group][seen[group]]))
-            seen[group] += 1
+        ids: dict[int, list[int]] = {}                        # per group: the block ids to copy, in offer order
+        by_hash: dict[bytes, list[tuple[int, int]]] = {}       # per hash: (group, its row in that group's copy)
+        for group, block_hash, block_id in todo:
+            group_ids = ids.setdefault(group, [])
+            by_hash.setdefault(block_hash, []).append((group, len(group_ids)))
+            group_ids.append(block_id)
+        copies = {g: self.pages[g].index_select(0, torch.tensor(b, dtype=torch.int64)) for g, b in ids.items()}
         with self._queued_lock:
             self._queued += size
-        self._writes.put((list(by_hash.items()), size))
+        self._writes.put((copies, list(by_hash.items()), size))   # the writer cuts the pages out of the copies
 
     def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
         """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
@@ -213,10 +211,11 @@ class OffloadTier:
             item = self._writes.get()
             if item is None:
                 return
-            blocks, size = item
+            copies, blocks, size = item
             try:
+                rows = {group: copy.numpy() for group, copy in copies.items()}
                 results = self.store.write_many(
-                    (block_hash, [(group, memoryview(page.numpy())) for group, page in pages])
+                    (block_hash, [(group, memoryview(rows[group][row])) for group, row in pages])
                     for block_hash, pages in blocks)
             except Exception as exc:  # noqa: BLE001 - a bug must not stop the writer: its bytes would stay queued
                 log.exception("kv offload: a batch of writes failed")
