@@ -10,7 +10,8 @@
 2. **Write-behind against the step.** The same decode-heavy workload (`--requests` requests, 256-token prompts
    sharing a prefix, 64 output tokens, all at once) through the engine with the tier off and on, alternated; per
    request the gaps between its tokens (in-process, the time from one step's end to the next's). `p99_itl_ratio` =
-   p99 ITL with the tier on over off, median of the rounds.
+   p99 ITL with the tier on over off, median of the rounds. The engine runs here with the GIL switch interval of a
+   served engine process (0.5 ms, `engine_process.GIL_SWITCH_INTERVAL_S`): the tier's threads share its GIL.
 
 Last line: JSON with `load_ratio`, `p99_itl_ratio`, the raw figures (`seq_read_gbps`, `tier_load_gbps`, MB per
 round, p99 ITL ms on and off), the tier's counters, the CPU model and the date. Goals: `load_ratio` >= 0.7,
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ from hybridpd.engine.kv_offload.tier import LoadItem, OffloadTier
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.presets.checkpoints import default_model_dir
+from hybridpd.server.engine_process import GIL_SWITCH_INTERVAL_S
 
 
 def make_engine(model_dir: Path, offload: Path | None) -> LLMEngine:
@@ -129,6 +132,7 @@ def main() -> int:
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir {args.dir}: no such directory")
     torch.set_num_threads(1)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)   # as a served engine process runs: the tier's threads share its GIL
     model_dir = default_model_dir(args.preset)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp) / "kv"
