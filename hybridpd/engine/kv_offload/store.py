@@ -83,12 +83,8 @@ class OffloadStore:
     def path(self, group: int, block_hash: bytes) -> Path:
         """The file that holds `group`'s page of the block as far as this store knows, else the one that would hold
         that page alone."""
-        with self._lock:
-            files = sorted(self._files.get(block_hash, ()))
-        for groups in files:
-            if groups >> group & 1:
-                return Path(self._name(block_hash, groups))
-        return Path(self._name(block_hash, 1 << group))
+        files = self._covering(block_hash, 1 << group)
+        return Path(self._name(block_hash, files[0] if files else 1 << group))
 
     def _name(self, block_hash: bytes, groups: int) -> str:
         name = block_hash.hex()
@@ -265,7 +261,7 @@ class OffloadStore:
     def read_many(self, block_hash: bytes, groups: Iterable[int]) -> dict[int, memoryview] | None:
         """The pages of `groups` of the block, by group, read from the files this store knows hold them (the fewest
         that cover them); None if one is missing, gone or bad (a bad file is removed)."""
-        want = sum({1 << group for group in groups})
+        want = _mask(groups)
         pages: dict[int, memoryview] = {}
         for file_groups in self._covering(block_hash, want):
             payloads = self._read_file(block_hash, file_groups)
@@ -279,7 +275,7 @@ class OffloadStore:
     def prefetch(self, block_hash: bytes, groups: Iterable[int]) -> None:
         """Ask the kernel to start reading the files `read_many` would read (POSIX_FADV_WILLNEED), so the disk (or an
         NFS server) works while the reader checks and copies the files before them; errors are the read's to find."""
-        for file_groups in self._covering(block_hash, sum({1 << group for group in groups})):
+        for file_groups in self._covering(block_hash, _mask(groups)):
             try:
                 fd = os.open(self._name(block_hash, file_groups), os.O_RDONLY)
             except OSError:
@@ -410,6 +406,11 @@ class OffloadStore:
 def layout_key(groups: Sequence[GroupLayout]) -> bytes:
     """The digest of every group's key, in order: the bits of a file's groups mean the same to every store of it."""
     return hashlib.blake2b(b"".join(g.key for g in groups), digest_size=16).digest()
+
+
+def _mask(groups: Iterable[int]) -> int:
+    """The bit mask of group indices."""
+    return sum({1 << group for group in groups})
 
 
 def _members(groups: int) -> list[int]:
