@@ -8,9 +8,9 @@ Layout: `ROOT/<model key>/<layout key>/<hash[:2]>/<hash>.<groups>.kv` (hex; the 
 One file for all the groups of a block position, not one per group: a file's create, write and rename cost more
 than its bytes do at these page sizes. A write goes to a temporary file in the same folder and is renamed into
 place, so a reader sees a whole file or none, and a writer killed mid-write leaves only a temporary file (removed by
-the next full listing that finds it older than a minute). A read that finds a file it
-cannot use (block_file.decode says no) removes it and reports a miss. Reading a file refreshes its modification
-time: the eviction order is least recently written or read.
+the next full listing that finds it older than a minute). A read that finds a file it cannot use (block_file.decode
+says no) removes it and reports a miss. Reading a file refreshes its modification time: the eviction order is least
+recently written or read.
 
 Several nodes may share one directory (NFS, a ReadWriteMany volume): names are content addresses, so two writers
 of one block write equal bytes and the last rename wins. Each store journals what it writes and removes
@@ -175,7 +175,7 @@ class OffloadStore:
     def _written_elsewhere(self, block_hash: bytes, groups: int) -> int:
         """Which of `groups` files of the block that this store does not know of yet hold (another writer's, not
         journaled or not read yet): the nodes of a cluster write the same prefixes moments apart, each with the
-        groups its own step cached (a decode node's pulled blocks lack the prefill node's Mamba states, say). One
+        groups its own step cached (a decode node's pulled blocks lack the sliding-window groups, say). One
         stat per set of groups files have been seen with (a few), the largest first."""
         found = 0
         for mask in self._mask_order if groups in self._masks else (*self._mask_order, groups):
