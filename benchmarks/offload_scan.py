@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from hybridpd.engine.dtype_choice import this_cpus_model
-from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+from hybridpd.engine.kv_offload.layout import GroupLayout
+from hybridpd.engine.kv_offload.store import OffloadStore
 
 MODEL, GROUP, PAGE = b"m" * 32, b"g" * 16, 64
 

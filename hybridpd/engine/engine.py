@@ -23,7 +23,8 @@ from hybridpd.engine.kv_cache.memory import KVLayout, blocks_for_count, layout_f
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.kv_offload.identity import group_key, model_key
-from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+from hybridpd.engine.kv_offload.layout import GroupLayout
+from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.tier import OffloadTier, TierCounters
 from hybridpd.engine.model.registry import ModelConfig
 from hybridpd.engine.model.generation_config import GenerationDefaults

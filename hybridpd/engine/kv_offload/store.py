@@ -24,30 +24,24 @@ by what the others wrote since this store's last scan.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpd.engine.kv_offload import block_file
+from hybridpd.engine.kv_offload.file_writer import BlockFileWriter, Written
 from hybridpd.engine.kv_offload.journal import Change, JournalReader, JournalWriter
+from hybridpd.engine.kv_offload.layout import GroupLayout, block_path, largest_first, layout_key, mask, members, union
 
 log = logging.getLogger(__name__)
 
 STALE_TEMP_S = 60.0
 FULL_SCAN_S = 60.0            # a scan lists the whole directory at least this often ...
 FULL_SCAN_CPU_SHARE = 0.02    # ... unless listings would take more of a core than this: then as often as they fit
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    key: bytes         # identity.group_key
-    page_bytes: int    # the payload of one block
 
 
 class OffloadStore:
@@ -62,7 +56,7 @@ class OffloadStore:
         self._folder = str(self.folder)   # a plain string: the hot paths join it
         self._all_groups = (1 << len(groups)) - 1
         self._file_bytes: dict[int, int] = {}   # by the bit mask of a file's groups
-        self._shards: set[str] = set()          # shard folders known to exist
+        self._writer = BlockFileWriter(self._folder, model_key, groups)
         self._lock = threading.Lock()   # guards `_files`, `_held`, `_used`, `_listing_changes` and `_unjournaled`
         # The block files on disk as far as this store knows (its last listing, the others' journals since and its
         # own changes): each hash's files, by the bit mask of their groups; and per group the hashes some file holds.
@@ -87,8 +81,7 @@ class OffloadStore:
         return Path(self._name(block_hash, files[0] if files else 1 << group))
 
     def _name(self, block_hash: bytes, groups: int) -> str:
-        name = block_hash.hex()
-        return f"{self._folder}/{name[:2]}/{name}.{groups:x}.kv"
+        return block_path(self._folder, block_hash, groups)
 
     def _parse(self, name: str) -> tuple[bytes, int] | None:
         """(block hash, groups) of a block file's name; None for any other name."""
@@ -107,9 +100,9 @@ class OffloadStore:
         """The size of a block file holding the pages of `groups` (a bit mask)."""
         size = self._file_bytes.get(groups)
         if size is None:
-            members = _members(groups)
-            size = self._file_bytes[groups] = (block_file.header_size(len(members))
-                                               + sum(self.groups[g].page_bytes for g in members))
+            held = members(groups)
+            size = self._file_bytes[groups] = (block_file.header_size(len(held))
+                                               + sum(self.groups[g].page_bytes for g in held))
         return size
 
     def write(self, group: int, block_hash: bytes, payload: memoryview) -> bool:
@@ -130,61 +123,33 @@ class OffloadStore:
                 results.append(self._write_file(block_hash, pages))
             except OSError as exc:
                 results.append(exc)
-        self._evict_over_capacity()
-        self._flush_journal()
+        self.finish_writes()
         return results
 
     def _write_file(self, block_hash: bytes, pages: Sequence[tuple[int, memoryview]]) -> int:
-        pages = sorted(((g, payload) for g, payload in pages if not self.holds(g, block_hash)),
-                       key=lambda page: page[0])
+        pages = [(group, payload) for group, payload in pages if not self.holds(group, block_hash)]
         if not pages:   # a file holds every one of them already
             return 0
-        groups = 0
-        for group, payload in pages:
-            if groups >> group & 1 or payload.nbytes != self.groups[group].page_bytes:
-                raise ValueError(f"group {group}'s page given twice, or not of {self.groups[group].page_bytes} bytes")
-            groups |= 1 << group
-        groups &= ~self._written_elsewhere(block_hash, groups)
-        if not groups:
-            return 0
-        pages = [(group, payload) for group, payload in pages if groups >> group & 1]
-        path = self._name(block_hash, groups)
-        shard = path[: path.rindex("/")]
-        if shard not in self._shards:
-            os.makedirs(shard, exist_ok=True)
-            self._shards.add(shard)
-        temp = f"{shard}/.{block_hash.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per writer thread
-        header = block_file.encode_header(self.model_key, block_hash,
-                                          [(self.groups[group].key, payload) for group, payload in pages])
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.writev(fd, [header, *(payload for _, payload in pages)])
-            finally:
-                os.close(fd)
-            os.replace(temp, path)
-        except BaseException:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-            raise
-        self._changed(True, block_hash, groups)
-        return len(pages)
+        result = self._writer.write(block_hash, pages, self._mask_order)
+        self.record_write(block_hash, result)
+        return result.written.bit_count()
 
-    def _written_elsewhere(self, block_hash: bytes, groups: int) -> int:
-        """Which of `groups` files of the block that this store does not know of yet hold (another writer's, not
-        journaled or not read yet): the nodes of a cluster write the same prefixes moments apart, each with the
-        groups its own step cached (a decode node's pulled blocks lack the sliding-window groups, say). One
-        stat per set of groups files have been seen with (a few), the largest first."""
-        found = 0
-        for mask in self._mask_order if groups in self._masks else (*self._mask_order, groups):
-            if mask & groups & ~found and os.path.exists(self._name(block_hash, mask)):
-                self._changed(True, block_hash, mask, journal=False)
-                found |= mask
-                if not groups & ~found:
-                    break
-        return found & groups
+    def record_write(self, block_hash: bytes, result: Written) -> None:
+        """What a write of the block did: the files it found (another writer's) and the one it wrote."""
+        for groups in result.found:
+            self._changed(True, block_hash, groups, journal=False)
+        if result.written:
+            self._changed(True, block_hash, result.written)
+
+    def finish_writes(self) -> None:
+        """After a batch of writes: one capacity check and one journal append for them all."""
+        self._evict_over_capacity()
+        self._flush_journal()
+
+    @property
+    def mask_order(self) -> tuple[int, ...]:
+        """The sets of groups files have been seen with, the largest first (a write looks for the block under each)."""
+        return self._mask_order
 
     def _changed(self, added: bool, block_hash: bytes, groups: int, journal: bool = True) -> None:
         """A block file is there or gone: what this store knows, and (`journal`: it wrote or removed the file itself)
@@ -194,14 +159,14 @@ class OffloadStore:
             if added and (files is None or groups not in files):
                 self._seen(groups)
                 files = self._files.setdefault(block_hash, set())
-                before = _union(files)
+                before = union(files)
                 files.add(groups)
                 self._used += self.file_bytes(groups)
                 self._report(True, block_hash, groups & ~before)
             elif not added and files is not None and groups in files:
                 files.discard(groups)
                 self._used -= self.file_bytes(groups)
-                self._report(False, block_hash, groups & ~_union(files))
+                self._report(False, block_hash, groups & ~union(files))
                 if not files:
                     del self._files[block_hash]
             if self._listing_changes is not None:
@@ -213,11 +178,11 @@ class OffloadStore:
         """Files with these groups exist (under the lock)."""
         if groups not in self._masks:
             self._masks.add(groups)
-            self._mask_order = tuple(sorted(self._masks, key=lambda mask: (-mask.bit_count(), mask)))
+            self._mask_order = largest_first(self._masks)
 
     def _report(self, held: bool, block_hash: bytes, groups: int) -> None:
         """The groups of `groups` came to hold the block, or lost it (under the lock)."""
-        for group in _members(groups):
+        for group in members(groups):
             (self._held[group].add if held else self._held[group].discard)(block_hash)
             self._feed.append((held, group, block_hash))
 
@@ -261,13 +226,13 @@ class OffloadStore:
     def read_many(self, block_hash: bytes, groups: Iterable[int]) -> dict[int, memoryview] | None:
         """The pages of `groups` of the block, by group, read from the files this store knows hold them (the fewest
         that cover them); None if one is missing, gone or bad (a bad file is removed)."""
-        want = _mask(groups)
+        want = mask(groups)
         pages: dict[int, memoryview] = {}
         for file_groups in self._covering(block_hash, want):
             payloads = self._read_file(block_hash, file_groups)
             if payloads is None:
                 return None
-            pages.update((group, payload) for group, payload in zip(_members(file_groups), payloads)
+            pages.update((group, payload) for group, payload in zip(members(file_groups), payloads)
                          if want >> group & 1)
             want &= ~file_groups
         return None if want else pages
@@ -275,7 +240,7 @@ class OffloadStore:
     def prefetch(self, block_hash: bytes, groups: Iterable[int]) -> None:
         """Ask the kernel to start reading the files `read_many` would read (POSIX_FADV_WILLNEED), so the disk (or an
         NFS server) works while the reader checks and copies the files before them; errors are the read's to find."""
-        for file_groups in self._covering(block_hash, _mask(groups)):
+        for file_groups in self._covering(block_hash, mask(groups)):
             try:
                 fd = os.open(self._name(block_hash, file_groups), os.O_RDONLY)
             except OSError:
@@ -316,7 +281,7 @@ class OffloadStore:
             os.close(fd)
         del data[size:]
         payloads = block_file.decode(data, self.model_key, block_hash,
-                                     [(self.groups[g].key, self.groups[g].page_bytes) for g in _members(groups)])
+                                     [(self.groups[g].key, self.groups[g].page_bytes) for g in members(groups)])
         if payloads is None:
             removed = self._remove(Path(path))
             self._changed(False, block_hash, groups, journal=removed)
@@ -370,7 +335,7 @@ class OffloadStore:
             self._listing_changes = None
             held: tuple[set[bytes], ...] = tuple(set() for _ in self.groups)
             for block_hash, masks in files.items():
-                for group in _members(_union(masks)):
+                for group in members(union(masks)):
                     held[group].add(block_hash)
                 for groups in masks:
                     self._seen(groups)
@@ -401,28 +366,6 @@ class OffloadStore:
             return True
         except OSError:
             return False
-
-
-def layout_key(groups: Sequence[GroupLayout]) -> bytes:
-    """The digest of every group's key, in order: the bits of a file's groups mean the same to every store of it."""
-    return hashlib.blake2b(b"".join(g.key for g in groups), digest_size=16).digest()
-
-
-def _mask(groups: Iterable[int]) -> int:
-    """The bit mask of group indices."""
-    return sum({1 << group for group in groups})
-
-
-def _members(groups: int) -> list[int]:
-    """The group indices of a bit mask, ascending."""
-    return [g for g in range(groups.bit_length()) if groups >> g & 1]
-
-
-def _union(masks: Iterable[int]) -> int:
-    union = 0
-    for groups in masks:
-        union |= groups
-    return union
 
 
 def _shards(folder: Path) -> list[os.DirEntry]:

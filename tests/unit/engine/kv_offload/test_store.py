@@ -14,7 +14,8 @@ import time
 import pytest
 
 from hybridpd.engine.kv_offload import block_file
-from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+from hybridpd.engine.kv_offload.layout import GroupLayout
+from hybridpd.engine.kv_offload.store import OffloadStore
 
 MODEL, OTHER_MODEL = b"m" * 32, b"o" * 32
 GROUP = b"g" * 16

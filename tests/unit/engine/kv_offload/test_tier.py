@@ -9,7 +9,8 @@ import threading
 
 import torch
 
-from hybridpd.engine.kv_offload.store import GroupLayout, OffloadStore
+from hybridpd.engine.kv_offload.layout import GroupLayout
+from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.tier import LoadItem, OffloadTier
 
 PAGE = 32
