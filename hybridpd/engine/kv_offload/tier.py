@@ -2,8 +2,11 @@
 and the loads of storage hits. Nothing here runs on the engine's step: the step asks `has` (a set lookup), offers
 pages (`offer`: a copy into a bounded queue, or a counted drop) and collects finished loads (`take_finished`).
 
-Threads: a writer (the queue into files: one per block hash, with the pages of every group offered for it), a loader
-(files into the blocks a request was given), and a scanner that asks the store every `rescan_s` what changed (the
+The write-behind: `offer` copies the pages into a staging ring of shared memory (ring.py) on the engine's thread; a
+thread sends each batch to the writer process (writer_process.py: the files are created, written and renamed there,
+one per block hash with the pages of every group offered for it, so the engine's GIL is not handed back and forth
+around their system calls) and records its answer in the store. Threads besides: a loader (files into the blocks a
+request was given), and a scanner that asks the store every `rescan_s` what changed (the
 other nodes' journals; now and then a listing of the whole directory: store.py), so blocks other nodes wrote become
 hits here too.
 
@@ -17,6 +20,8 @@ stuck in, so that no other request queues behind it.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import queue
 import threading
 import time
@@ -27,11 +32,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from hybridpd.engine.kv_offload.ring import ByteRing
 from hybridpd.engine.kv_offload.store import OffloadStore
+from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterProcess, WriterSetup
 
 log = logging.getLogger(__name__)
 
-QUEUE_BYTES = 64 << 20   # page bytes waiting to be written at most; more are dropped (and counted), never waited for
+QUEUE_BYTES = 64 << 20   # the staging ring: page bytes waiting to be written at most; more are dropped (and counted)
 RESCAN_S = 5.0      # how often the store is asked what other nodes wrote (or removed)
 PREFETCH = 8        # files a load asks the kernel to read ahead of the one it checks and copies
 
@@ -62,7 +69,7 @@ class TierCounters:
     hits: int = 0              # requests that took a storage hit
     hit_tokens: int = 0        # tokens those hits covered beyond the memory hit
     # CPU seconds each of the tier's threads has used (the engine thread's share, its offers and hit searches, is not
-    # in them)
+    # in them); the writer's: its processes' and the thread that talks to them
     writer_cpu_s: float = 0.0
     loader_cpu_s: float = 0.0
     scanner_cpu_s: float = 0.0
@@ -78,11 +85,21 @@ class OffloadTier:
         self.counters = TierCounters()
         store.scan()   # the first lists the whole directory: every block on it is a change to report
         self._writes: queue.Queue = queue.Queue()
-        self._queue_bytes = queue_bytes
-        # Page bytes in the queue: the engine thread adds, the writer subtracts, both under the lock (a `-=` lost
-        # to a thread switch would shrink the budget for good).
+        ring_fd = os.memfd_create("hybridpd-kv-offload-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(ring_fd, queue_bytes)
+            self._ring_map = mmap.mmap(ring_fd, queue_bytes)
+        except BaseException:
+            os.close(ring_fd)
+            raise
+        self._ring_fd = ring_fd
+        self._staging = torch.frombuffer(self._ring_map, dtype=torch.int8)
+        self._writer = WriterProcess(WriterSetup(str(store.folder), store.model_key, store.groups, queue_bytes), ring_fd)
+        # The ring's ranges and the page bytes in them: the engine thread takes, the writer thread gives back, both
+        # under the lock (a `-=` lost to a thread switch would shrink the budget for good).
+        self._ring = ByteRing(queue_bytes)
         self._queued = 0
-        self._queued_lock = threading.Condition()   # notified as the writer takes bytes off
+        self._queued_lock = threading.Condition()   # notified as the writer gives bytes back
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
         self._pending_lock = threading.Condition()   # also guards `_inflight`, `_stalled` and every copy into pages
@@ -104,9 +121,14 @@ class OffloadTier:
     def empty(self) -> bool:
         return self.store.empty
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's, while one runs."""
+        return self._writer.pid
+
     def offer(self, blocks: Sequence[tuple[int, bytes, int]]) -> None:
-        """Write blocks (group, hash, block id) behind: one copy of their pages into the queue, as many as its byte
-        budget takes (the rest dropped and counted); pages storage holds already are skipped. The pages of one hash
+        """Write blocks (group, hash, block id) behind: one copy of their pages into the staging ring, as many as it
+        has room for (the rest dropped and counted); pages storage holds already are skipped. The pages of one hash
         go to one file."""
         todo, offered = [], set()
         for group, block_hash, block_id in blocks:   # a group's page of a hash once (a file holds it once)
@@ -114,7 +136,7 @@ class OffloadTier:
                 offered.add((group, block_hash))
                 todo.append((group, block_hash, block_id))
         with self._queued_lock:
-            room = max(0, self._queue_bytes - self._queued)
+            room = self._ring.room()   # only grows until the take below: the writer gives back, nothing else takes
         taken, size = 0, 0
         for group, _, _ in todo:
             if size + self.pages[group].shape[1] > room:
@@ -131,10 +153,21 @@ class OffloadTier:
             group_ids = ids.setdefault(group, [])
             by_hash.setdefault(block_hash, []).append((group, len(group_ids)))
             group_ids.append(block_id)
-        copies = {g: self.pages[g].index_select(0, torch.tensor(b, dtype=torch.int64)) for g, b in ids.items()}
         with self._queued_lock:
+            start = self._ring.take(size)
             self._queued += size
-        self._writes.put((copies, list(by_hash.items()), size))   # the writer cuts the pages out of the copies
+        assert start is not None, "the ring's room shrank between room() and take()"
+        offsets: dict[int, int] = {}   # per group: where its pages begin in the ring
+        at = start
+        for group, group_ids in ids.items():
+            page_bytes = self.pages[group].shape[1]
+            offsets[group] = at
+            torch.index_select(self.pages[group], 0, torch.tensor(group_ids, dtype=torch.int64),
+                               out=self._staging[at: at + len(group_ids) * page_bytes].view(-1, page_bytes))
+            at += len(group_ids) * page_bytes
+        blocks_at = tuple((block_hash, tuple((g, offsets[g] + row * self.pages[g].shape[1]) for g, row in pages))
+                          for block_hash, pages in by_hash.items())
+        self._writes.put((blocks_at, size))
 
     def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
         """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
@@ -195,7 +228,7 @@ class OffloadTier:
         return True
 
     def close(self, flush_s: float = 5.0) -> None:
-        """Stop the threads; queued writes get up to `flush_s` to reach the disk."""
+        """Stop the threads and the writer process; queued writes get up to `flush_s` to reach the disk."""
         self._writes.put(None)
         self._threads[0].join(flush_s)
         self._stop.set()
@@ -203,7 +236,9 @@ class OffloadTier:
         for thread in self._threads[1:]:
             thread.join(1.0)
         if not self._threads[0].is_alive():   # else its writes may still journal
+            self._writer.close(1.0)
             self.store.close()
+            os.close(self._ring_fd)
 
     # -- threads --------------------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -211,23 +246,30 @@ class OffloadTier:
             item = self._writes.get()
             if item is None:
                 return
-            copies, blocks, size = item
+            blocks, size = item
+            # pages a file came to hold since the offer (another node's, found by a scan) are not written again
+            blocks = tuple((block_hash, pages) for block_hash, pages in
+                           ((block_hash, tuple(page for page in pages if not self.store.holds(page[0], block_hash)))
+                            for block_hash, pages in blocks) if pages)
             try:
-                rows = {group: copy.numpy() for group, copy in copies.items()}
-                results = self.store.write_many(
-                    (block_hash, [(group, memoryview(rows[group][row])) for group, row in pages])
-                    for block_hash, pages in blocks)
-            except Exception as exc:  # noqa: BLE001 - a bug must not stop the writer: its bytes would stay queued
-                log.exception("kv offload: a batch of writes failed")
-                results = [exc] * len(blocks)
-            for (_, pages), result in zip(blocks, results):
-                if isinstance(result, Exception):
-                    self.counters.dropped_write_error += len(pages)
-                    log.warning("kv offload: write dropped (%s)", result)
-                else:
-                    self.counters.written += result
-            self.counters.writer_cpu_s = time.thread_time()
+                results = self._writer.write(WriteBatch(blocks, self.store.mask_order)).results if blocks else ()
+            except Exception as exc:  # noqa: BLE001 - nothing may stop the thread: its ring range would stay taken
+                log.warning("kv offload: a batch of writes failed (%s)", exc)
+                results = (str(exc),) * len(blocks)
+            try:
+                for (block_hash, pages), result in zip(blocks, results):
+                    if isinstance(result, str):
+                        self.counters.dropped_write_error += len(pages)
+                        log.warning("kv offload: write dropped (%s)", result)
+                    else:
+                        self.store.record_write(block_hash, result)
+                        self.counters.written += result.written.bit_count()
+                self.store.finish_writes()
+            except Exception:  # noqa: BLE001
+                log.exception("kv offload: recording a batch of writes failed")
+            self.counters.writer_cpu_s = self._writer.cpu_s + time.thread_time()
             with self._queued_lock:
+                self._ring.give_back()
                 self._queued -= size
                 self._queued_lock.notify_all()
 

@@ -6,7 +6,6 @@ with two KV-head counts, two sliding windows), so every hit crosses all."""
 
 from __future__ import annotations
 
-import errno
 import threading
 from pathlib import Path
 
@@ -127,14 +126,11 @@ def test_bad_files_are_misses_and_the_prompt_is_computed(tiny_dir, tmp_path, ref
     assert all_free(cold)
 
 
-def test_a_full_disk_drops_writes_and_serving_goes_on(tiny_dir, tmp_path, reference, monkeypatch):
+def test_a_disk_that_refuses_writes_drops_them_and_serving_goes_on(tiny_dir, tmp_path, reference):
     tokens, _, _ = reference
-
-    def disk_full(self, block_hash, pages):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(OffloadStore, "_write_file", disk_full)   # every block file's write
     full = engine(tiny_dir, tmp_path)
+    for shard in range(256):   # a file where each shard folder would go: every block file's write fails (ENOTDIR)
+        (full.offload.store.folder / f"{shard:02x}").touch()
     drive(full, FIRST)
     out, _ = drive(full, SECOND)
     full.close()

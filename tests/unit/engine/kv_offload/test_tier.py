@@ -1,11 +1,15 @@
-"""The tier's queues: a write-behind that is full drops (and counts) rather than waits; a load copies whole pages
+"""The tier's queues: a write-behind that is full drops (and counts) rather than waits, and a writer process that
+dies costs the batch it had and no more; a load copies whole pages
 into the blocks it was given, and one missing file fails the load and is forgotten (so the next hit search no
 longer counts on it); a load whose read hangs is abandoned, offers no hits meanwhile, and copies nothing once the
 read returns."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -30,42 +34,45 @@ def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
     return done
 
 
-def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
-    release = threading.Event()
-    real_write = OffloadStore.write_many
+@contextmanager
+def writer_stopped(tier: OffloadTier):
+    """The tier's writer process stopped (SIGSTOP) while the block runs; it runs once a first write has started it."""
+    tier.offer([(0, b"w" * 32, 3)])
+    assert tier.wait_written(30) and tier.writer_pid is not None
+    pid = tier.writer_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        with suppress(ProcessLookupError):   # killed (and reaped) by the test
+            os.kill(pid, signal.SIGCONT)
 
-    def slow_write(self, *args):
-        release.wait(10)
-        return real_write(self, *args)
 
-    monkeypatch.setattr(OffloadStore, "write_many", slow_write)
+def test_a_full_write_queue_drops_and_counts(tmp_path):
     _, _, tier = make(tmp_path, queue_pages=1)
-    for i in range(4):
-        tier.offer([(0, bytes([i]) * 32, i)])
-    assert tier.counters.dropped_queue_full == 3   # the first is being written (its bytes still counted), the rest
-    tier.offer([(0, bytes([9]) * 32, 0), (0, bytes([8]) * 32, 1)])
-    assert tier.counters.dropped_queue_full == 5
-    release.set()
+    with writer_stopped(tier):
+        for i in range(4):
+            tier.offer([(0, bytes([i]) * 32, i)])
+        assert tier.counters.dropped_queue_full == 3   # the first is with the writer (its ring range still taken)
+        tier.offer([(0, bytes([9]) * 32, 0), (0, bytes([8]) * 32, 1)])
+        assert tier.counters.dropped_queue_full == 5
     tier.close()
-    assert tier.counters.written == 1 and tier.counters.dropped_queue_full == 5
-    assert tier.counters.writer_cpu_s > 0   # the writer thread's CPU, counted as it goes
+    assert tier.counters.written == 2 and tier.counters.dropped_queue_full == 5
+    assert tier.has(0, bytes([0]) * 32) and not tier.has(0, bytes([1]) * 32)
+    assert tier.counters.writer_cpu_s > 0   # the writer process's CPU and its thread's, counted as they go
 
 
-def test_a_page_offered_twice_is_written_once_and_a_failed_batch_does_not_stop_the_writer(tmp_path, monkeypatch):
-    real_write = OffloadStore.write_many
-    failures = iter([ValueError("a bug")])
-
-    def fails_once(self, blocks):
-        for exc in failures:
-            raise exc
-        return real_write(self, blocks)
-
-    monkeypatch.setattr(OffloadStore, "write_many", fails_once)
+def test_a_page_offered_twice_is_written_once_and_a_writer_that_dies_costs_its_batch_only(tmp_path):
     _, _, tier = make(tmp_path)
-    tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])                # the failing batch
-    tier.offer([(0, b"c" * 32, 1), (0, b"c" * 32, 1), (0, b"d" * 32, 3)])
+    with writer_stopped(tier) as pid:
+        tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])                # the batch the writer dies with
+        os.kill(pid, signal.SIGKILL)
+        assert tier.wait_written(30)
+    assert tier.counters.dropped_write_error == 2
+    tier.offer([(0, b"c" * 32, 1), (0, b"c" * 32, 1), (0, b"d" * 32, 3)])   # a new writer process
     tier.close()
-    assert tier.counters.dropped_write_error == 2 and tier.counters.written == 2
+    assert tier.writer_pid != pid
+    assert tier.counters.dropped_write_error == 2 and tier.counters.written == 3
     assert tier.has(0, b"c" * 32) and tier.has(0, b"d" * 32) and not tier.has(0, b"a" * 32)
 
 
