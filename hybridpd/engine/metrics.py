@@ -89,7 +89,8 @@ def _offload_metrics(counters: TierCounters) -> Iterator[Metric]:
     yield CounterMetricFamily("hybridpd:kv_offload_load_timeouts", "Storage reads given up after --kv-load-timeout "
                               "(the prompt was computed instead)", value=counters.load_timeouts)
     cpu = CounterMetricFamily("hybridpd:kv_offload_thread_cpu_seconds", "CPU time of the storage tier's threads: the "
-                              "writer, the loader and the scanner (not the engine thread's offers and hit searches)",
+                              "writer (its process and the thread that feeds it), the loader and the scanner (not the "
+                              "engine thread's offers and hit searches)",
                               labels=["thread"])
     cpu.add_metric(["writer"], counters.writer_cpu_s)
     cpu.add_metric(["loader"], counters.loader_cpu_s)
