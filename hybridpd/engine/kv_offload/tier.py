@@ -1,14 +1,13 @@
 """The storage tier of one engine: which blocks the offload directory holds, the write-behind of newly cached blocks,
 and the loads of storage hits. Nothing here runs on the engine's step: the step asks `has` (a set lookup), offers
-pages (`offer`: a copy into a bounded queue, or a counted drop) and collects finished loads (`take_finished`).
+pages (`offer`: a copy into the staging ring, or a counted drop) and collects finished loads (`take_finished`).
 
 The write-behind: `offer` copies the pages into a staging ring of shared memory (ring.py) on the engine's thread; a
 thread sends each batch to the writer process (writer_process.py: the files are created, written and renamed there,
 one per block hash with the pages of every group offered for it, so the engine's GIL is not handed back and forth
 around their system calls) and records its answer in the store. Threads besides: a loader (files into the blocks a
-request was given), and a scanner that asks the store every `rescan_s` what changed (the
-other nodes' journals; now and then a listing of the whole directory: store.py), so blocks other nodes wrote become
-hits here too.
+request was given), and a scanner that asks the store every `rescan_s` what changed (the other nodes' journals; now
+and then a listing of the whole directory: store.py), so blocks other nodes wrote become hits here too.
 
 A directory that hangs (an NFS server gone) must not hang the requests that read from it: the engine gives up on a
 load older than its timeout (`abandon_overdue`). From then on the loader copies nothing more into that request's
