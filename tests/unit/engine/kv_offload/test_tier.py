@@ -11,6 +11,7 @@ import signal
 import threading
 from contextlib import contextmanager, suppress
 
+import pytest
 import torch
 
 from hybridpd.engine.kv_offload.layout import GroupLayout
@@ -155,3 +156,14 @@ def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(t
     assert not (pages[1] == 7).all()
     assert reader.has(0, b"b" * 32)   # the loader is back: hits again
     reader.close()
+
+
+def test_an_offer_whose_copy_fails_gives_its_ring_range_back(tmp_path):
+    _, _, tier = make(tmp_path, queue_pages=2)
+    with pytest.raises(IndexError):
+        tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 99)])   # no block 99: a bug of the caller's
+    assert tier.wait_written(30)
+    tier.offer([(0, b"c" * 32, 1), (0, b"d" * 32, 2)])        # the whole ring again
+    tier.close()
+    assert tier.counters.written == 2 and tier.counters.dropped_write_error == 2
+    assert tier.counters.dropped_queue_full == 0
