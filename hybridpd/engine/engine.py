@@ -141,7 +141,7 @@ class LLMEngine:
         store = OffloadStore(
             cache.kv_offload_dir, model_key(self.config.model_dir, self.config.dtype, cache.block_size),
             tuple(GroupLayout(group_key(i, g), g.page_size_bytes) for i, g in enumerate(self.groups)),
-            cache.kv_offload_size,
+            cache.kv_offload_size, feed=cache.enable_kv_cache_events,
         )
         tier = OffloadTier(store, self.storage.tensors)
         self.kv.use_storage(tier)

@@ -45,7 +45,10 @@ FULL_SCAN_CPU_SHARE = 0.02    # ... unless listings would take more of a core th
 
 
 class OffloadStore:
-    def __init__(self, root: Path, model_key: bytes, groups: tuple[GroupLayout, ...], capacity_bytes: int) -> None:
+    def __init__(self, root: Path, model_key: bytes, groups: tuple[GroupLayout, ...], capacity_bytes: int, *,
+                 feed: bool = False) -> None:
+        """`feed`: keep what this store comes to hold or loses for `take_changes` (the KV events); without it nothing
+        is kept, so a node that publishes no events does not pile the changes up."""
         if capacity_bytes <= 0:
             raise ValueError(f"--kv-offload-size must be positive, got {capacity_bytes}")
         self.model_key = model_key
@@ -72,7 +75,7 @@ class OffloadStore:
         self._next_full = 0.0   # time.monotonic() from which a scan lists the whole directory
         # What this store came to hold or lost, oldest first: (True: held / False: gone, group, hash), for the tier's
         # KV events (`take_changes`).
-        self._feed: deque[tuple[bool, int, bytes]] = deque()
+        self._feed: deque[tuple[bool, int, bytes]] | None = deque() if feed else None
 
     def path(self, group: int, block_hash: bytes) -> Path:
         """The file that holds `group`'s page of the block as far as this store knows, else the one that would hold
@@ -184,7 +187,8 @@ class OffloadStore:
         """The groups of `groups` came to hold the block, or lost it (under the lock)."""
         for group in members(groups):
             (self._held[group].add if held else self._held[group].discard)(block_hash)
-            self._feed.append((held, group, block_hash))
+            if self._feed is not None:
+                self._feed.append((held, group, block_hash))
 
     def _flush_journal(self) -> None:
         with self._lock:
@@ -204,7 +208,8 @@ class OffloadStore:
         return not self._files
 
     def take_changes(self) -> list[tuple[bool, int, bytes]]:
-        """What this store came to hold or lost since the last call: (held, group, hash), oldest first."""
+        """What this store came to hold or lost since the last call: (held, group, hash), oldest first (nothing
+        without `feed`)."""
         changes = []
         while self._feed:
             changes.append(self._feed.popleft())
@@ -340,8 +345,9 @@ class OffloadStore:
                 for groups in masks:
                     self._seen(groups)
             for group, (old, new) in enumerate(zip(self._held, held)):
-                self._feed.extend((False, group, block_hash) for block_hash in old - new)
-                self._feed.extend((True, group, block_hash) for block_hash in new - old)
+                if self._feed is not None:
+                    self._feed.extend((False, group, block_hash) for block_hash in old - new)
+                    self._feed.extend((True, group, block_hash) for block_hash in new - old)
             self._files, self._held = files, held
             self._used = sum(self.file_bytes(groups) for masks in files.values() for groups in masks)
 

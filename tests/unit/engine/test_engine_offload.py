@@ -180,6 +180,11 @@ def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir,
     assert {e.group_idx for e in removed} == {group, *(g for g, _ in others)}
     restarted.close()
 
+    quiet = engine(tiny_dir, tmp_path)   # no KV events: the store keeps no changes for anyone to take
+    drive(quiet, SECOND)
+    quiet.close()
+    assert quiet.offload.counters.written > 0 and quiet.offload.store.take_changes() == []
+
 
 def test_a_read_that_hangs_is_given_up_and_the_prompt_computed(tiny_dir, tmp_path, reference, monkeypatch):
     tokens, _, _ = reference

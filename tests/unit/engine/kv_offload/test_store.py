@@ -22,8 +22,8 @@ GROUP = b"g" * 16
 PAGE = 64
 
 
-def store(root, capacity=1 << 20, model=MODEL) -> OffloadStore:
-    return OffloadStore(root, model, (GroupLayout(GROUP, PAGE), GroupLayout(b"h" * 16, PAGE)), capacity)
+def store(root, capacity=1 << 20, model=MODEL, feed=True) -> OffloadStore:
+    return OffloadStore(root, model, (GroupLayout(GROUP, PAGE), GroupLayout(b"h" * 16, PAGE)), capacity, feed=feed)
 
 
 def block(i: int) -> tuple[bytes, memoryview]:
@@ -63,6 +63,16 @@ def test_a_block_file_is_accepted_only_whole_and_as_what_it_names(change, layout
     assert (got is not None) == accepted
     if accepted:
         assert [bytes(page) for page in got] == payloads
+
+
+def test_a_store_without_a_feed_keeps_no_changes(tmp_path):
+    """A node that publishes no KV events never takes the changes: none may pile up."""
+    writer, other = store(tmp_path / "a", feed=False), store(tmp_path / "a", feed=False)
+    h, payload = block(1)
+    writer.write(0, h, payload)
+    other.scan(full=True)
+    assert writer.take_changes() == [] and other.take_changes() == []
+    assert writer.holds(0, h) and other.holds(0, h)
 
 
 def test_write_then_read_and_a_bad_file_is_removed(tmp_path):
