@@ -160,9 +160,12 @@ class OffloadTier:
         at = start
         try:
             for group, group_ids in ids.items():   # numpy's take: a few µs a call, torch's ops ~10 µs each
-                page_bytes = self.pages[group].shape[1]
+                rows, page_bytes = self._page_arrays[group].shape
+                if not 0 <= min(group_ids) <= max(group_ids) < rows:
+                    raise IndexError(f"block ids {group_ids} outside group {group}'s {rows} blocks")
                 offsets[group] = at
-                np.take(self._page_arrays[group], group_ids, axis=0,
+                # mode="clip" writes straight into the ring ("raise" copies through a buffer); the ids are checked above
+                np.take(self._page_arrays[group], group_ids, axis=0, mode="clip",
                         out=self._staging[at: at + len(group_ids) * page_bytes].reshape(-1, page_bytes))
                 at += len(group_ids) * page_bytes
         except BaseException:
