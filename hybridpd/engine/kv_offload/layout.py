@@ -1,5 +1,6 @@
 """What names a block file: the groups a store holds pages of, the folder of their layout, and a file's path
-(`<folder>/<hash[:2]>/<hash>.<groups>.kv`, hex; `groups` is the bit mask of the groups whose pages the file holds)."""
+(`<folder>/<hash[:2]>/<hash>.<groups>.kv`, hex; `groups` is the bit mask of the groups whose pages the file holds),
+written and parsed."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def layout_key(groups: Sequence[GroupLayout]) -> bytes:
 def block_path(folder: str, block_hash: bytes, groups: int) -> str:
     name = block_hash.hex()
     return f"{folder}/{name[:2]}/{name}.{groups:x}.kv"
+
+
+def parse_block_name(name: str, all_groups: int) -> tuple[bytes, int] | None:
+    """(block hash, groups) of a block file's name whose groups lie within `all_groups`; None for any other name."""
+    if not name.endswith(".kv"):
+        return None
+    hash_hex, _, groups_hex = name[:-3].partition(".")
+    try:
+        block_hash, groups = bytes.fromhex(hash_hex), int(groups_hex, 16)
+    except ValueError:
+        return None
+    if not block_hash or not 0 < groups <= all_groups or groups_hex != f"{groups:x}":
+        return None
+    return block_hash, groups
 
 
 def mask(groups: Iterable[int]) -> int:

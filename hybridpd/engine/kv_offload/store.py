@@ -31,13 +31,25 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from hybridpd.engine.kv_offload import block_file
 from hybridpd.engine.kv_offload.file_writer import BlockFileWriter, Written
 from hybridpd.engine.kv_offload.journal import Change, JournalReader, JournalWriter
-from hybridpd.engine.kv_offload.layout import GroupLayout, block_path, largest_first, layout_key, mask, members, union
+from hybridpd.engine.kv_offload.layout import (
+    GroupLayout,
+    block_path,
+    largest_first,
+    layout_key,
+    mask,
+    members,
+    parse_block_name,
+    union,
+)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STALE_TEMP_S = 60.0
 FULL_SCAN_S = 60.0            # a scan lists the whole directory at least this often ...
@@ -88,16 +100,7 @@ class OffloadStore:
 
     def _parse(self, name: str) -> tuple[bytes, int] | None:
         """(block hash, groups) of a block file's name; None for any other name."""
-        if not name.endswith(".kv"):
-            return None
-        hash_hex, _, groups_hex = name[:-3].partition(".")
-        try:
-            block_hash, groups = bytes.fromhex(hash_hex), int(groups_hex, 16)
-        except ValueError:
-            return None
-        if not block_hash or not 0 < groups <= self._all_groups or groups_hex != f"{groups:x}":
-            return None
-        return block_hash, groups
+        return parse_block_name(name, self._all_groups)
 
     def file_bytes(self, groups: int) -> int:
         """The size of a block file holding the pages of `groups` (a bit mask)."""
@@ -129,8 +132,12 @@ class OffloadStore:
         self.finish_writes()
         return results
 
+    def unheld(self, block_hash: bytes, pages: Iterable[tuple[int, T]]) -> tuple[tuple[int, T], ...]:
+        """The (group, ...) pages of the block whose group no file holds, as far as this store knows."""
+        return tuple(page for page in pages if block_hash not in self._held[page[0]])
+
     def _write_file(self, block_hash: bytes, pages: Sequence[tuple[int, memoryview]]) -> int:
-        pages = [(group, payload) for group, payload in pages if not self.holds(group, block_hash)]
+        pages = self.unheld(block_hash, pages)
         if not pages:   # a file holds every one of them already
             return 0
         result = self._writer.write(block_hash, pages, self._mask_order)

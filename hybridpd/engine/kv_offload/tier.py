@@ -256,8 +256,7 @@ class OffloadTier:
             blocks, size = item
             # pages a file came to hold since the offer (another node's, found by a scan) are not written again
             blocks = tuple((block_hash, pages) for block_hash, pages in
-                           ((block_hash, tuple(page for page in pages if not self.store.holds(page[0], block_hash)))
-                            for block_hash, pages in blocks) if pages)
+                           ((block_hash, self.store.unheld(block_hash, pages)) for block_hash, pages in blocks) if pages)
             try:
                 results = self._writer.write(WriteBatch(blocks, self.store.mask_order)).results if blocks else ()
             except Exception as exc:  # noqa: BLE001 - nothing may stop the thread: its ring range would stay taken
