@@ -36,6 +36,7 @@ import torch
 from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.kv_offload.layout import members, parse_block_name
 from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.tier import LoadItem, OffloadTier
 from hybridpd.engine.request import EngineRequest
@@ -106,11 +107,12 @@ def tier_load(engine: LLMEngine, root: Path, paths: list[Path]) -> float:
     store = OffloadStore(root, written.model_key, written.groups, 8 << 30)
     items, rows = [], [0] * len(written.groups)
     for path in paths:
-        block_hash, groups = path.name.split(".")[:2]
-        for g in range(len(written.groups)):
-            if int(groups, 16) >> g & 1:
-                items.append(LoadItem(g, rows[g], bytes.fromhex(block_hash)))
-                rows[g] += 1
+        parsed = parse_block_name(path.name, (1 << len(written.groups)) - 1)
+        assert parsed is not None, path
+        block_hash, groups = parsed
+        for g in members(groups):
+            items.append(LoadItem(g, rows[g], block_hash))
+            rows[g] += 1
     pages = [torch.zeros(max(1, n), layout.page_bytes, dtype=torch.int8) for n, layout in zip(rows, written.groups)]
     tier = OffloadTier(store, pages, rescan_s=3600)
     drop_cache(paths)
