@@ -3,8 +3,8 @@
 Why a process and not a thread: a thread that creates, writes and renames files gives the GIL up and takes it back
 around every system call, ~10 times a file, and each time it takes it back the engine's thread, forced to let it
 go, waits for it to come back. Measured in-process on the small preset (benchmarks/README.md), against no tier:
-the engine's steps took 15-21% longer with a writer thread, 6-11% with this process. It shares no GIL with the
-engine: per batch of files the engine's process sends one message and reads one answer.
+the engine's steps took 9-21% longer with a writer thread, 6-16% with this process (less in each run that had
+both). It shares no GIL with the engine: per batch of files the engine's process sends one message and reads one answer.
 
 The wire, over two pipes (multiprocessing's framing, pickled messages of this module): the tier sends a
 `WriterSetup`, then `WriteBatch`es; the process answers each with a `BatchWritten`. The pages themselves are in a
