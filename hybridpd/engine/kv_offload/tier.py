@@ -94,10 +94,9 @@ class OffloadTier:
         self._ring_fd = ring_fd
         self._staging = np.frombuffer(self._ring_map, dtype=np.int8)
         self._writer = WriterProcess(WriterSetup(str(store.folder), store.model_key, store.groups, queue_bytes), ring_fd)
-        # The ring's ranges and the page bytes in them: the engine thread takes, the writer thread gives back, both
-        # under the lock (a `-=` lost to a thread switch would shrink the budget for good).
+        # The ring's ranges, one per queued batch: the engine thread takes, the writer thread gives back, both under
+        # the lock.
         self._ring = ByteRing(queue_bytes)
-        self._queued = 0
         self._queued_lock = threading.Condition()   # notified as the writer gives bytes back
         self._loads: queue.Queue = queue.Queue()
         self._finished: deque[tuple[str, bool]] = deque()
@@ -154,7 +153,6 @@ class OffloadTier:
             group_ids.append(block_id)
         with self._queued_lock:
             start = self._ring.take(size)
-            self._queued += size
         assert start is not None, "the ring's room shrank between room() and take()"
         offsets: dict[int, int] = {}   # per group: where its pages begin in the ring
         at = start
@@ -169,12 +167,12 @@ class OffloadTier:
                         out=self._staging[at: at + len(group_ids) * page_bytes].reshape(-1, page_bytes))
                 at += len(group_ids) * page_bytes
         except BaseException:
-            self._writes.put(((), size))   # nothing to write: the range goes back in its turn
+            self._writes.put(())   # nothing to write: the range goes back in its turn
             self.counters.dropped_write_error += len(todo)
             raise
         blocks_at = tuple((block_hash, tuple((g, offsets[g] + row * self.pages[g].shape[1]) for g, row in pages))
                           for block_hash, pages in by_hash.items())
-        self._writes.put((blocks_at, size))
+        self._writes.put(blocks_at)
 
     def start_load(self, request_id: str, items: Sequence[LoadItem], num_tokens: int = 0) -> None:
         """Read `items` into their blocks (a hit of `num_tokens` beyond the memory hit); `take_finished` says when."""
@@ -227,7 +225,7 @@ class OffloadTier:
         """Wait up to `timeout` until every write queued so far has reached the disk (or failed); True if so."""
         deadline = time.monotonic() + timeout
         with self._queued_lock:
-            while self._queued:
+            while self._ring.taken:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -250,13 +248,12 @@ class OffloadTier:
     # -- threads --------------------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
-            item = self._writes.get()
-            if item is None:
+            queued = self._writes.get()
+            if queued is None:
                 return
-            blocks, size = item
             # pages a file came to hold since the offer (another node's, found by a scan) are not written again
             blocks = tuple((block_hash, pages) for block_hash, pages in
-                           ((block_hash, self.store.unheld(block_hash, pages)) for block_hash, pages in blocks) if pages)
+                           ((block_hash, self.store.unheld(block_hash, pages)) for block_hash, pages in queued) if pages)
             try:
                 results = self._writer.write(WriteBatch(blocks, self.store.mask_order)).results if blocks else ()
             except Exception as exc:  # noqa: BLE001 - nothing may stop the thread: its ring range would stay taken
@@ -276,7 +273,6 @@ class OffloadTier:
             self.counters.writer_cpu_s = self._writer.cpu_s + time.thread_time()
             with self._queued_lock:
                 self._ring.give_back()
-                self._queued -= size
                 self._queued_lock.notify_all()
 
     def _load_loop(self) -> None:
