@@ -29,6 +29,12 @@ from hybridpd.engine.kv_offload.layout import GroupLayout
 
 log = logging.getLogger(__name__)
 
+# The process's niceness over the node's: the write-behind is background work. Where the cores are all busy (a node's
+# engine steps beside other nodes on the same machine), the scheduler gives the steps the CPU first, and a writer
+# that falls behind fills the staging ring, whose overflow is dropped and counted, never waited for. Linux also
+# derives a process's default I/O priority from its niceness. Idle cores run it at once, as before.
+NICENESS = 10
+
 # Started as `python -c`, not `-m`: the messages' classes must be this module's, not `__main__`'s, on both ends.
 COMMAND = "import sys; from hybridpd.engine.kv_offload.writer_process import main; sys.exit(main(sys.argv[1:]))"
 
@@ -161,6 +167,7 @@ def serve(ring_fd: int, receive: Connection, answer: Connection) -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s kv-offload-writer: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C reaches the node too: it closes the pipe, this finishes
+    os.nice(NICENESS)
     ring_fd, receive_fd, answer_fd = (int(arg) for arg in argv)
     serve(ring_fd, Connection(receive_fd, writable=False), Connection(answer_fd, readable=False))
     return 0

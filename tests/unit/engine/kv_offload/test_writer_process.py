@@ -1,6 +1,7 @@
 """The write-behind's process, for real: it writes the pages a batch names in the shared ring into block files a store
 reads back, answers per block (a block it cannot write is that block's error, not the batch's), finds the files
-another writer made instead of writing them again, exits when its pipe closes, and a dead one is replaced."""
+another writer made instead of writing them again, exits when its pipe closes, a dead one is replaced, and it runs
+below the node's priority."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hybridpd.engine.kv_offload.file_writer import Written
 from hybridpd.engine.kv_offload.layout import GroupLayout
 from hybridpd.engine.kv_offload.store import OffloadStore
-from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterGone, WriterProcess, WriterSetup
+from hybridpd.engine.kv_offload.writer_process import NICENESS, WriteBatch, WriterGone, WriterProcess, WriterSetup
 
 GROUPS = (GroupLayout(b"g" * 16, 64), GroupLayout(b"h" * 16, 128))
 RING = 4096
@@ -86,3 +87,15 @@ def test_the_process_exits_when_closed_and_a_dead_one_is_replaced(tmp_path, ring
     assert writer.pid is None
     with pytest.raises(ProcessLookupError):   # exited and reaped
         os.kill(second, 0)
+
+
+def test_the_process_runs_below_the_nodes_priority(tmp_path, ring):
+    fd, memory = ring
+    _, setup = setup_for(tmp_path)
+    writer = WriterProcess(setup, fd)
+    try:
+        writer.write(WriteBatch(((b"1" * 32, ((0, 0),)),), ()))
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, writer.pid) == min(19, ours + NICENESS)
+    finally:
+        writer.close(5.0)
