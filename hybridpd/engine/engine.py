@@ -37,6 +37,8 @@ from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+# Blocks per group whose memory is faulted in ahead of the steps that will write them (kv_cache/prefault.py).
+PREFAULT_BLOCKS = 8
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +167,11 @@ class LLMEngine:
                 for held, group, hashes in runs]
 
     def close(self) -> None:
-        """Stop the storage tier's threads (its queued writes get a few seconds to reach the disk)."""
+        """Stop the storage tier's threads (its queued writes get a few seconds to reach the disk) and the KV pool's
+        prefaulter."""
         if self.offload is not None:
             self.offload.close()
+        self.storage.close()
 
     def set_remote(self, loader: RemoteKVLoader, hold_handler: HoldHandler, decode_skip_mamba_align: bool) -> None:
         self.scheduler.loader = loader
@@ -307,6 +311,7 @@ class LLMEngine:
         if self.offload is not None:
             self._storage_loads_done()
         plan = self.scheduler.schedule()
+        self.storage.prefault_ahead(self.kv.upcoming_blocks(PREFAULT_BLOCKS))
         out = self.runner.run(plan)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
         if self.offload is not None:

@@ -12,6 +12,7 @@ being a hit (evicted or reset), at the moment it happens.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -161,6 +162,14 @@ class BlockPool:
             oldest.give_back(uncached_only=False)
             if budget.room >= self.page_bytes:
                 return self._grow()
+
+    def upcoming(self, n: int) -> list[int]:
+        """Up to n blocks the next allocations will take whose memory may not be written yet: a shared pool's
+        spare ids in the order it grows into them (its free blocks were all written once), else the front of the
+        free queue (at first every block, in order)."""
+        if self._budget is not None:
+            return self._spare[: -n - 1 : -1]
+        return list(itertools.islice(self._free, n))
 
     def front_stamp(self) -> int:
         """When the first free block was freed (uncached free blocks count as oldest: they are worth nothing)."""

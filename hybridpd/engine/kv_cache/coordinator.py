@@ -67,6 +67,11 @@ class KVCacheManager:
         self._query_tokens = [0] * len(groups)
         self._hit_tokens = [0] * len(groups)
 
+    def upcoming_blocks(self, n: int) -> tuple[list[int], ...]:
+        """Per group, up to n blocks the next allocations will take whose memory may not be written yet
+        (`BlockPool.upcoming`): what the storage faults in ahead."""
+        return tuple(pool.upcoming(n) for pool in self._pools)
+
     def _pool(self, g: int, n: int, shared: SharedMemory | None,
               on_release: Callable[[int, int], None] | None) -> BlockPool:
         if shared is None:

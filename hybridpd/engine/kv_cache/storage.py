@@ -4,7 +4,9 @@
 conv/ssm views are reinterpretations of the same memory; the connector registers `tensors` as they are.
 Memory comes from anonymous mappings, advised onto huge pages (which UCX reads fastest) and touched only when a block
 is first written: groups that share one budget (budget.py) have more block ids than memory, and `release` returns a
-block's pages to the operating system when its group gives the block's bytes to another group.
+block's pages to the operating system when its group gives the block's bytes to another group. `prefault_ahead`
+has the pages of the blocks the pools will hand out next faulted in beforehand, off the engine's thread
+(prefault.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridpd.engine.kv_cache.prefault import REGION_BYTES, Prefaulter
 from hybridpd.engine.kv_cache.spec import AttentionSpec, KVCacheGroup, MambaSpec
 
 
@@ -42,6 +45,8 @@ class KVCacheStorage:
         self._attention_views: dict[int, torch.Tensor] = {}
         self._attention_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mamba_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefaulter = Prefaulter()
+        self._populated: tuple[set[int], ...] = tuple(set() for _ in groups)   # regions asked for, per group
 
     def slot(self, layer_id: int) -> LayerSlot:
         return self._slots[layer_id]
@@ -107,6 +112,33 @@ class KVCacheStorage:
         end = (block + 1) * page // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             self._maps[group_id].madvise(mmap.MADV_DONTNEED, start, end - start)
+            base = self.tensors[group_id].data_ptr()
+            self._populated[group_id].difference_update(
+                range((base + start) // REGION_BYTES, (base + end - 1) // REGION_BYTES + 1))
+
+    def prefault_ahead(self, upcoming: tuple[list[int], ...]) -> None:
+        """Have the memory of each group's next blocks (`upcoming[g]`, as the pools will hand them out) faulted in
+        by the prefaulter: the regions they lie in and the region after the last, each asked for once (again after
+        a release in it)."""
+        for group_id, blocks in enumerate(upcoming):
+            if not blocks:
+                continue
+            page = self.groups[group_id].page_size_bytes
+            base = self.tensors[group_id].data_ptr()
+            end = base + self.num_blocks[group_id] * page
+            regions = {(base + b * page) // REGION_BYTES for b in blocks}
+            regions.add(max(regions) + 1)
+            populated = self._populated[group_id]
+            for region in sorted(regions - populated):
+                start, stop = max(base, region * REGION_BYTES), min(end, (region + 1) * REGION_BYTES)
+                start -= start % mmap.PAGESIZE
+                if stop > start:
+                    self.prefaulter.populate(start, stop - start)
+                populated.add(region)
+
+    def close(self) -> None:
+        """Stop the prefaulter's thread."""
+        self.prefaulter.close()
 
 
 def _anonymous(size: int) -> mmap.mmap:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from hybridpd.engine.engine import PREFAULT_BLOCKS
+from hybridpd.engine.kv_cache.prefault import REGION_BYTES
 from hybridpd.engine.transfer_params import RemoteDecodeParams
 from hybridpd.engine.metrics import EngineCollector
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus
@@ -243,3 +245,22 @@ def test_metrics_collector_reads_the_snapshot(engine):
     assert registry.get_sample_value("vllm:num_requests_running", {"model_name": "model", "engine": "0"}) == 0
     assert registry.get_sample_value("hybridpd:engine_generation_tokens_total") == 3
     assert all_free(engine)
+
+
+def test_a_step_has_the_memory_of_the_next_blocks_faulted_in_ahead(engine):
+    engine.add_request(greedy("a", text_prompt("hello there"), max_tokens=2))
+    engine.step()
+    storage = engine.storage
+    storage.prefaulter.wait_idle()
+    if not storage.prefaulter.supported:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    upcoming = engine.kv.upcoming_blocks(PREFAULT_BLOCKS)
+    assert any(upcoming) and storage.prefaulter.populated_bytes > 0
+    for group, blocks in enumerate(upcoming):
+        page = engine.groups[group].page_size_bytes
+        base = storage.tensors[group].data_ptr()
+        regions = {(base + b * page) // REGION_BYTES for b in blocks}
+        assert regions <= storage._populated[group]
+    run(engine)
+    engine.close()
+    assert storage.prefaulter._thread is None   # stopped
