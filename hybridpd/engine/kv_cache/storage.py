@@ -47,6 +47,7 @@ class KVCacheStorage:
         self._mamba_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefaulter = Prefaulter()
         self._populated: tuple[set[int], ...] = tuple(set() for _ in groups)   # regions asked for, per group
+        self._last_upcoming: list[list[int]] = [[] for _ in groups]   # what the last call named (most steps: the same)
 
     def slot(self, layer_id: int) -> LayerSlot:
         return self._slots[layer_id]
@@ -115,14 +116,16 @@ class KVCacheStorage:
             base = self.tensors[group_id].data_ptr()
             self._populated[group_id].difference_update(
                 range((base + start) // REGION_BYTES, (base + end - 1) // REGION_BYTES + 1))
+            self._last_upcoming[group_id] = []
 
     def prefault_ahead(self, upcoming: tuple[list[int], ...]) -> None:
         """Have the memory of each group's next blocks (`upcoming[g]`, as the pools will hand them out) faulted in
         by the prefaulter: the regions they lie in and the region after the last, each asked for once (again after
         a release in it)."""
         for group_id, blocks in enumerate(upcoming):
-            if not blocks:
+            if not blocks or blocks == self._last_upcoming[group_id]:
                 continue
+            self._last_upcoming[group_id] = blocks
             page = self.groups[group_id].page_size_bytes
             base = self.tensors[group_id].data_ptr()
             end = base + self.num_blocks[group_id] * page
