@@ -12,7 +12,8 @@ the faults of writing each page, without writing). The step that writes them fin
 byte, so a region the engine is writing meanwhile is safe, and a region released meanwhile is either populated
 again or not: both read as zeros. The call is made through ctypes, which lets the GIL go while the kernel works.
 
-Memory populated ahead is not yet counted by the budget: at most two regions per group beyond what the pools hold.
+Memory populated ahead is not yet counted by the budget: per group the regions of its next few blocks and the one
+after (once blocks have been given back, their pages in those regions too: a region is populated whole).
 Where the kernel lacks `MADV_POPULATE_WRITE` (before Linux 5.14) nothing is populated and faults stay with the step.
 """
 
