@@ -176,14 +176,15 @@ class Attention(nn.Module):
         paged cache."""
         k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, dtype)
         for source, target in plan.moves:  # ascending: a target is never a row still to move
-            k_buf[target] = k_buf[source]
-            v_buf[target] = v_buf[source]
+            held = plan.held_keys[target]   # the keys the row holds (the columns past them are never read)
+            k_buf[target, :, :held] = k_buf[source, :, :held]
+            v_buf[target, :, :held] = v_buf[source, :, :held]
         if fills is not None:
-            num = fills.rows.shape[0]
-            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), fills.blocks, num, dtype)
+            k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), fills.blocks, len(plan.fills), dtype)
             columns = min(k_seq.shape[2], k_buf.shape[2])
-            k_buf[fills.rows, :, :columns] = k_seq[:, :, :columns]
-            v_buf[fills.rows, :, :columns] = v_seq[:, :, :columns]
+            for i, row in enumerate(plan.fills):   # a copy per row: a few rows, and a plain copy beats an indexed put
+                k_buf[row, :, :columns] = k_seq[i, :, :columns]
+                v_buf[row, :, :columns] = v_seq[i, :, :columns]
         return k_buf, v_buf
 
     def _attend_buffers(

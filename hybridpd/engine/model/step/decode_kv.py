@@ -48,6 +48,7 @@ class DecodeKVPlan:
 
     rows: torch.Tensor        # [S] 0..S-1: buffer row s is the step's decode row s
     positions: torch.Tensor   # [S] each row's new key position (its length before this step)
+    held_keys: tuple[int, ...]  # the same as ints: the keys a held row brings when it moves
     moves: tuple[tuple[int, int], ...]  # (from, to) buffer rows, to < from, ascending: held keys moving up
     fills: tuple[int, ...]    # buffer rows rebuilt from the paged cache (their new column: this step's append)
     held_rows: int            # rows the buffers must keep through the step (the moves' sources included)
@@ -93,7 +94,8 @@ class DecodeKV:
         position_tensor = int64_tensor(positions)
         start = 0 if window is None else max(0, min(positions) - window + 1)
         bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
-        return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, moves=tuple(moves),
+        return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, held_keys=tuple(positions),
+                            moves=tuple(moves),
                             fills=tuple(fills), held_rows=rows_needed, start=start, length=length,
                             bias=bias[:, None, None, :])
 
