@@ -176,7 +176,9 @@ class Attention(nn.Module):
         paged cache."""
         k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, dtype)
         for source, target in plan.moves:  # ascending: a target is never a row still to move
-            held = plan.held_keys[target]   # the keys the row holds (the columns past them are never read)
+            # the keys the row holds; past them the target keeps its earlier keys or zeros (finite), which the
+            # mask hides
+            held = plan.held_keys[target]
             k_buf[target, :, :held] = k_buf[source, :, :held]
             v_buf[target, :, :held] = v_buf[source, :, :held]
         if fills is not None:

@@ -95,9 +95,8 @@ class DecodeKV:
         start = 0 if window is None else max(0, min(positions) - window + 1)
         bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
         return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, held_keys=tuple(positions),
-                            moves=tuple(moves),
-                            fills=tuple(fills), held_rows=rows_needed, start=start, length=length,
-                            bias=bias[:, None, None, :])
+                            moves=tuple(moves), fills=tuple(fills), held_rows=rows_needed, start=start,
+                            length=length, bias=bias[:, None, None, :])
 
     def end_runs(self) -> None:
         """A failed forward: some layers may have written their buffers, others not; every row is stale."""
