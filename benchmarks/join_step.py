@@ -30,11 +30,12 @@ from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.host_memory import keep_freed_memory
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
-from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.presets.checkpoints import write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
 from roofline import engine_for  # noqa: E402  (the roofline script's engine)
+from tests.unit.engine.engine_harness import remote_params_for  # noqa: E402  (what a prefill node would answer)
 
 SETUPS = ("ahead", "without")
 
@@ -52,15 +53,6 @@ class InstantLoader:
         pass
 
 
-def remote_params(engine: LLMEngine, prompt_len: int) -> RemotePrefillParams:
-    ids = []
-    for group in engine.groups:
-        start, end = group.spec.needed_span(prompt_len)
-        ids.append(tuple(range(1, 1 + end - start)))
-    return RemotePrefillParams(remote_engine_id="prefill", remote_request_id="remote", remote_block_ids=tuple(ids),
-                               remote_host="127.0.0.1", remote_port=1, remote_num_tokens=prompt_len, first_token_id=5)
-
-
 class Driver:
     def __init__(self, engine: LLMEngine, args: argparse.Namespace, seed: int) -> None:
         self.engine, self.args = engine, args
@@ -75,7 +67,7 @@ class Driver:
         self.engine.add_request(EngineRequest(
             request_id=f"r{self.count}", prompt_token_ids=prompt,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-            kv_transfer=remote_params(self.engine, prompt_len) if remote else None))
+            kv_transfer=remote_params_for(self.engine, prompt_len) if remote else None))
 
     def timed_step(self) -> tuple[float, int]:
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
