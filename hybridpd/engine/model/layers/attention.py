@@ -195,10 +195,19 @@ class Attention(nn.Module):
         """The decode rows' queries (qkv: theirs only, in the plan's row order) over the buffers in place."""
         rows, q_size = qkv.shape[0], self.q_size
         q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
-        keys = slice(plan.start, plan.length)
-        att = F.scaled_dot_product_attention(
-            q_dec, k_buf[:rows, :, keys], v_buf[:rows, :, keys], attn_mask=plan.bias, scale=self.scale
-        )
+        if len(plan.runs) == 1:
+            keys = slice(plan.start, plan.length)
+            att = F.scaled_dot_product_attention(
+                q_dec, k_buf[:rows, :, keys], v_buf[:rows, :, keys], attn_mask=plan.bias, scale=self.scale
+            )
+            return att.reshape(rows, q_size)
+        att = torch.empty_like(q_dec)
+        for first_row, end_row, first_key, end_key in plan.runs:   # each run of rows over the columns it needs
+            run, keys = slice(first_row, end_row), slice(first_key, end_key)
+            att[run] = F.scaled_dot_product_attention(
+                q_dec[run], k_buf[run, :, keys], v_buf[run, :, keys],
+                attn_mask=plan.bias[run, :, :, first_key - plan.start : end_key - plan.start], scale=self.scale,
+            )
         return att.reshape(rows, q_size)
 
 

@@ -24,6 +24,14 @@ from the paged cache) or a forward fails (`end_runs`).
 
 Sliding-window groups use them too: the buffers hold every position (those before the window stay as they were
 and are never read again) and attention reads the columns from the earliest position any row's window starts at.
+
+Attention reads every row over the same columns, those the rows need together: a request with a long prompt
+decoding beside short ones makes every row read its keys. Where splitting the rows in two runs (in their order)
+saves at least SPLIT_MIN_KEYS key reads and half of them, attention reads each run over its own columns
+(`runs_of_rows`): a second call costs about what ~2,000 key reads do on the small preset's shapes (one thread, the
+AMD guest of benchmarks/README.md: 3 rows of 61 keys beside one of 1,025 in 187 against 238 us a layer, 15 rows
+294 against 880), and a pulled 1,024-token request's steps beside 8 short ones took 0.79 as long
+(`benchmarks/join_step.py --compare runs`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ from hybridpd.engine.model.step.masks import additive, visible
 MAX_BYTES_PER_LAYER = 64 << 20
 # Buffers grow by this many positions at a time (each growth copies what they hold).
 LENGTH_STEP = 256
+# Attention reads every row over the columns the widest row needs; the rows are read in two runs instead when
+# that saves at least this many key reads and half of them (a long request decoding beside short ones).
+SPLIT_MIN_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,9 @@ class DecodeKVPlan:
     start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
     length: int               # the largest position + 1
     bias: torch.Tensor        # [S, 1, 1, length - start]: 0 where the row sees that key, -inf where not
+    # (first row, end row, first column, end column) of each run of rows attention reads in one call: one run over
+    # [start, length), or two (`runs_of_rows`)
+    runs: tuple[tuple[int, int, int, int], ...]
 
 
 class DecodeKV:
@@ -96,7 +110,7 @@ class DecodeKV:
         bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
         return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, held_keys=tuple(positions),
                             moves=tuple(moves), fills=tuple(fills), held_rows=rows_needed, start=start,
-                            length=length, bias=bias[:, None, None, :])
+                            length=length, bias=bias[:, None, None, :], runs=runs_of_rows(positions, window))
 
     def end_runs(self) -> None:
         """A failed forward: some layers may have written their buffers, others not; every row is stale."""
@@ -129,3 +143,32 @@ class DecodeKV:
                 new[:rows, :, :columns] = old[:rows, :, :columns]
         self._buffers[layer_id] = grown
         return grown
+
+
+def runs_of_rows(positions: Sequence[int], window: int | None) -> tuple[tuple[int, int, int, int], ...]:
+    """The runs of rows attention reads the buffers in: (first row, end row, first column, end column) each. One run
+    over the columns the rows need together, or, where the rows split in two (in their order) into runs that need
+    far fewer columns between them (`SPLIT_MIN_KEYS`, and at most half the key reads), those two."""
+    n = len(positions)
+
+    def first(p: int) -> int:
+        return 0 if window is None else max(0, p - window + 1)
+
+    head_lo, head_hi, lo, hi = [], [], positions[0], positions[0]
+    for p in positions:
+        lo, hi = min(lo, p), max(hi, p)
+        head_lo.append(lo)
+        head_hi.append(hi)
+    whole = (0, n, first(head_lo[-1]), head_hi[-1] + 1)
+    reads = n * (whole[3] - whole[2])
+    best, tail_lo, tail_hi = None, positions[-1], positions[-1]
+    for k in range(n - 1, 0, -1):   # rows [0, k) and [k, n)
+        tail_lo, tail_hi = min(tail_lo, positions[k]), max(tail_hi, positions[k])
+        head = (first(head_lo[k - 1]), head_hi[k - 1] + 1)
+        tail = (first(tail_lo), tail_hi + 1)
+        split = k * (head[1] - head[0]) + (n - k) * (tail[1] - tail[0])
+        if best is None or split < best[0]:
+            best = (split, (0, k, *head), (k, n, *tail))
+    if best is None or reads - best[0] < SPLIT_MIN_KEYS or 2 * best[0] > reads:
+        return (whole,)
+    return best[1], best[2]

@@ -3,16 +3,19 @@
 The run bookkeeping as a table (which steps refill, which append, which fall back to the gather path), then the
 whole engine with the buffers against the engine without them, step by step, through every way a run breaks:
 sequences that finish or arrive (mixed steps), buffers that grow past LENGTH_STEP while appending, a preempted
-and recomputed sequence, and a byte budget that runs out mid-run.
+and recomputed sequence, a byte budget that runs out mid-run, and a long sequence beside short ones (attention in
+two runs of rows, whose choice is checked against a brute force).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpd.engine.engine import LLMEngine
-from hybridpd.engine.model.step.decode_kv import LENGTH_STEP, DecodeKV
+from hybridpd.engine.model.step.decode_kv import LENGTH_STEP, SPLIT_MIN_KEYS, DecodeKV, runs_of_rows
 
 from tests.unit.engine.engine_harness import drive, greedy, make_recording_engine, prompt
 
@@ -84,7 +87,7 @@ def make_engine(model_dir, *, decode_kv: bool, num_blocks: int = 400) -> tuple[L
 
 
 @pytest.mark.parametrize("scenario", ["finish_and_arrive", "leave_and_join", "grow_past_length_step", "preempted",
-                                      "budget"])
+                                      "budget", "long_beside_short"])
 def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
     arrivals = {
         "finish_and_arrive": {0: [greedy("a", prompt(1, 9), 12), greedy("b", prompt(2, 17), 5)],
@@ -96,6 +99,9 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
                                       greedy("b", prompt(6, LENGTH_STEP - 3), 9)]},
         "preempted": {0: [greedy(f"p{i}", prompt(20 + i, 14 + 3 * i), 16) for i in range(3)]},
         "budget": {0: [greedy("a", prompt(7, LENGTH_STEP - 3), 8)]},
+        # three short sequences, then a long one joins below them: attention reads the rows in two runs
+        "long_beside_short": {0: [greedy(f"s{i}", prompt(30 + i, 5 + i), 40) for i in range(3)],
+                              3: [greedy("long", prompt(40, 3 * LENGTH_STEP), 8)]},
     }[scenario]
     num_blocks = 14 if scenario == "preempted" else 400
     engines = [make_engine(tiny_dir, decode_kv=on, num_blocks=num_blocks) for on in (True, False)]
@@ -110,6 +116,8 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
         refill = result is not None and len(result.fills) == result.positions.shape[0]
         outcomes.append("gather" if result is None else "refill" if refill else "partial" if result.fills
                         else "move" if result.moves else "append")
+        if result is not None and len(result.runs) > 1:
+            outcomes.append("two runs")
         return result
 
     decode_kv.plan = spy
@@ -134,6 +142,36 @@ def test_engine_with_decode_kv_equals_the_gather_path(tiny_dir, scenario):
         assert outcomes.index("gather") > outcomes.index("append")
     if scenario == "preempted":
         assert preempted, "the scenario must preempt"
+    assert ("two runs" in outcomes) == (scenario == "long_beside_short"), outcomes
+
+
+def brute_force_runs(positions: list[int], window: int | None) -> tuple[int, int]:
+    """(key reads of one run, the fewest key reads of any split in two runs, in the rows' order)."""
+    def need(p):
+        return (0 if window is None else max(0, p - window + 1)), p + 1
+
+    def reads(rows):
+        spans = [need(p) for p in rows]
+        return len(rows) * (max(e for _, e in spans) - min(b for b, _ in spans))
+
+    splits = [reads(positions[:k]) + reads(positions[k:]) for k in range(1, len(positions))]
+    return reads(positions), min(splits, default=reads(positions))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=12), st.sampled_from([None, 64, 700]))
+def test_attention_runs_cover_every_row_and_split_only_where_it_saves_enough(positions, window):
+    runs = runs_of_rows(positions, window)
+    assert [r[0] for r in runs] == [0, *[r[1] for r in runs[:-1]]] and runs[-1][1] == len(positions)
+    for first_row, end_row, first_key, end_key in runs:   # each row's keys inside its run's columns
+        for p in positions[first_row:end_row]:
+            assert first_key <= (0 if window is None else max(0, p - window + 1)) and p + 1 <= end_key
+    one, best = brute_force_runs(positions, window)
+    reads = sum((end_row - first_row) * (end_key - first_key) for first_row, end_row, first_key, end_key in runs)
+    if len(runs) == 1:
+        assert reads == one and (one - best < SPLIT_MIN_KEYS or 2 * best > one)
+    else:
+        assert reads == best and one - best >= SPLIT_MIN_KEYS and 2 * best <= one
 
 
 def test_buffers_stay_within_the_budget_their_plans_were_checked_against():
