@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
 from roofline import engine_for  # noqa: E402  (the roofline script's engine)
 from tests.unit.engine.engine_harness import remote_params_for  # noqa: E402  (what a prefill node would answer)
+from tests.unit.engine.sched_harness import FakeLoader  # noqa: E402  (pulls this script completes itself)
 
 SETUPS = {"prefault": ("ahead", "without"), "runs": ("two runs", "one run")}
 
@@ -63,23 +64,10 @@ def switch_off(engine: LLMEngine, compare: str) -> None:
     decode_kv.plan = one_run
 
 
-class InstantLoader:
-    """Pulls that complete before the next step (nothing is transferred)."""
-
-    def __init__(self) -> None:
-        self.started: list[str] = []
-
-    def start_load(self, seq, hit_tokens, blocks) -> None:
-        self.started.append(seq.request_id)
-
-    def discard(self, seq) -> None:
-        pass
-
-
 class Driver:
     def __init__(self, engine: LLMEngine, args: argparse.Namespace, seed: int) -> None:
         self.engine, self.args = engine, args
-        self.loader = InstantLoader()
+        self.loader = FakeLoader()
         engine.set_remote(self.loader, hold_handler=lambda seq, logprob: {}, decode_skip_mamba_align=True)
         self.generator = torch.Generator().manual_seed(seed)
         self.count = 0
@@ -111,7 +99,7 @@ class Driver:
             if i % args.join_every == args.join_every // 2:
                 self.add(args.prompt_len, 4, remote=True)
                 self.engine.step()   # admission: the pull starts
-                for request_id in self.loader.started:
+                for request_id, _, _ in self.loader.started:   # the pull completes at once: nothing is transferred
                     self.engine.complete_load(request_id)
                 self.loader.started.clear()
                 kind = "join"
