@@ -1,6 +1,7 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
 decode step's few rows times a large weight through the few-rows kernel (few_rows.py). In bfloat16 on a CPU without
-bfloat16 units, see `bf16_linear`.
+bfloat16 units, see `bf16_linear`; on one with them, a decode step's rows go through the weight packed for oneDNN
+(packed_bf16.py).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16
+from hybridpd.engine.model.kernels.packed_bf16 import PACKED_ROWS_MAX, packed_linear, packing_works
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
@@ -60,6 +62,7 @@ def _find_onednn() -> Callable[..., torch.Tensor] | None:
 
 _onednn = _find_onednn()
 _bf16_units = bool(this_cpus_flags() & BF16_FLAGS)
+_bf16_packing = _bf16_units and packing_works()
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,11 +99,13 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` itself, except bfloat16 on a CPU without bfloat16 units (`bf16_linear`): the products that stay
-    with MKL in float32 (the router, the experts outside the fused kernel, the decode-only attention output, the
-    head)."""
+    """`F.linear` itself, except in bfloat16: on a CPU without bfloat16 units through `bf16_linear`, on one with them
+    a few rows through the packed weight (packed_bf16.py). The products that stay with MKL in float32 (the router,
+    the experts outside the fused kernel, the decode-only attention output, the head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
+    if _packed_bf16(x, weight):
+        return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -109,12 +114,20 @@ def _emulated_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[0] > 0)
 
 
+def _packed_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_bf16_packing and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
+            and weight.dim() == 2 and 0 < x.shape[0] <= PACKED_ROWS_MAX)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS, through the
     few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), bfloat16 on a CPU without
-    bfloat16 units through `bf16_linear`, else MKL."""
+    bfloat16 units through `bf16_linear`, a few bfloat16 rows on a CPU with them through the packed weight, else
+    MKL."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
+    if _packed_bf16(x, weight):
+        return packed_linear(x, weight, bias)
     rows = x.shape[0]
     if (1 < rows <= FEW_ROWS_MAX and x.dim() == 2 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()

@@ -1,0 +1,93 @@
+"""A decode step's bfloat16 products on a CPU with bfloat16 units: through oneDNN with the weight packed once.
+
+There torch's own bfloat16 `F.linear` runs on oneDNN but hands it the weight as stored, which oneDNN reorders into
+its blocked layout inside every call: at a decode step's few rows that reorder is most of the product. Measured on
+an Intel Xeon with AMX and AVX512-BF16 (benchmarks/README.md), one thread, 60 weights of 4,096 x 768 (377 MB, past
+the L3): torch's product read them at 7.9 / 7.0 / 5.8 / 4.3 GB/s at 1 / 8 / 16 / 32 rows, no faster than float32's
+at one row (the machine copies at ~10-11 GB/s); with the weight packed beforehand (`_reorder_linear_weight`) and
+multiplied by `_linear_pointwise`, 12.3 / 11.8 / 11.1 / 8.6 GB/s.
+
+oneDNN builds (and caches) a primitive, with scratch memory, for every row count it meets, and a process that met
+every count grew without bound in bfloat16 (~0.7 MB per count and weight shape, measured; the cache's eviction made
+it grow again over counts it had met). So only up to PACKED_ROWS_MAX rows come here, and their count is rounded up
+to a bucket (`row_bucket`: exact up to 16 rows, then multiples of 8), the padding rows zeros: at most 22 row counts
+per weight shape. Larger steps keep torch's product, where the reorder is a small part of the work.
+
+The packs live on the weight they come from (an attribute of its base tensor, so a view of a weight, such as the
+gate's rows of a fused projection, has its own), made at the first product and made again when the weight was
+written in place (its version counter moved): a reloaded weight never multiplies through a stale pack. They cost
+the weight's bytes once more (a decode-sized product reads only the pack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PACKED_ROWS_MAX = 64
+EXACT_ROWS_MAX = 16
+ROW_STEP = 8
+PACKS_ATTRIBUTE = "_hybridpd_bf16_packs"
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of `rows` rows runs at (the rest zeros)."""
+    if rows <= EXACT_ROWS_MAX:
+        return rows
+    return -(-rows // ROW_STEP) * ROW_STEP
+
+
+def packing_works() -> bool:
+    """Whether this torch build packs and multiplies a bfloat16 weight through oneDNN (it needs bfloat16 units)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    multiply = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if reorder is None or multiply is None:
+        return False
+    try:
+        weight = torch.ones(4, 8, dtype=torch.bfloat16)
+        out = multiply(torch.ones(1, 8, dtype=torch.bfloat16), reorder(weight, 1), None, "none", [], "")
+    except RuntimeError:
+        return False
+    return out.shape == (1, 4) and bool((out == 8).all())
+
+
+@dataclass(frozen=True)
+class Pack:
+    version: int
+    packed: torch.Tensor
+
+
+def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a 2-D bfloat16 `weight` (a view included), made at the first call and again after the
+    weight was written in place."""
+    base = weight if weight._base is None else weight._base
+    packs: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Pack] | None = getattr(base, PACKS_ATTRIBUTE, None)
+    if packs is None:
+        packs = {}
+        setattr(base, PACKS_ATTRIBUTE, packs)
+    key, version = _key(weight), base._version
+    pack = packs.get(key)
+    if pack is None or pack.version != version:
+        pack = Pack(version, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROW_STEP))
+        packs[key] = pack
+    return pack.packed
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of a [T, K] bfloat16 `x` (1 <= T <= PACKED_ROWS_MAX) by a 2-D bfloat16 weight, through its pack;
+    T rounded up to its bucket with zero rows, which are cut off the result."""
+    rows = x.shape[0]
+    bucket = row_bucket(rows)
+    if bucket != rows:
+        padded = x.new_zeros((bucket, x.shape[1]))
+        padded[:rows] = x
+        x = padded
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
+    return out if bucket == rows else out[:rows]

@@ -1,0 +1,104 @@
+"""bfloat16 products through oneDNN's packed weight (a CPU with bfloat16 units): the row buckets, agreement with
+`F.linear` summed in float32 and rounded once, a pack per view of a weight, a new pack after an in-place write, and
+`linear` / `plain_linear` sending a decode step's rows there and a prefill's to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpd.engine.model.kernels import linear as linear_module
+from hybridpd.engine.model.kernels.packed_bf16 import (EXACT_ROWS_MAX, PACKED_ROWS_MAX, PACKS_ATTRIBUTE,
+                                                       packed_linear, packing_works, row_bucket)
+
+BF16 = torch.bfloat16
+needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
+
+
+@pytest.mark.parametrize("rows, bucket", [
+    (1, 1), (7, 7), (16, 16), (17, 24), (24, 24), (25, 32), (63, 64), (64, 64),
+])
+def test_row_buckets(rows, bucket):
+    assert row_bucket(rows) == bucket
+
+
+def test_a_bounded_number_of_row_counts_reach_onednn():
+    counts = {row_bucket(rows) for rows in range(1, PACKED_ROWS_MAX + 1)}
+    assert len(counts) == EXACT_ROWS_MAX + (PACKED_ROWS_MAX - EXACT_ROWS_MAX) // 8
+    assert all(bucket >= rows for rows, bucket in ((r, row_bucket(r)) for r in range(1, PACKED_ROWS_MAX + 1)))
+
+
+def _weight(outputs: int, inputs: int, seed: int = 0) -> torch.nn.Parameter:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter((torch.randn(outputs, inputs, generator=gen) / inputs ** 0.5).to(BF16),
+                              requires_grad=False)
+
+
+def _reference(x, weight, bias):
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(BF16)
+
+
+def _assert_rounds_alike(got, want):
+    assert got.dtype == BF16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("part", ["whole", "first rows", "last rows"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_agrees_with_f_linear_rounded_once(rows, part, with_bias):
+    weight = _weight(96, 80)
+    view = {"whole": weight, "first rows": weight[:40], "last rows": weight[40:]}[part]
+    x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows)).to(BF16)
+    bias = torch.randn(view.shape[0]).to(BF16) if with_bias else None
+    _assert_rounds_alike(packed_linear(x, view, bias), _reference(x, view, bias))
+
+
+@needs_packing
+def test_each_view_of_a_weight_has_its_own_pack_made_once():
+    weight = _weight(64, 32)
+    x = torch.randn(3, 32).to(BF16)
+    for _ in range(3):
+        packed_linear(x, weight)
+        packed_linear(x, weight[:16])
+        packed_linear(x, weight[16:])
+    assert len(getattr(weight, PACKS_ATTRIBUTE)) == 3
+
+
+@needs_packing
+def test_a_weight_written_in_place_is_packed_again():
+    weight = _weight(64, 32)
+    x = torch.randn(2, 32).to(BF16)
+    packed_linear(x, weight)
+    with torch.no_grad():
+        weight.mul_(-3)
+    _assert_rounds_alike(packed_linear(x, weight), _reference(x, weight, None))
+
+
+@needs_packing
+@pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
+@pytest.mark.parametrize("rows, packed", [(1, True), (8, True), (PACKED_ROWS_MAX, True), (PACKED_ROWS_MAX + 1, False)])
+def test_a_decode_steps_rows_take_the_pack_and_a_prefills_take_torch(monkeypatch, product, rows, packed):
+    monkeypatch.setattr(linear_module, "_bf16_units", True)
+    taken: list[int] = []
+
+    def record(x, weight, bias=None):
+        taken.append(x.shape[0])
+        return packed_linear(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "packed_linear", record)
+    weight, x = _weight(48, 32), torch.randn(rows, 32).to(BF16)
+    _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
+    assert taken == ([rows] if packed else [])
+
+
+@pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
+def test_float32_and_cpus_without_units_never_pack(monkeypatch, product):
+    monkeypatch.setattr(linear_module, "packed_linear", lambda *a: pytest.fail("packed a product"))
+    weight = torch.randn(48, 32)
+    product(torch.randn(4, 32), weight)
+    monkeypatch.setattr(linear_module, "_bf16_units", False)
+    monkeypatch.setattr(linear_module, "_bf16_packing", False)
+    product(torch.randn(4, 32).to(BF16), weight.to(BF16))
