@@ -13,6 +13,11 @@ it grow again over counts it had met). So only up to PACKED_ROWS_MAX rows come h
 to a bucket (`row_bucket`: exact up to 16 rows, then multiples of 8), the padding rows zeros: at most 22 row counts
 per weight shape. Larger steps keep torch's product, where the reorder is a small part of the work.
 
+A small weight's product at a few rows pays oneDNN's fixed cost per call instead (~35-55 us against MKL's
+~10-20 for a 512 x 128 weight at one row, measured on the same CPU; from 16 rows oneDNN is ahead again): up to
+TINY_ROWS_MAX rows, a weight under TINY_WEIGHT elements multiplies as a float32 copy of itself, through MKL, the
+result rounded once to bfloat16 as oneDNN's is.
+
 The packs live on the weight they come from (an attribute of its base tensor, so a view of a weight, such as the
 gate's rows of a fused projection, has its own), made at the first product and made again when the weight was
 written in place (its version counter moved): a reloaded weight never multiplies through a stale pack. They cost
@@ -24,8 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 PACKED_ROWS_MAX = 64
+TINY_WEIGHT = 1 << 18
+TINY_ROWS_MAX = 8
 EXACT_ROWS_MAX = 16
 ROW_STEP = 8
 PACKS_ATTRIBUTE = "_hybridpd_bf16_packs"
@@ -60,34 +68,38 @@ class Pack:
     packed: torch.Tensor
 
 
-def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
+PackKey = tuple[bool, int, tuple[int, ...], tuple[int, ...]]
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of a 2-D bfloat16 `weight` (a view included), made at the first call and again after the
-    weight was written in place."""
+def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
+    """The pack of a 2-D bfloat16 `weight` (a view included): oneDNN's packed copy, or with `widened` a float32 copy;
+    made at the first call and again after the weight was written in place."""
     base = weight if weight._base is None else weight._base
-    packs: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Pack] | None = getattr(base, PACKS_ATTRIBUTE, None)
+    packs: dict[PackKey, Pack] | None = getattr(base, PACKS_ATTRIBUTE, None)
     if packs is None:
         packs = {}
         setattr(base, PACKS_ATTRIBUTE, packs)
-    key, version = _key(weight), base._version
+    key, version = (widened, weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())), base._version
     pack = packs.get(key)
     if pack is None or pack.version != version:
-        pack = Pack(version, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROW_STEP))
+        made = weight.float() if widened else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROW_STEP)
+        pack = Pack(version, made)
         packs[key] = pack
     return pack.packed
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` of a [T, K] bfloat16 `x` (1 <= T <= PACKED_ROWS_MAX) by a 2-D bfloat16 weight, through its pack;
-    T rounded up to its bucket with zero rows, which are cut off the result."""
+    """`F.linear` of a [T, K] bfloat16 `x` (1 <= T <= PACKED_ROWS_MAX) by a 2-D bfloat16 weight, through its pack
+    (T rounded up to its bucket with zero rows, which are cut off the result), or a small weight's few rows through
+    its float32 copy."""
     rows = x.shape[0]
+    if rows <= TINY_ROWS_MAX and weight.numel() < TINY_WEIGHT:
+        return F.linear(x.float(), _pack_of(weight, widened=True),
+                        None if bias is None else bias.float()).to(torch.bfloat16)
     bucket = row_bucket(rows)
     if bucket != rows:
         padded = x.new_zeros((bucket, x.shape[1]))
         padded[:rows] = x
         x = padded
-    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), _pack_of(weight, widened=False), bias, "none", [], "")
     return out if bucket == rows else out[:rows]

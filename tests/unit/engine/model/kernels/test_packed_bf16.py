@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.packed_bf16 import (EXACT_ROWS_MAX, PACKED_ROWS_MAX, PACKS_ATTRIBUTE,
-                                                       packed_linear, packing_works, row_bucket)
+                                                       TINY_ROWS_MAX, TINY_WEIGHT, packed_linear, packing_works,
+                                                       row_bucket)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -68,9 +69,23 @@ def test_each_view_of_a_weight_has_its_own_pack_made_once():
 
 
 @needs_packing
-def test_a_weight_written_in_place_is_packed_again():
+@pytest.mark.parametrize("elements, rows, widened", [
+    (64 * 32, 1, True), (64 * 32, TINY_ROWS_MAX, True), (64 * 32, TINY_ROWS_MAX + 1, False),
+    (TINY_WEIGHT, 1, False),
+])
+def test_a_small_weights_few_rows_multiply_its_float32_copy(elements, rows, widened):
+    weight = _weight(elements // 32, 32)
+    x = torch.randn(rows, 32).to(BF16)
+    _assert_rounds_alike(packed_linear(x, weight), _reference(x, weight, None))
+    (kind, *_), = getattr(weight, PACKS_ATTRIBUTE)
+    assert kind is widened
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [2, PACKED_ROWS_MAX])   # the float32 copy, oneDNN's pack
+def test_a_weight_written_in_place_is_packed_again(rows):
     weight = _weight(64, 32)
-    x = torch.randn(2, 32).to(BF16)
+    x = torch.randn(rows, 32).to(BF16)
     packed_linear(x, weight)
     with torch.no_grad():
         weight.mul_(-3)
