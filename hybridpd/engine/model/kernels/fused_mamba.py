@@ -1,5 +1,7 @@
-"""A Mamba2 layer's step as compiled loops (numba), on float32 states in either model dtype: token by token over each
-sequence, decode rows and prefill chunks alike; the only Mamba path the engine has.
+"""A Mamba2 layer's step as compiled loops (numba): token by token over each sequence, decode rows and prefill chunks
+alike; the only Mamba path the engine has. The conv state is float32; the SSM state float32 or, in a bfloat16 model,
+bfloat16 (computed in float32, rounded once per step where it is stored: a decode step reads and writes every
+running request's state, and bfloat16 halves those bytes).
 
 As torch operations a decode step is ~25 tensor operations per layer on tensors of a few kB each (the convolution
 window, SiLU, softplus, the state update, the read-out, the gated norm): each costs its dispatch more than its
@@ -10,8 +12,9 @@ layouts. Here a step is three passes over all its rows (`mamba_rows_`):
    rows of in_proj's output, or the slot's window for those before the step); the window is written once at the end;
 2. the SiLUs of the convolution and of the gate, in torch over all rows at once (its exp is vectorised; numba calls
    libm's expf one element at a time, which made them half of a one-pass kernel's time);
-3. `_scan_rows` (compiled): softplus, the state update and read-out with the D skip, the gated norm, the SSM state
-   updated where it sits in the cache.
+3. `_scan_rows` (compiled): softplus, the state update and read-out with the D skip, head by head (a sequence's
+   head state held in a float32 scratch while its rows pass; a decode row's updated where it sits in the cache),
+   then the gated norm row by row.
 
 16 decode rows of the default model: ~80 us per layer (~1 ms less per decode step than the torch operations); a
 16 x 256 prefill: ~8.5 ms per layer, about half of a chunked scan's in torch with its layouts and the gated norm.
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridpd.engine.model.kernels.bf16_bits import kernel_array, narrow, widen
 from hybridpd.engine.model.step.mamba_meta import MambaRows
 
 _F32_1D = numba.float32[::1]
@@ -60,22 +64,27 @@ _CONV_SIGNATURE = numba.void(
     numba.int64,              # where xbc starts in a row of that array
     _F32_2D,                  # out: the convolution before its SiLU [T, C]
 )
-_SCAN_SIGNATURE = numba.void(
-    _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
-    _F32_2D,                  # [T, X] (dt_raw: its last H columns)
-    _F32_2D,                  # silu(gate) [T, I]
-    *_SEQUENCES,
-    _F32_1D, numba.int64,     # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
-    numba.int64, numba.int64, numba.int64,  # H, P, N
-    _F32_1D, _F32_1D, _F32_1D,  # dt_bias, A (negative), D: [H]
-    numba.float32, numba.float32,  # dt_min, dt_max
-    _F32_1D,                  # gated-norm weight [I]
-    numba.int64,              # gated-norm group size
-    numba.float32,            # gated-norm eps
-    numba.int64,              # how y meets the gate (shapes.MambaNorm: 0 gated norm, 1 gate only, 2 norm then gate)
-    numba.int64,              # groups (G)
-    _F32_2D,                  # out [T, I]
-)
+def _scan_signature(state: numba.types.Array) -> numba.core.typing.templates.Signature:
+    return numba.void(
+        _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
+        _F32_2D,                  # [T, X] (dt_raw: its last H columns)
+        _F32_2D,                  # silu(gate) [T, I]
+        *_SEQUENCES,
+        state, numba.int64,       # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
+        numba.int64, numba.int64, numba.int64,  # H, P, N
+        _F32_1D, _F32_1D, _F32_1D,  # dt_bias, A (negative), D: [H]
+        numba.float32, numba.float32,  # dt_min, dt_max
+        _F32_1D,                  # gated-norm weight [I]
+        numba.int64,              # gated-norm group size
+        numba.float32,            # gated-norm eps
+        numba.int64,              # how y meets the gate (shapes.MambaNorm: 0 gated norm, 1 gate only, 2 norm then gate)
+        numba.int64,              # groups (G)
+        _F32_2D,                  # out [T, I]
+    )
+
+
+# The SSM cache in float32, or in bfloat16 as its bits (a bfloat16 model's, bf16_bits.py).
+_SCAN_SIGNATURES = [_scan_signature(state) for state in (_F32_1D, numba.uint16[::1])]
 
 
 @numba.njit(_CONV_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
@@ -119,36 +128,80 @@ def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_
                 window[history - n + i, :] = proj[first + i, inner : inner + conv_dim]
 
 
-@numba.njit(_SCAN_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+@numba.njit(_SCAN_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
                ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
                eps, norm_mode, groups, out):  # pragma: no cover - compiled
+    """Head by head, each over all of a sequence's rows: the head's state ([P, N], 16 kB on the published shapes)
+    stays in a float32 scratch in L1 while the rows pass, read from the cache once and stored once (rounded there
+    when the cache is bfloat16), instead of the whole [H, P, N] state (786 kB) passing through L2 at every row.
+    Then the gated norm, row by row, over every head's y."""
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
-    state_size = inner * d_state
-    next_save = 0
+    head_size = head_dim * d_state
+    sh = np.empty((head_dim, d_state), dtype=np.float32)
+    first_save = 0
     for q in range(seq_start.shape[0]):
         at = seq_slot[q] * ssm_stride
-        state = ssm_cache[at : at + state_size].reshape((heads, head_dim, d_state))
-        if seq_resumed[q] == 0:
-            state[:, :, :] = 0.0
-        for t in range(seq_rows[q]):
-            r = seq_start[q] + t
-            conv, dt_raw, y, gr = xbc[r], proj[r, dt_at:], out[r], gate[r]
-            for h in range(heads):
-                v = dt_raw[h] + dt_bias[h]
+        while first_save < save_seq.shape[0] and save_seq[first_save] < q:
+            first_save += 1
+        for h in range(heads):
+            head_at = at + h * head_size
+            g = h // per_group
+            if seq_rows[q] == 1:  # a decode row: its state updated where it sits, read and written once anyway
+                r = seq_start[q]
+                conv = xbc[r]
+                v = proj[r, dt_at + h] + dt_bias[h]
+                dt = v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))
+                dt = min(max(dt, dt_min), dt_max)
+                decay = np.float32(math.exp(dt * A[h]))
+                Bg = conv[inner + g * d_state : inner + (g + 1) * d_state]
+                Cg = conv[inner + (groups + g) * d_state : inner + (groups + g + 1) * d_state]
+                xh = conv[h * head_dim : (h + 1) * head_dim]
+                yh = out[r, h * head_dim : (h + 1) * head_dim]
+                state = ssm_cache[head_at : head_at + head_size].reshape((head_dim, d_state))
+                if seq_resumed[q] == 0:
+                    state[:, :] = 0
+                for p in range(head_dim):
+                    xv = xh[p]
+                    xdt = dt * xv
+                    s = state[p]
+                    acc = np.float32(0.0)
+                    for n in range(d_state):
+                        value = widen(s[n]) * decay + xdt * Bg[n]
+                        s[n] = narrow(value, ssm_cache)
+                        acc += value * Cg[n]
+                    yh[p] = acc + D[h] * xv
+                next_save = first_save
+                while next_save < save_seq.shape[0] and save_seq[next_save] == q:
+                    saved_at = save_slot[next_save] * ssm_stride + h * head_size
+                    ssm_cache[saved_at : saved_at + head_size] = ssm_cache[head_at : head_at + head_size]
+                    next_save += 1
+                continue
+            for p in range(head_dim):
+                cached = ssm_cache[head_at + p * d_state : head_at + (p + 1) * d_state]
+                row = sh[p]
+                if seq_resumed[q] == 0:
+                    for n in range(d_state):
+                        row[n] = 0.0
+                else:
+                    for n in range(d_state):
+                        row[n] = widen(cached[n])
+            next_save = first_save
+            for t in range(seq_rows[q]):
+                r = seq_start[q] + t
+                conv = xbc[r]
+                v = proj[r, dt_at + h] + dt_bias[h]
                 dt = v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))  # softplus, threshold 20
                 dt = min(max(dt, dt_min), dt_max)
                 decay = np.float32(math.exp(dt * A[h]))
-                g = h // per_group
                 # Slices, not offsets into `conv`: with B, C, x and y as arrays of their own, LLVM vectorises the
                 # state loop (indexing `conv` there while writing the state made it ~3x slower).
                 Bg = conv[inner + g * d_state : inner + (g + 1) * d_state]
                 Cg = conv[inner + (groups + g) * d_state : inner + (groups + g + 1) * d_state]
                 xh = conv[h * head_dim : (h + 1) * head_dim]
-                yh = y[h * head_dim : (h + 1) * head_dim]
-                sh = state[h]
+                yh = out[r, h * head_dim : (h + 1) * head_dim]
                 for p in range(head_dim):
                     xv = xh[p]
                     xdt = dt * xv
@@ -159,36 +212,46 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                         s[n] = value
                         acc += value * Cg[n]
                     yh[p] = acc + D[h] * xv
-
-            for start in range(0, inner, norm_group):
-                # Slices indexed from 0 (not y[start + c]): only that form vectorises, ~9x faster.
-                end = start + norm_group
-                yg, gg, wg = y[start:end], gr[start:end], norm_w[start:end]
-                if norm_mode == 1:
-                    for c in range(norm_group):
-                        yg[c] = yg[c] * gg[c]
-                    continue
-                square = np.float32(0.0)
-                if norm_mode == 0:
-                    for c in range(norm_group):
-                        value = yg[c] * gg[c]
-                        yg[c] = value
-                        square += value * value
-                else:
-                    for c in range(norm_group):
-                        square += yg[c] * yg[c]
-                scale = np.float32(1.0) / np.sqrt(square / np.float32(norm_group) + eps)
-                if norm_mode == 0:
-                    for c in range(norm_group):
-                        yg[c] = yg[c] * scale * wg[c]
-                else:
-                    for c in range(norm_group):
-                        yg[c] = yg[c] * scale * wg[c] * gg[c]
-
-            while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
-                at = save_slot[next_save] * ssm_stride
-                ssm_cache[at : at + state_size] = state.ravel()
-                next_save += 1
+                while (next_save < save_seq.shape[0] and save_seq[next_save] == q
+                       and save_after[next_save] == t + 1):
+                    saved_at = save_slot[next_save] * ssm_stride + h * head_size
+                    for p in range(head_dim):
+                        saved = ssm_cache[saved_at + p * d_state : saved_at + (p + 1) * d_state]
+                        row = sh[p]
+                        for n in range(d_state):
+                            saved[n] = narrow(row[n], ssm_cache)
+                    next_save += 1
+            for p in range(head_dim):
+                cached = ssm_cache[head_at + p * d_state : head_at + (p + 1) * d_state]
+                row = sh[p]
+                for n in range(d_state):
+                    cached[n] = narrow(row[n], ssm_cache)
+    for r in range(out.shape[0]):
+        y, gr = out[r], gate[r]
+        for start in range(0, inner, norm_group):
+            # Slices indexed from 0 (not y[start + c]): only that form vectorises, ~9x faster.
+            end = start + norm_group
+            yg, gg, wg = y[start:end], gr[start:end], norm_w[start:end]
+            if norm_mode == 1:
+                for c in range(norm_group):
+                    yg[c] = yg[c] * gg[c]
+                continue
+            square = np.float32(0.0)
+            if norm_mode == 0:
+                for c in range(norm_group):
+                    value = yg[c] * gg[c]
+                    yg[c] = value
+                    square += value * value
+            else:
+                for c in range(norm_group):
+                    square += yg[c] * yg[c]
+            scale = np.float32(1.0) / np.sqrt(square / np.float32(norm_group) + eps)
+            if norm_mode == 0:
+                for c in range(norm_group):
+                    yg[c] = yg[c] * scale * wg[c]
+            else:
+                for c in range(norm_group):
+                    yg[c] = yg[c] * scale * wg[c] * gg[c]
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -203,7 +266,7 @@ def flat_slots(cache: torch.Tensor) -> tuple[np.ndarray, int]:
     if not slot.is_contiguous():
         raise ValueError("a cache slot must be contiguous")
     span = (cache.shape[0] - 1) * cache.stride(0) + slot.numel()
-    return _f32(cache.as_strided((span,), (1,))), cache.stride(0)
+    return kernel_array(cache.as_strided((span,), (1,))), cache.stride(0)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """The Mamba2 mixer over state slots of the KV cache.
 
 A slot holds the conv state (the last d_conv - 1 pre-conv inputs xBC, [d_conv - 1, conv_dim], oldest first)
-and the ssm state ([heads, head_dim, d_state], float32). A prefill chunk starts from the sequence's slot
+and the ssm state ([heads, head_dim, d_state], in the model's dtype). A prefill chunk starts from the sequence's slot
 (zeros when num_computed == 0: a slot may hold a previous owner's state), writes the states the scheduler
 asked for (`mamba_saves`) and its final state back to the slot.
 
-Every step's rows run through one compiled kernel (fused_mamba.py), token by token over each sequence, the states
-updated where they sit in the cache. The states are float32 in either model dtype (a bfloat16 model's conv state
-holds its bfloat16 inputs exactly, at ~3% of a slot's bytes; the kernel takes the projection's output widened to
-float32). The tests hold the kernel to the formulas in float64 and the model to transformers.
+Every step's rows run through one compiled kernel (fused_mamba.py), token by token over each sequence. The conv
+state is float32 in either model dtype (a bfloat16 model's holds its bfloat16 inputs exactly, at ~3% of a slot's
+bytes; the kernel takes the projection's output widened to float32); a bfloat16 model's SSM state is bfloat16,
+computed in float32 and rounded once per step where it is stored. The tests hold the kernel to the formulas in float64 and the model to transformers.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ class MambaRows:
 
 
 def mamba_group_meta(batch: ForwardBatch, group_id: int, spec: MambaSpec) -> MambaRows:
-    if not all(dtype == torch.float32 for dtype in spec.dtypes):
-        raise ValueError(f"Mamba states must be float32 (the compiled kernel's), not {spec.dtypes}")
+    conv_dtype, ssm_dtype = spec.dtypes
+    if conv_dtype != torch.float32 or ssm_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"Mamba states must be a float32 window and a float32 or bfloat16 SSM state (the compiled "
+                         f"kernel's), not {spec.dtypes}")
     return _mamba_rows(batch, group_id)
 
 
