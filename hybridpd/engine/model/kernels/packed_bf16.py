@@ -13,10 +13,11 @@ it grow again over counts it had met). So only up to PACKED_ROWS_MAX rows come h
 to a bucket (`row_bucket`: exact up to 16 rows, then multiples of 8), the padding rows zeros: at most 22 row counts
 per weight shape. Larger steps keep torch's product, where the reorder is a small part of the work.
 
-A small weight's product at a few rows pays oneDNN's fixed cost per call instead (~35-55 us against MKL's
-~10-20 for a 512 x 128 weight at one row, measured on the same CPU; from 16 rows oneDNN is ahead again): up to
-TINY_ROWS_MAX rows, a weight under TINY_WEIGHT elements multiplies as a float32 copy of itself, through MKL, the
-result rounded once to bfloat16 as oneDNN's is.
+A small product pays oneDNN's fixed cost per call instead, ~20 us on the same CPU: a 128 x 128 weight at one row
+took 20 us packed against 10 as a float32 copy through MKL with both conversions, a 776 x 128 one 24 against 17; at
+8 rows a 512 x 128 one was even (24 and 24), a 584 x 128 one 29 against 31. So a product of at most TINY_WORK
+rows x weight elements multiplies as a float32 copy of the weight, through MKL, the result rounded once to bfloat16
+as oneDNN's is.
 
 The packs live on the weight they come from (an attribute of its base tensor, so a view of a weight, such as the
 gate's rows of a fused projection, has its own), made at the first product and made again when the weight was
@@ -32,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 PACKED_ROWS_MAX = 64
-TINY_WEIGHT = 1 << 18
-TINY_ROWS_MAX = 8
+TINY_WORK = 1 << 19
 EXACT_ROWS_MAX = 16
 ROW_STEP = 8
 PACKS_ATTRIBUTE = "_hybridpd_bf16_packs"
@@ -93,7 +93,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (T rounded up to its bucket with zero rows, which are cut off the result), or a small weight's few rows through
     its float32 copy."""
     rows = x.shape[0]
-    if rows <= TINY_ROWS_MAX and weight.numel() < TINY_WEIGHT:
+    if rows * weight.numel() <= TINY_WORK:
         return F.linear(x.float(), _pack_of(weight, widened=True),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     bucket = row_bucket(rows)

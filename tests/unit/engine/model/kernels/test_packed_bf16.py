@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.packed_bf16 import (EXACT_ROWS_MAX, PACKED_ROWS_MAX, PACKS_ATTRIBUTE,
-                                                       TINY_ROWS_MAX, TINY_WEIGHT, packed_linear, packing_works,
-                                                       row_bucket)
+                                                       TINY_WORK, packed_linear, packing_works, row_bucket)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -50,8 +49,8 @@ def _assert_rounds_alike(got, want):
 @pytest.mark.parametrize("part", ["whole", "first rows", "last rows"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_agrees_with_f_linear_rounded_once(rows, part, with_bias):
-    weight = _weight(96, 80)
-    view = {"whole": weight, "first rows": weight[:40], "last rows": weight[40:]}[part]
+    weight = _weight(640, 80)   # from 11 rows (the whole) or 22 (a part) through oneDNN, below through the copy
+    view = {"whole": weight, "first rows": weight[:300], "last rows": weight[300:]}[part]
     x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows)).to(BF16)
     bias = torch.randn(view.shape[0]).to(BF16) if with_bias else None
     _assert_rounds_alike(packed_linear(x, view, bias), _reference(x, view, bias))
@@ -70,8 +69,8 @@ def test_each_view_of_a_weight_has_its_own_pack_made_once():
 
 @needs_packing
 @pytest.mark.parametrize("elements, rows, widened", [
-    (64 * 32, 1, True), (64 * 32, TINY_ROWS_MAX, True), (64 * 32, TINY_ROWS_MAX + 1, False),
-    (TINY_WEIGHT, 1, False),
+    (64 * 32, 1, True), (64 * 32, PACKED_ROWS_MAX, True), (TINY_WORK // 16, 16, True), (TINY_WORK // 16, 17, False),
+    (TINY_WORK + 32, 1, False),
 ])
 def test_a_small_weights_few_rows_multiply_its_float32_copy(elements, rows, widened):
     weight = _weight(elements // 32, 32)
@@ -82,9 +81,9 @@ def test_a_small_weights_few_rows_multiply_its_float32_copy(elements, rows, wide
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [2, PACKED_ROWS_MAX])   # the float32 copy, oneDNN's pack
-def test_a_weight_written_in_place_is_packed_again(rows):
-    weight = _weight(64, 32)
+@pytest.mark.parametrize("rows, outputs", [(2, 64), (PACKED_ROWS_MAX, 1024)])   # the float32 copy, oneDNN's pack
+def test_a_weight_written_in_place_is_packed_again(rows, outputs):
+    weight = _weight(outputs, 32)
     x = torch.randn(rows, 32).to(BF16)
     packed_linear(x, weight)
     with torch.no_grad():
