@@ -1,6 +1,6 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
 decode step's few rows times a large weight through the few-rows kernel (few_rows.py). In bfloat16 on a CPU without
-bfloat16 units, see `bf16_linear`; on one with them, a decode step's rows go through the weight packed for oneDNN
+bfloat16 units, see `bf16_linear`; on one with them, every product goes through the weight packed for oneDNN
 (packed_bf16.py).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16
-from hybridpd.engine.model.kernels.packed_bf16 import PACKED_ROWS_MAX, packed_linear, packing_works
+from hybridpd.engine.model.kernels.packed_bf16 import packed_linear, packing_works
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
@@ -100,7 +100,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` itself, except in bfloat16: on a CPU without bfloat16 units through `bf16_linear`, on one with them
-    a few rows through the packed weight (packed_bf16.py). The products that stay with MKL in float32 (the router,
+    through the packed weight (packed_bf16.py). The products that stay with MKL in float32 (the router,
     the experts outside the fused kernel, the decode-only attention output, the head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
@@ -116,14 +116,13 @@ def _emulated_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _packed_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_bf16_packing and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
-            and weight.dim() == 2 and 0 < x.shape[0] <= PACKED_ROWS_MAX)
+            and weight.dim() == 2 and x.shape[0] > 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS, through the
     few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), bfloat16 on a CPU without
-    bfloat16 units through `bf16_linear`, a few bfloat16 rows on a CPU with them through the packed weight, else
-    MKL."""
+    bfloat16 units through `bf16_linear`, bfloat16 on a CPU with them through the packed weight, else MKL."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
     if _packed_bf16(x, weight):

@@ -1,4 +1,4 @@
-"""A decode step's bfloat16 products on a CPU with bfloat16 units: through oneDNN with the weight packed once.
+"""bfloat16 products on a CPU with bfloat16 units: through oneDNN with the weight packed once.
 
 There torch's own bfloat16 `F.linear` runs on oneDNN but hands it the weight as stored, which oneDNN reorders into
 its blocked layout inside every call: at a decode step's few rows that reorder is most of the product. Measured on
@@ -7,11 +7,14 @@ the L3): torch's product read them at 7.9 / 7.0 / 5.8 / 4.3 GB/s at 1 / 8 / 16 /
 at one row (the machine copies at ~10-11 GB/s); with the weight packed beforehand (`_reorder_linear_weight`) and
 multiplied by `_linear_pointwise`, 12.3 / 11.8 / 11.1 / 8.6 GB/s.
 
-oneDNN builds (and caches) a primitive, with scratch memory, for every row count it meets, and a process that met
-every count grew without bound in bfloat16 (~0.7 MB per count and weight shape, measured; the cache's eviction made
-it grow again over counts it had met). So only up to PACKED_ROWS_MAX rows come here, and their count is rounded up
-to a bucket (`row_bucket`: exact up to 16 rows, then multiples of 8), the padding rows zeros: at most 22 row counts
-per weight shape. Larger steps keep torch's product, where the reorder is a small part of the work.
+oneDNN builds (and caches) a primitive, with scratch memory, for every row count it meets, and a process that meets
+every count grows without bound: torch's own bfloat16 products over 1,200 random row counts of 65-2,048 (a server's
+prefill steps) on granite-350m's four projection shapes grew it by 2.3 GB and still growing (the glibc settings of
+host_memory.py on; with oneDNN's cache capped at 8 primitives still 1.3 GB). So every count is rounded up to a bucket
+(`row_bucket`: exact up to 16 rows, then multiples of 8 up to 64, then of 64), the padding rows zeros: at most 22
+counts up to 64 rows and one per 64 rows above, per weight shape; the same 1,200 steps in buckets of 64 held the
+process at +259 MB from the 300th on. Past 64 rows the padding costs at most 63 rows' arithmetic; the packed
+products ran at 0.9-1.4x torch's rate there (100-2,048 rows).
 
 A small product pays oneDNN's fixed cost per call instead, ~20 us on the same CPU: a 128 x 128 weight at one row
 took 20 us packed against 10 as a float32 copy through MKL with both conversions, a 776 x 128 one 24 against 17; at
@@ -32,10 +35,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-PACKED_ROWS_MAX = 64
 TINY_WORK = 1 << 19
 EXACT_ROWS_MAX = 16
 ROW_STEP = 8
+SMALL_ROWS_MAX = 64
+LARGE_ROW_STEP = 64
 PACKS_ATTRIBUTE = "_hybridpd_bf16_packs"
 
 
@@ -43,7 +47,8 @@ def row_bucket(rows: int) -> int:
     """The row count a product of `rows` rows runs at (the rest zeros)."""
     if rows <= EXACT_ROWS_MAX:
         return rows
-    return -(-rows // ROW_STEP) * ROW_STEP
+    step = ROW_STEP if rows <= SMALL_ROWS_MAX else LARGE_ROW_STEP
+    return -(-rows // step) * step
 
 
 def packing_works() -> bool:
@@ -89,7 +94,7 @@ def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` of a [T, K] bfloat16 `x` (1 <= T <= PACKED_ROWS_MAX) by a 2-D bfloat16 weight, through its pack
+    """`F.linear` of a [T, K] bfloat16 `x` (T >= 1) by a 2-D bfloat16 weight, through its pack
     (T rounded up to its bucket with zero rows, which are cut off the result), or a small weight's few rows through
     its float32 copy."""
     rows = x.shape[0]

@@ -1,6 +1,6 @@
 """bfloat16 products through oneDNN's packed weight (a CPU with bfloat16 units): the row buckets, agreement with
 `F.linear` summed in float32 and rounded once, a pack per view of a weight, a new pack after an in-place write, and
-`linear` / `plain_linear` sending a decode step's rows there and a prefill's to torch."""
+`linear` / `plain_linear` sending every bfloat16 product there and no other."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.packed_bf16 import (EXACT_ROWS_MAX, PACKED_ROWS_MAX, PACKS_ATTRIBUTE,
+from hybridpd.engine.model.kernels.packed_bf16 import (EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
                                                        TINY_WORK, packed_linear, packing_works, row_bucket)
 
 BF16 = torch.bfloat16
@@ -17,16 +17,16 @@ needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torc
 
 
 @pytest.mark.parametrize("rows, bucket", [
-    (1, 1), (7, 7), (16, 16), (17, 24), (24, 24), (25, 32), (63, 64), (64, 64),
+    (1, 1), (7, 7), (16, 16), (17, 24), (24, 24), (25, 32), (63, 64), (64, 64), (65, 128), (128, 128), (2000, 2048),
 ])
 def test_row_buckets(rows, bucket):
     assert row_bucket(rows) == bucket
 
 
 def test_a_bounded_number_of_row_counts_reach_onednn():
-    counts = {row_bucket(rows) for rows in range(1, PACKED_ROWS_MAX + 1)}
-    assert len(counts) == EXACT_ROWS_MAX + (PACKED_ROWS_MAX - EXACT_ROWS_MAX) // 8
-    assert all(bucket >= rows for rows, bucket in ((r, row_bucket(r)) for r in range(1, PACKED_ROWS_MAX + 1)))
+    buckets = [row_bucket(rows) for rows in range(1, 4097)]
+    assert len(set(buckets)) == EXACT_ROWS_MAX + (SMALL_ROWS_MAX - EXACT_ROWS_MAX) // 8 + (4096 - SMALL_ROWS_MAX) // 64
+    assert all(rows <= bucket < rows + 64 for rows, bucket in enumerate(buckets, start=1))
 
 
 def _weight(outputs: int, inputs: int, seed: int = 0) -> torch.nn.Parameter:
@@ -45,7 +45,7 @@ def _assert_rounds_alike(got, want):
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40, 64, 65, 200])
 @pytest.mark.parametrize("part", ["whole", "first rows", "last rows"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_agrees_with_f_linear_rounded_once(rows, part, with_bias):
@@ -69,7 +69,7 @@ def test_each_view_of_a_weight_has_its_own_pack_made_once():
 
 @needs_packing
 @pytest.mark.parametrize("elements, rows, widened", [
-    (64 * 32, 1, True), (64 * 32, PACKED_ROWS_MAX, True), (TINY_WORK // 16, 16, True), (TINY_WORK // 16, 17, False),
+    (64 * 32, 1, True), (64 * 32, 64, True), (TINY_WORK // 16, 16, True), (TINY_WORK // 16, 17, False),
     (TINY_WORK + 32, 1, False),
 ])
 def test_a_small_weights_few_rows_multiply_its_float32_copy(elements, rows, widened):
@@ -81,7 +81,7 @@ def test_a_small_weights_few_rows_multiply_its_float32_copy(elements, rows, wide
 
 
 @needs_packing
-@pytest.mark.parametrize("rows, outputs", [(2, 64), (PACKED_ROWS_MAX, 1024)])   # the float32 copy, oneDNN's pack
+@pytest.mark.parametrize("rows, outputs", [(2, 64), (64, 1024)])   # the float32 copy, oneDNN's pack
 def test_a_weight_written_in_place_is_packed_again(rows, outputs):
     weight = _weight(outputs, 32)
     x = torch.randn(rows, 32).to(BF16)
@@ -93,8 +93,8 @@ def test_a_weight_written_in_place_is_packed_again(rows, outputs):
 
 @needs_packing
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
-@pytest.mark.parametrize("rows, packed", [(1, True), (8, True), (PACKED_ROWS_MAX, True), (PACKED_ROWS_MAX + 1, False)])
-def test_a_decode_steps_rows_take_the_pack_and_a_prefills_take_torch(monkeypatch, product, rows, packed):
+@pytest.mark.parametrize("rows", [1, 8, 64, 65, 300])
+def test_every_bfloat16_product_takes_the_pack(monkeypatch, product, rows):
     monkeypatch.setattr(linear_module, "_bf16_units", True)
     taken: list[int] = []
 
@@ -105,7 +105,7 @@ def test_a_decode_steps_rows_take_the_pack_and_a_prefills_take_torch(monkeypatch
     monkeypatch.setattr(linear_module, "packed_linear", record)
     weight, x = _weight(48, 32), torch.randn(rows, 32).to(BF16)
     _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
-    assert taken == ([rows] if packed else [])
+    assert taken == [rows]
 
 
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
