@@ -128,104 +128,90 @@ def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_
                 window[history - n + i, :] = proj[first + i, inner : inner + conv_dim]
 
 
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _head_row(state, conv, dt_raw, dt_bias, A, D, dt_min, dt_max, inner, groups, g, h, out_row):  # pragma: no cover
+    """One row's update of head h's state `state` [P, N] (the cache's own memory, float32 or bfloat16 bits, or a
+    float32 scratch: read widened, stored narrowed) and its read-out into the head's channels of `out_row`."""
+    head_dim, d_state = state.shape
+    v = dt_raw + dt_bias
+    dt = v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))  # softplus, threshold 20
+    dt = min(max(dt, dt_min), dt_max)
+    decay = np.float32(math.exp(dt * A))
+    # Slices, not offsets into `conv`: with B, C, x and y as arrays of their own, LLVM vectorises the state loop
+    # (indexing `conv` there while writing the state made it ~3x slower).
+    Bg = conv[inner + g * d_state : inner + (g + 1) * d_state]
+    Cg = conv[inner + (groups + g) * d_state : inner + (groups + g + 1) * d_state]
+    xh = conv[h * head_dim : (h + 1) * head_dim]
+    yh = out_row[h * head_dim : (h + 1) * head_dim]
+    for p in range(head_dim):
+        xv = xh[p]
+        xdt = dt * xv
+        s = state[p]
+        acc = np.float32(0.0)
+        for n in range(d_state):
+            value = widen(s[n]) * decay + xdt * Bg[n]
+            s[n] = narrow(value, state)
+            acc += value * Cg[n]
+        yh[p] = acc + D * xv
+
+
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _copy_state(dst, src):  # pragma: no cover - compiled
+    """[P, N] `src` into `dst`, each float32 or bfloat16 bits (widened where read, narrowed where stored)."""
+    for p in range(src.shape[0]):
+        d, s = dst[p], src[p]
+        for n in range(src.shape[1]):
+            d[n] = narrow(widen(s[n]), dst)
+
+
 @numba.njit(_SCAN_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
                ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
                eps, norm_mode, groups, out):  # pragma: no cover - compiled
-    """Head by head, each over all of a sequence's rows: the head's state ([P, N], 16 kB on the published shapes)
-    stays in a float32 scratch in L1 while the rows pass, read from the cache once and stored once (rounded there
-    when the cache is bfloat16), instead of the whole [H, P, N] state (786 kB) passing through L2 at every row.
+    """Head by head. A sequence of several rows (a prefill chunk) holds the head's state ([P, N], 16 kB on the
+    published shapes) in a float32 scratch while its rows pass, read from the cache once and stored once (rounded
+    there when the cache is bfloat16); a decode row updates it where it sits (a scratch would only add a copy).
     Then the gated norm, row by row, over every head's y."""
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
     head_size = head_dim * d_state
-    sh = np.empty((head_dim, d_state), dtype=np.float32)
+    scratch = np.empty((head_dim, d_state), dtype=np.float32)
     first_save = 0
     for q in range(seq_start.shape[0]):
         at = seq_slot[q] * ssm_stride
         while first_save < save_seq.shape[0] and save_seq[first_save] < q:
             first_save += 1
         for h in range(heads):
-            head_at = at + h * head_size
+            cached = ssm_cache[at + h * head_size : at + (h + 1) * head_size].reshape((head_dim, d_state))
             g = h // per_group
-            if seq_rows[q] == 1:  # a decode row: its state updated where it sits, read and written once anyway
+            if seq_rows[q] == 1:
                 r = seq_start[q]
-                conv = xbc[r]
-                v = proj[r, dt_at + h] + dt_bias[h]
-                dt = v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))
-                dt = min(max(dt, dt_min), dt_max)
-                decay = np.float32(math.exp(dt * A[h]))
-                Bg = conv[inner + g * d_state : inner + (g + 1) * d_state]
-                Cg = conv[inner + (groups + g) * d_state : inner + (groups + g + 1) * d_state]
-                xh = conv[h * head_dim : (h + 1) * head_dim]
-                yh = out[r, h * head_dim : (h + 1) * head_dim]
-                state = ssm_cache[head_at : head_at + head_size].reshape((head_dim, d_state))
                 if seq_resumed[q] == 0:
-                    state[:, :] = 0
-                for p in range(head_dim):
-                    xv = xh[p]
-                    xdt = dt * xv
-                    s = state[p]
-                    acc = np.float32(0.0)
-                    for n in range(d_state):
-                        value = widen(s[n]) * decay + xdt * Bg[n]
-                        s[n] = narrow(value, ssm_cache)
-                        acc += value * Cg[n]
-                    yh[p] = acc + D[h] * xv
+                    cached[:, :] = 0
+                _head_row(cached, xbc[r], proj[r, dt_at + h], dt_bias[h], A[h], D[h], dt_min, dt_max, inner, groups,
+                          g, h, out[r])
                 next_save = first_save
                 while next_save < save_seq.shape[0] and save_seq[next_save] == q:
-                    saved_at = save_slot[next_save] * ssm_stride + h * head_size
-                    ssm_cache[saved_at : saved_at + head_size] = ssm_cache[head_at : head_at + head_size]
+                    at_save = save_slot[next_save] * ssm_stride + h * head_size
+                    _copy_state(ssm_cache[at_save : at_save + head_size].reshape((head_dim, d_state)), cached)
                     next_save += 1
                 continue
-            for p in range(head_dim):
-                cached = ssm_cache[head_at + p * d_state : head_at + (p + 1) * d_state]
-                row = sh[p]
-                if seq_resumed[q] == 0:
-                    for n in range(d_state):
-                        row[n] = 0.0
-                else:
-                    for n in range(d_state):
-                        row[n] = widen(cached[n])
+            if seq_resumed[q] == 0:
+                scratch[:, :] = 0
+            else:
+                _copy_state(scratch, cached)
             next_save = first_save
             for t in range(seq_rows[q]):
                 r = seq_start[q] + t
-                conv = xbc[r]
-                v = proj[r, dt_at + h] + dt_bias[h]
-                dt = v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))  # softplus, threshold 20
-                dt = min(max(dt, dt_min), dt_max)
-                decay = np.float32(math.exp(dt * A[h]))
-                # Slices, not offsets into `conv`: with B, C, x and y as arrays of their own, LLVM vectorises the
-                # state loop (indexing `conv` there while writing the state made it ~3x slower).
-                Bg = conv[inner + g * d_state : inner + (g + 1) * d_state]
-                Cg = conv[inner + (groups + g) * d_state : inner + (groups + g + 1) * d_state]
-                xh = conv[h * head_dim : (h + 1) * head_dim]
-                yh = out[r, h * head_dim : (h + 1) * head_dim]
-                for p in range(head_dim):
-                    xv = xh[p]
-                    xdt = dt * xv
-                    s = sh[p]
-                    acc = np.float32(0.0)
-                    for n in range(d_state):
-                        value = s[n] * decay + xdt * Bg[n]
-                        s[n] = value
-                        acc += value * Cg[n]
-                    yh[p] = acc + D[h] * xv
+                _head_row(scratch, xbc[r], proj[r, dt_at + h], dt_bias[h], A[h], D[h], dt_min, dt_max, inner, groups,
+                          g, h, out[r])
                 while (next_save < save_seq.shape[0] and save_seq[next_save] == q
                        and save_after[next_save] == t + 1):
-                    saved_at = save_slot[next_save] * ssm_stride + h * head_size
-                    for p in range(head_dim):
-                        saved = ssm_cache[saved_at + p * d_state : saved_at + (p + 1) * d_state]
-                        row = sh[p]
-                        for n in range(d_state):
-                            saved[n] = narrow(row[n], ssm_cache)
+                    at_save = save_slot[next_save] * ssm_stride + h * head_size
+                    _copy_state(ssm_cache[at_save : at_save + head_size].reshape((head_dim, d_state)), scratch)
                     next_save += 1
-            for p in range(head_dim):
-                cached = ssm_cache[head_at + p * d_state : head_at + (p + 1) * d_state]
-                row = sh[p]
-                for n in range(d_state):
-                    cached[n] = narrow(row[n], ssm_cache)
+            _copy_state(cached, scratch)
     for r in range(out.shape[0]):
         y, gr = out[r], gate[r]
         for start in range(0, inner, norm_group):
