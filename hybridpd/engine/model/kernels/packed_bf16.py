@@ -9,12 +9,12 @@ multiplied by `_linear_pointwise`, 12.3 / 11.8 / 11.1 / 8.6 GB/s.
 
 oneDNN builds (and caches) a primitive, with scratch memory, for every row count it meets, and a process that meets
 every count grows without bound: torch's own bfloat16 products over 1,200 random row counts of 65-2,048 (a server's
-prefill steps) on granite-350m's four projection shapes grew it by 2.3 GB and still growing (the glibc settings of
-host_memory.py on; with oneDNN's cache capped at 8 primitives still 1.3 GB). So every count is rounded up to a bucket
-(`row_bucket`: exact up to 16 rows, then multiples of 8 up to 64, then of 64), the padding rows zeros: at most 22
-counts up to 64 rows and one per 64 rows above, per weight shape; the same 1,200 steps in buckets of 64 held the
-process at +259 MB from the 300th on. Past 64 rows the padding costs at most 63 rows' arithmetic; the packed
-products ran at 0.9-1.4x torch's rate there (100-2,048 rows).
+prefill steps) on granite-350m's four projection shapes grew it by 2.3-2.4 GB and still growing (with or without
+the glibc settings of host_memory.py; with oneDNN's cache capped at 8 primitives still 1.3 GB). So every count is
+rounded up to a bucket (`row_bucket`: exact up to 16 rows, then multiples of 8 up to 64, then of 64), the padding
+rows zeros: at most 22 counts up to 64 rows and one per 64 rows above, per weight shape; the same 1,200 steps in
+buckets of 64 held the process at +259 MB from the 300th on. Past 64 rows the padding costs at most 63 rows'
+arithmetic; the packed products ran at 0.9-1.4x torch's rate there (100-2,048 rows).
 
 A small product pays oneDNN's fixed cost per call instead, ~20 us on the same CPU: a 128 x 128 weight at one row
 took 20 us packed against 10 as a float32 copy through MKL with both conversions, a 776 x 128 one 24 against 17; at

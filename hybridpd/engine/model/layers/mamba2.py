@@ -8,7 +8,8 @@ asked for (`mamba_saves`) and its final state back to the slot.
 Every step's rows run through one compiled kernel (fused_mamba.py), token by token over each sequence. The conv
 state is float32 in either model dtype (a bfloat16 model's holds its bfloat16 inputs exactly, at ~3% of a slot's
 bytes; the kernel takes the projection's output widened to float32); a bfloat16 model's SSM state is bfloat16,
-computed in float32 and rounded once per step where it is stored. The tests hold the kernel to the formulas in float64 and the model to transformers.
+computed in float32 and rounded once per step where it is stored. The tests hold the kernel to the formulas in
+float64 and the model to transformers.
 """
 
 from __future__ import annotations
