@@ -20,7 +20,7 @@ from torch import nn
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels.fused_mamba import MambaKernelCaches, MambaKernelWeights, mamba_rows_
 from hybridpd.engine.model.shapes import Mamba2Shape, MambaNorm
-from hybridpd.engine.model.kernels.linear import linear
+from hybridpd.engine.model.kernels.linear import halves_pay, linear
 from hybridpd.engine.model.step.context import StepContext
 from hybridpd.engine.model.step.mamba_meta import MambaRows
 
@@ -99,7 +99,8 @@ class Mamba2Mixer(nn.Module):
         if not isinstance(meta, MambaRows):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
-        gate, xbc_dt = self._in_proj(x, separate_gate=x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS)
+        separate_gate = x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS and halves_pay(x, self.in_proj.weight)
+        gate, xbc_dt = self._in_proj(x, separate_gate=separate_gate)
         if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32 from the projection's values
             gate, xbc_dt = gate.float(), xbc_dt.float()
         y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),

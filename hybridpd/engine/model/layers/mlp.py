@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpd.engine.model.kernels.linear import linear
+from hybridpd.engine.model.kernels.linear import halves_pay, linear
 
 
 class DenseMLP(nn.Module):
@@ -24,7 +24,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.input_linear.weight
-        if x.shape[0] >= self.SEPARATE_FROM_ROWS:
+        if x.shape[0] >= self.SEPARATE_FROM_ROWS and halves_pay(x, weight):
             half = weight.shape[0] // 2
             gate, up = linear(x, weight[:half]), linear(x, weight[half:])
         else:
