@@ -49,6 +49,11 @@ def keep_off(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, others)
 
 
+# After the engine died, how long the node waits for its connections to close before it exits regardless (a
+# supervisor restarts it; a node that lingered for aiohttp's 60-s shutdown timeout was a node down for a minute).
+ENGINE_DEAD_CLEANUP_S = 5.0
+
+
 async def _cleanup(runners: list[web.AppRunner], tracer: Tracer) -> None:
     for runner in runners:
         await runner.cleanup()
@@ -123,7 +128,11 @@ class Node:
         if engine.dead.is_set():
             log.error("the engine process died: the node exits so that its supervisor restarts it")
             app[ADMISSION_KEY].close()
-            await _cleanup(runners, tracer)
+            try:   # aiohttp would wait up to 60 s for handlers still open; none of them can finish now
+                await asyncio.wait_for(_cleanup(runners, tracer), ENGINE_DEAD_CLEANUP_S)
+            except asyncio.TimeoutError:
+                log.error("connections still open %.0f s after the engine died: closed with the process",
+                          ENGINE_DEAD_CLEANUP_S)
             return 1
         grace = cfg.server.shutdown_grace
         log.info("shutting down (grace %.1f s)", grace)
