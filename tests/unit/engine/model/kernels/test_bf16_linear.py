@@ -1,7 +1,7 @@
 """bfloat16 products on a CPU without bfloat16 units: the bfloat16 few-rows kernel and the widened product agree with
 `F.linear` summed in float32 and rounded once to bfloat16, a row's result does not depend on the rows beside it,
 `bf16_linear` sends each to what it is for, and `linear` / `plain_linear` take that route only where torch would
-emulate bfloat16 (on a CPU with the units, torch's own oneDNN products stay)."""
+emulate bfloat16 (on a CPU with the units, oneDNN's products: test_packed_bf16.py)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_bf16_linear_sends_each_product_where_it_is_cheapest(routes, rows, weigh
 @pytest.mark.parametrize("product", [linear, plain_linear])
 @pytest.mark.parametrize("units, dtype, emulated", [
     (False, BF16, True),
-    (True, BF16, False),          # a CPU with bfloat16 units: torch's oneDNN products
+    (True, BF16, False),          # a CPU with bfloat16 units: oneDNN's products (packed where torch can)
     (False, torch.float32, False),
 ])
 def test_only_emulated_bfloat16_takes_the_bfloat16_route(monkeypatch, product, units, dtype, emulated):
