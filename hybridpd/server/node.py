@@ -50,7 +50,7 @@ def keep_off(cpus: frozenset[int] | None) -> None:
 
 
 # After the engine died, how long the node waits for its connections to close before it exits regardless (a
-# supervisor restarts it; a node that lingered for aiohttp's 60-s shutdown timeout was a node down for a minute).
+# supervisor restarts it; a node that lingered for aiohttp's 60-s shutdown timeout would be a node down for a minute).
 ENGINE_DEAD_CLEANUP_S = 5.0
 
 
