@@ -51,11 +51,12 @@ def _ints(values) -> np.ndarray:
 CASES = [
     # heads, head_dim, groups, d_state, width, bias, limit, sequences: (rows, resumed, slot, saves after rows)
     (4, 64, 1, 32, 4, True, (0.0, math.inf), [(1, 1, 1, ()), (1, 1, 3, ()), (1, 1, 5, (1,)), (1, 1, 7, ())]),
-    (4, 16, 2, 8, 4, False, (0.0, math.inf), [(5, 0, 6, (2, 5)), (1, 1, 0, ()), (9, 1, 2, (4,))]),
+    (4, 16, 2, 8, 4, False, (0.0, math.inf), [(5, 0, 6, (2, 5)), (1, 1, 0, ()), (9, 1, 2, (4,)),
+                                              (37, 0, 8, (11, 16, 19))]),  # saves inside and at the ends of blocks
     (8, 8, 4, 16, 2, True, (0.01, 0.5), [(3, 0, 3, ())]),
     (2, 32, 1, 16, 3, True, (0.0, math.inf), [(1, 1, 4, ()), (2, 0, 5, (1, 2)), (40, 1, 1, (32,)), (1, 1, 0, ())]),
 ]
-SAVE_SLOTS = (9, 10, 11, 12, 13)
+SAVE_SLOTS = (9, 10, 11, 12, 13, 1)  # slot 1: no sequence of the one case with six saves uses it
 
 
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16], ids=["ssm_f32", "ssm_bf16"])
