@@ -204,8 +204,10 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                     _copy_state(ssm_cache[at_save : at_save + head_size].reshape((head_dim, d_state)), cached)
                     next_save += 1
             continue
-        states = np.zeros((heads, head_dim, d_state), dtype=np.float32)
-        if seq_resumed[q] == 1:
+        states = np.empty((heads, head_dim, d_state), dtype=np.float32)
+        if seq_resumed[q] == 0:
+            states[:, :, :] = 0
+        else:
             for h in range(heads):
                 _copy_state(states[h], ssm_cache[at + h * head_size : at + (h + 1) * head_size].reshape(
                     (head_dim, d_state)))
