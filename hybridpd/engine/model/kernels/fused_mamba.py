@@ -168,7 +168,8 @@ def _copy_state(dst, src):  # pragma: no cover - compiled
 # block: the block's rows (B and C, shared by a group's heads) stay in the L1 / L2 cache while the heads pass. One
 # granite-350m layer on the inputs the engine handed it, one thread: 2,048 rows in float32 76-80 ms at blocks of 8,
 # 81-87 at 16, 81-86 at 32, 102-109 at 64, against 114-123 head by head over all rows; 512 rows with a bfloat16
-# state 14.2-14.7 at 16 against 19-24 (the same results to the bit: each head's sums run in the same order).
+# state 14.3-18.5 at 8, 14.2-14.7 at 16, 14.4-22.9 at 32, against 19-24 (16: within a few percent of the best at
+# either length, and the steadiest). The same results to the bit: each head's sums run in the same order.
 ROW_BLOCK = 16
 
 
