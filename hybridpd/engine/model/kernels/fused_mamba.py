@@ -164,6 +164,13 @@ def _copy_state(dst, src):  # pragma: no cover - compiled
             d[n] = narrow(widen(s[n]), dst)
 
 
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _head_state(cache, at, h, head_dim, d_state):  # pragma: no cover - compiled
+    """Head h's [P, N] state in the flat SSM cache, of the slot whose states start at `at`."""
+    size = head_dim * d_state
+    return cache[at + h * size : at + (h + 1) * size].reshape((head_dim, d_state))
+
+
 # A prefill chunk's rows go through the scan in blocks of this many, every head through a block before the next
 # block: the block's rows (B and C, shared by a group's heads) stay in the L1 / L2 cache while the heads pass. One
 # granite-350m layer on the inputs the engine handed it, one thread: 2,048 rows in float32 76-80 ms at blocks of 8,
@@ -184,7 +191,6 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
-    head_size = head_dim * d_state
     first_save = 0
     for q in range(seq_start.shape[0]):
         at = seq_slot[q] * ssm_stride
@@ -194,15 +200,14 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
         if n == 1:
             r = seq_start[q]
             for h in range(heads):
-                cached = ssm_cache[at + h * head_size : at + (h + 1) * head_size].reshape((head_dim, d_state))
+                cached = _head_state(ssm_cache, at, h, head_dim, d_state)
                 if seq_resumed[q] == 0:
                     cached[:, :] = 0
                 _head_row(cached, xbc[r], proj[r, dt_at + h], dt_bias[h], A[h], D[h], dt_min, dt_max, inner, groups,
                           h // per_group, h, out[r])
                 next_save = first_save
                 while next_save < save_seq.shape[0] and save_seq[next_save] == q:
-                    at_save = save_slot[next_save] * ssm_stride + h * head_size
-                    _copy_state(ssm_cache[at_save : at_save + head_size].reshape((head_dim, d_state)), cached)
+                    _copy_state(_head_state(ssm_cache, save_slot[next_save] * ssm_stride, h, head_dim, d_state), cached)
                     next_save += 1
             continue
         states = np.empty((heads, head_dim, d_state), dtype=np.float32)
@@ -210,8 +215,7 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
             states[:, :, :] = 0
         else:
             for h in range(heads):
-                _copy_state(states[h], ssm_cache[at + h * head_size : at + (h + 1) * head_size].reshape(
-                    (head_dim, d_state)))
+                _copy_state(states[h], _head_state(ssm_cache, at, h, head_dim, d_state))
         block_save = first_save  # the sequence's first save after the block's first row
         for block in range(0, n, ROW_BLOCK):
             while block_save < save_seq.shape[0] and save_seq[block_save] == q and save_after[block_save] <= block:
@@ -225,12 +229,11 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                               groups, h // per_group, h, out[r])
                     while (next_save < save_seq.shape[0] and save_seq[next_save] == q
                            and save_after[next_save] == t + 1):
-                        at_save = save_slot[next_save] * ssm_stride + h * head_size
-                        _copy_state(ssm_cache[at_save : at_save + head_size].reshape((head_dim, d_state)), state)
+                        _copy_state(_head_state(ssm_cache, save_slot[next_save] * ssm_stride, h, head_dim, d_state),
+                                    state)
                         next_save += 1
         for h in range(heads):
-            _copy_state(ssm_cache[at + h * head_size : at + (h + 1) * head_size].reshape((head_dim, d_state)),
-                        states[h])
+            _copy_state(_head_state(ssm_cache, at, h, head_dim, d_state), states[h])
     for r in range(out.shape[0]):
         y, gr = out[r], gate[r]
         for start in range(0, inner, norm_group):
