@@ -33,13 +33,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import engine_for  # noqa: E402
+from roofline import engine_for, prefill_s  # noqa: E402
 
 import hybridpd.engine.model.kernels.fused_mamba as this_kernel  # noqa: E402
 import hybridpd.engine.model.layers.mamba2 as mamba2  # noqa: E402
 from hybridpd.engine.host_memory import keep_freed_memory  # noqa: E402
-from hybridpd.engine.request import EngineRequest  # noqa: E402
-from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridpd.presets.checkpoints import write_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,16 +90,6 @@ class Capture:
         return time.perf_counter() - start, out, caches.ssm[at_ssm : at_ssm + ssm.size].copy()
 
 
-def prefill(engine, rows: int, seed: int) -> float:
-    prompt = torch.randint(3, 500, (rows,), generator=torch.Generator().manual_seed(seed)).tolist()
-    engine.add_request(EngineRequest(request_id=f"p{seed}", prompt_token_ids=tuple(prompt),
-                                     sampling=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
-    start = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--base", required=True, help="the git revision whose kernel to compare against")
@@ -118,7 +106,7 @@ def main() -> None:
         model_dir = write_checkpoint(args.preset, Path(tmp) / args.preset)
         engine = engine_for(model_dir, args.dtype, 8, args.rows)
         capture = Capture(args.rows)
-        prefill(engine, args.rows, seed=0)
+        prefill_s(engine, args.rows, seed=0)
         capture.release()
         if capture.args is None:
             sys.exit(f"no Mamba kernel call of {args.rows} rows was seen")
@@ -148,7 +136,7 @@ def main() -> None:
                 for k in range(args.rounds):
                     for side in (sides if k % 2 == 0 else reversed(list(sides))):
                         this_kernel._scan_rows, spent[0] = timed(scans[side]), 0.0
-                        wall_s[side].append(prefill(engine, args.rows, seed=1 + 2 * k + (side == "base")))
+                        wall_s[side].append(prefill_s(engine, args.rows, seed=1 + 2 * k + (side == "base")))
                         scan_s[side].append(spent[0])
             finally:
                 this_kernel._scan_rows = own_scan

@@ -100,9 +100,10 @@ def decode_step_s(engine: LLMEngine, batch: int, prompt_len: int, steps: int) ->
     return statistics.median(times[1:] or times)
 
 
-def prefill_s(engine: LLMEngine, length: int) -> float:
+def prefill_s(engine: LLMEngine, length: int, seed: int = 7) -> float:
+    """Seconds to prefill one prompt of `length` random token ids (`seed`: another seed, another prompt)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    prompt = tuple(torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(7)).tolist())
+    prompt = tuple(torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist())
     engine.add_request(EngineRequest(request_id="p", prompt_token_ids=prompt, sampling=params))
     start = time.perf_counter()
     while engine.has_work():
