@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import numpy as np
@@ -64,6 +66,24 @@ SAVE_SLOTS = (9, 10, 11, 12, 13, 1)  # slot 1: no sequence of the one case with 
 @pytest.mark.parametrize("heads, head_dim, groups, d_state, width, with_bias, limit, seqs", CASES)
 def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split,
                                      ssm_dtype):
+    _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_chunk_length_and_saves_match_the_formulas(data):
+    """A prefill chunk of any length, from zeros or resumed, its states saved after any rows: the scan goes four rows
+    at a time within a block of rows unless a save falls among them, so every alignment of saves, blocks and chunk
+    ends must give the states the formulas give."""
+    n = data.draw(st.integers(2, 45), label="rows")
+    afters = data.draw(st.lists(st.integers(1, n), max_size=len(SAVE_SLOTS) - 1, unique=True), label="saves")
+    resumed = data.draw(st.integers(0, 1), label="resumed")
+    ssm_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="ssm dtype")
+    _check_against_the_formulas(2, 8, 1, 8, 4, True, (0.0, math.inf), [(n, resumed, 3, tuple(sorted(afters)))],
+                                False, ssm_dtype)
+
+
+def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim + len(seqs))
     inner = heads * head_dim
     conv_dim = inner + 2 * groups * d_state
