@@ -102,7 +102,8 @@ class Mamba2Mixer(nn.Module):
         separate_gate = x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS and halves_pay(x, self.in_proj.weight)
         gate, xbc_dt = self._in_proj(x, separate_gate=separate_gate)
         if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32 from the projection's values
-            gate, xbc_dt = gate.float(), xbc_dt.float()
+            # widened: the gate and xbc | dt_raw, not the gate twice where one product gave both
+            gate, xbc_dt = gate.float(), xbc_dt[:, xbc_dt.shape[1] - self.conv_dim - self.heads :].float()
         y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
         return linear(y.to(x.dtype), self.out_proj.weight, self.out_proj.bias)
