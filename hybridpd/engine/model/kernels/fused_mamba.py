@@ -231,8 +231,9 @@ def _head_state(cache, at, h, head_dim, d_state):  # pragma: no cover - compiled
 # granite-350m layer on the inputs the engine handed it, one thread: 2,048 rows in float32 76-80 ms at blocks of 8,
 # 81-87 at 16, 81-86 at 32, 102-109 at 64, against 114-123 head by head over all rows; 512 rows with a bfloat16
 # state 14.3-18.5 at 8, 14.2-14.7 at 16, 14.4-22.9 at 32, against 19-24 (16: within a few percent of the best at
-# either length, and the steadiest). The same results to the bit: each head's sums run in the same order. Since a
-# head's state is passed four rows at a time (`_head_four_rows`) the block size hardly matters: the scan alone on
+# either length, and the steadiest). The block size leaves the results as they are, to the bit: each head's sums run
+# in the same order (blocks of a multiple of four rows start the four-row passes where they would start anyway). Since
+# a head's state is passed four rows at a time (`_head_four_rows`) the block size hardly matters: the scan alone on
 # the same inputs, rounds alternated, medians 58.0 / 57.7 / 60.5 / 59.8 ms at 8 / 16 / 32 / 64 (2,048 float32 rows,
 # a slow hour) and 9.5 / 9.6 / 9.7 at 8 / 16 / 32 (512 rows, bfloat16 state).
 ROW_BLOCK = 16
