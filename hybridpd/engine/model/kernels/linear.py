@@ -119,6 +119,11 @@ def _packed_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and x.shape[0] > 0)
 
 
+def packs_products(dtype: torch.dtype) -> bool:
+    """Whether products of `dtype` run through packed weights here (bfloat16 on a CPU with bfloat16 units)."""
+    return _bf16_packing and dtype == torch.bfloat16
+
+
 def halves_pay(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a fused projection of a prefill's rows is better taken as two products (each output contiguous, so the
     SiLU after it runs ~3x faster: mlp.py, mamba2.py): on every path but bfloat16 through packed weights, where the
