@@ -1,0 +1,133 @@
+"""The routed experts' three paths, one layer alone and in an engine, side by side in one process, rounds alternated.
+
+The paths (layers/moe.py): the compiled kernel (kernels/fused_moe.py, up to `rows_worth_fusing` rows), the grouped
+dispatch (a dozen torch operations per expert) and every expert at once (`every_expert`: two products over all the
+experts, the unchosen weighted 0; a layer takes it for bfloat16 steps of EVERY_EXPERT_MIN_ROWS rows and more on
+packed products, when its experts stay in cache).
+1. One MoE layer of `--preset`'s shape (random weights), in `--dtype`, one thread: each path at each `--rows` count
+   (the compiled kernel only where a layer would send it), the median of `--calls` calls, rounds alternated.
+2. An engine on the preset's checkpoint (the roofline script's settings, `--dtype`, one thread): `--requests` requests
+   of `--prompt-len` random tokens and `--output-len` greedy tokens at concurrency `--concurrency`, run to the end,
+   with every expert at once allowed (the default) and not, alternated round by round on the same engine (an engine
+   made second runs a few percent apart from one made first, which one engine avoids).
+Last line: JSON with `engine_ratio` (output tokens per second, allowed over not, the median of the rounds' ratios;
+above 1 is faster), the layer's milliseconds per path and row count, the CPU, the date and every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridpd.engine.dtype_choice import this_cpus_model
+from hybridpd.engine.host_memory import keep_freed_memory
+from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows
+from hybridpd.engine.model.layers.moe import GraniteMoE, every_expert, grouped_experts
+from hybridpd.engine.request import EngineRequest
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.presets.checkpoints import write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import engine_for  # noqa: E402  (the roofline script's engine)
+
+
+def layer_paths(layer: GraniteMoE, rows: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    """The paths a layer may take for `rows` rows, each a call on the same inputs."""
+    x = torch.randn(rows, layer.input_linear.weight.shape[2], generator=generator).to(dtype)
+    top_ids, top_weights = layer.router.forward(x)
+    w_in, w_out = layer.input_linear.weight, layer.output_linear.weight
+    paths = {"grouped": lambda: grouped_experts(x, top_ids, top_weights, layer._expert, layer.num_experts),
+             "every_expert": lambda: every_expert(x, top_ids, top_weights, w_in, layer._w_out_side_by_side())}
+    if rows <= layer.fused_max_rows:
+        paths["compiled"] = lambda: fused_moe_rows(x, top_ids, top_weights, w_in, w_out)
+    return paths
+
+
+def median_call_s(call, calls: int) -> float:
+    call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def output_rate(engine, args: argparse.Namespace, generator: torch.Generator, tag: str) -> float:
+    """Output tokens per second of `--requests` requests at `--concurrency`, run to the end."""
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    added = tokens = 0
+    start = time.perf_counter()
+    while added < args.requests or engine.has_work():
+        while added < args.requests and len(engine.request_ids()) < args.concurrency:
+            prompt = tuple(torch.randint(3, 500, (args.prompt_len,), generator=generator).tolist())
+            engine.add_request(EngineRequest(request_id=f"{tag}-{added}", prompt_token_ids=prompt, sampling=params))
+            added += 1
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--preset", default="granite-moe")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 24, 32, 48, 256, 1024, 2048])
+    parser.add_argument("--calls", type=int, default=20, help="calls per path, row count and round")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    keep_freed_memory()
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_checkpoint(args.preset, Path(tmp) / args.preset)
+        engine = engine_for(model_dir, args.dtype, 256, 2048)
+        moe_layers = [m for m in engine.model.modules() if isinstance(m, GraniteMoE)]
+        if not moe_layers:
+            parser.error(f"--preset {args.preset} has no MoE layers")
+        allowed = [m.every_expert_min_rows for m in moe_layers]
+        layer = moe_layers[0]
+        layer_ms: dict[str, dict[int, list[float]]] = {}
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        output_rate(engine, argparse.Namespace(**{**vars(args), "requests": 2}), generator, "warm-up")
+        for k in range(args.rounds):
+            print(f"round {k + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
+            for rows in args.rows:
+                paths = list(layer_paths(layer, rows, dtype, generator).items())
+                for name, call in (paths if k % 2 == 0 else paths[::-1]):
+                    layer_ms.setdefault(name, {}).setdefault(rows, []).append(1e3 * median_call_s(call, args.calls))
+            for on in ((True, False) if k % 2 == 0 else (False, True)):
+                for moe, rows in zip(moe_layers, allowed):
+                    moe.every_expert_min_rows = rows if on else None
+                rates[on].append(output_rate(engine, args, generator, f"r{k}-{on}"))
+            print(json.dumps({"round": k, "tok_s": {"allowed": round(rates[True][-1], 1),
+                                                    "not": round(rates[False][-1], 1)}}), file=sys.stderr, flush=True)
+        engine.close()
+
+    ratios = [on / off for on, off in zip(rates[True], rates[False])]
+    print(json.dumps({
+        "preset": args.preset, "dtype": args.dtype, "cpu": this_cpus_model(), "date": datetime.date.today().isoformat(),
+        "every_expert_from_rows": sorted({r for r in allowed if r is not None}) or None,
+        "engine_ratio": round(statistics.median(ratios), 3),
+        "engine_ratio_per_round": [round(r, 3) for r in ratios],
+        "engine_tok_s": {"allowed": [round(r, 1) for r in rates[True]], "not": [round(r, 1) for r in rates[False]]},
+        "layer_ms": {name: {rows: round(statistics.median(v), 3) for rows, v in by_rows.items()}
+                     for name, by_rows in layer_ms.items()},
+        "workload": vars(args),
+    }))
+
+
+if __name__ == "__main__":
+    main()
