@@ -50,24 +50,28 @@ from hybridpd.engine.model.step.mamba_meta import MambaRows
 
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]
+_U16_2D = numba.uint16[:, ::1]   # bfloat16 as its bits (bf16_bits.py)
 _I64_1D = numba.int64[::1]
 _SEQUENCES = (
     _I64_1D, _I64_1D, _I64_1D, _I64_1D,  # per sequence: first row, rows, resumed (0/1), slot
     _I64_1D, _I64_1D, _I64_1D,  # per save: sequence, rows of the step after which to save, slot (by sequence)
 )
-_CONV_SIGNATURE = numba.void(
-    _F32_2D,                  # [T, X]: xbc | dt_raw in each row's last C + H columns
-    *_SEQUENCES,
-    _F32_1D, numba.int64,     # conv cache: slot s's [K - 1, C] state at [s * stride, ...) of this flat array
-    _F32_2D,                  # conv weight [K, C]
-    _F32_1D,                  # conv bias [C] (zeros when the layer has none)
-    numba.int64,              # where xbc starts in a row of that array
-    _F32_2D,                  # out: the convolution before its SiLU [T, C]
-)
-def _scan_signature(state: numba.types.Array) -> numba.core.typing.templates.Signature:
+def _conv_signature(proj: numba.types.Array) -> numba.core.typing.templates.Signature:
+    return numba.void(
+        proj,                     # [T, X]: xbc | dt_raw in each row's last C + H columns (float32 or bfloat16 bits)
+        *_SEQUENCES,
+        _F32_1D, numba.int64,     # conv cache: slot s's [K - 1, C] state at [s * stride, ...) of this flat array
+        _F32_2D,                  # conv weight [K, C]
+        _F32_1D,                  # conv bias [C] (zeros when the layer has none)
+        numba.int64,              # where xbc starts in a row of that array
+        _F32_2D,                  # out: the convolution before its SiLU [T, C]
+    )
+
+
+def _scan_signature(proj: numba.types.Array, state: numba.types.Array) -> numba.core.typing.templates.Signature:
     return numba.void(
         _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
-        _F32_2D,                  # [T, X] (dt_raw: its last H columns)
+        proj,                     # [T, X] (dt_raw: its last H columns), as the convolution's
         _F32_2D,                  # silu(gate) [T, I]
         *_SEQUENCES,
         state, numba.int64,       # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
@@ -83,11 +87,22 @@ def _scan_signature(state: numba.types.Array) -> numba.core.typing.templates.Sig
     )
 
 
-# The SSM cache in float32, or in bfloat16 as its bits (a bfloat16 model's, bf16_bits.py).
-_SCAN_SIGNATURES = [_scan_signature(state) for state in (_F32_1D, numba.uint16[::1])]
+# in_proj's output in float32, or a bfloat16 model's as its bits, read where it lies (widened where read: a copy
+# widened to float32 beforehand took ~6% of a 512-token bfloat16 prefill of granite-350m inside the engine, ~4 ms a
+# layer); the SSM cache in float32, or in bfloat16 as its bits (a bfloat16 model's).
+_CONV_SIGNATURES = [_conv_signature(proj) for proj in (_F32_2D, _U16_2D)]
+_SCAN_SIGNATURES = [_scan_signature(proj, state)
+                    for proj, state in ((_F32_2D, _F32_1D), (_F32_2D, numba.uint16[::1]), (_U16_2D, numba.uint16[::1]))]
 
 
-@numba.njit(_CONV_SIGNATURE, cache=True, nogil=True, fastmath=True, boundscheck=False)
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _widen_into(dst, src):  # pragma: no cover - compiled
+    """A float32 row `dst` from a row of float32 or bfloat16 bits."""
+    for c in range(dst.shape[0]):
+        dst[c] = widen(src[c])
+
+
+@numba.njit(_CONV_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot, conv_cache,
                conv_stride, conv_w, conv_b, inner, out):  # pragma: no cover - compiled
     """Output row t of a sequence reads its inputs t - (K - 1) .. t straight where they are: this step's rows of
@@ -107,25 +122,33 @@ def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_
             conv[:] = conv_b
             for k in range(width):
                 j = t - history + k  # the sequence's input row in this step; negative: in the window
-                source = proj[first + j, inner : inner + conv_dim] if j >= 0 else window[history + j]
                 wk = conv_w[k]
-                for c in range(conv_dim):
-                    conv[c] += source[c] * wk[c]
+                if j >= 0:
+                    source = proj[first + j, inner : inner + conv_dim]
+                    for c in range(conv_dim):
+                        conv[c] += widen(source[c]) * wk[c]
+                else:
+                    earlier = window[history + j]
+                    for c in range(conv_dim):
+                        conv[c] += earlier[c] * wk[c]
             while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
                 at = save_slot[next_save] * conv_stride
                 saved = conv_cache[at : at + history * conv_dim].reshape((history, conv_dim))
                 for i in range(history):
                     j = t + 1 - history + i
-                    saved[i, :] = proj[first + j, inner : inner + conv_dim] if j >= 0 else window[history + j]
+                    if j >= 0:
+                        _widen_into(saved[i], proj[first + j, inner : inner + conv_dim])
+                    else:
+                        saved[i, :] = window[history + j]
                 next_save += 1
         if n >= history:  # the window becomes the sequence's last K - 1 inputs
             for i in range(history):
-                window[i, :] = proj[first + n - history + i, inner : inner + conv_dim]
+                _widen_into(window[i], proj[first + n - history + i, inner : inner + conv_dim])
         else:
             for i in range(history - n):
                 window[i, :] = window[i + n]
             for i in range(n):
-                window[history - n + i, :] = proj[first + i, inner : inner + conv_dim]
+                _widen_into(window[history - n + i], proj[first + i, inner : inner + conv_dim])
 
 
 @numba.njit(inline="always", fastmath=True, boundscheck=False)
@@ -175,10 +198,10 @@ def _head_four_rows(state, xbc, proj, r, dt_at, dt_bias, A, D, dt_min, dt_max, i
     head_dim, d_state = state.shape
     b_at, c_at = inner + g * d_state, inner + (groups + g) * d_state
     x_at = h * head_dim
-    dt0, d0 = _dt_and_decay(proj[r, dt_at], dt_bias, A, dt_min, dt_max)
-    dt1, d1 = _dt_and_decay(proj[r + 1, dt_at], dt_bias, A, dt_min, dt_max)
-    dt2, d2 = _dt_and_decay(proj[r + 2, dt_at], dt_bias, A, dt_min, dt_max)
-    dt3, d3 = _dt_and_decay(proj[r + 3, dt_at], dt_bias, A, dt_min, dt_max)
+    dt0, d0 = _dt_and_decay(widen(proj[r, dt_at]), dt_bias, A, dt_min, dt_max)
+    dt1, d1 = _dt_and_decay(widen(proj[r + 1, dt_at]), dt_bias, A, dt_min, dt_max)
+    dt2, d2 = _dt_and_decay(widen(proj[r + 2, dt_at]), dt_bias, A, dt_min, dt_max)
+    dt3, d3 = _dt_and_decay(widen(proj[r + 3, dt_at]), dt_bias, A, dt_min, dt_max)
     B0, B1 = xbc[r, b_at : b_at + d_state], xbc[r + 1, b_at : b_at + d_state]
     B2, B3 = xbc[r + 2, b_at : b_at + d_state], xbc[r + 3, b_at : b_at + d_state]
     C0, C1 = xbc[r, c_at : c_at + d_state], xbc[r + 1, c_at : c_at + d_state]
@@ -263,7 +286,7 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                 cached = _head_state(ssm_cache, at, h, head_dim, d_state)
                 if seq_resumed[q] == 0:
                     cached[:, :] = 0
-                _head_row(cached, xbc[r], proj[r, dt_at + h], dt_bias[h], A[h], D[h], dt_min, dt_max, inner, groups,
+                _head_row(cached, xbc[r], widen(proj[r, dt_at + h]), dt_bias[h], A[h], D[h], dt_min, dt_max, inner, groups,
                           h // per_group, h, out[r])
                 next_save = first_save
                 while next_save < save_seq.shape[0] and save_seq[next_save] == q:
@@ -295,7 +318,7 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                                         inner, groups, h // per_group, h, out)
                         t += 4
                     else:
-                        _head_row(state, xbc[r], proj[r, dt_at + h], dt_bias[h], A[h], D[h], dt_min, dt_max,
+                        _head_row(state, xbc[r], widen(proj[r, dt_at + h]), dt_bias[h], A[h], D[h], dt_min, dt_max,
                                   inner, groups, h // per_group, h, out[r])
                         t += 1
                     while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t:
@@ -397,9 +420,10 @@ def mamba_rows_(
     """Every row of in_proj's output, sequence by sequence as `rows` lays them out; the states in the caches updated
     in place and saved where `rows` asks -> the gated-normed output [T, I] float32.
 
-    `gate` is in_proj's first I columns ([T, I], any strides; a contiguous one is our own and gets its SiLU in
-    place); `xbc_dt` is a contiguous float32 [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole
-    output (with the gate in its first columns) or only those columns from a product of their own.
+    `gate` is in_proj's first I columns in float32 ([T, I], any strides; a contiguous one is our own and gets its
+    SiLU in place); `xbc_dt` is a contiguous [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole
+    output (with the gate in its first columns) or only those columns from a product of their own, float32 or
+    bfloat16 (read as its bits, widened where read; then the SSM cache must be bfloat16 too).
 
     Three passes: the convolution (compiled: it walks each sequence's window), the two SiLUs over all rows at once
     (torch's vectorised kernel: numba calls libm's expf one element at a time, which made them half of a one-pass
@@ -409,7 +433,7 @@ def mamba_rows_(
     sequences = (rows.starts, rows.lengths, rows.resumed, rows.slots, rows.save_seqs, rows.save_after,
                  rows.save_slots)
     conv = torch.empty(xbc_dt.shape[0], conv_dim, dtype=torch.float32)
-    source, conv_np = _f32(xbc_dt), conv.numpy()
+    source, conv_np = kernel_array(xbc_dt), conv.numpy()
     _conv_rows(source, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias,
                xbc_dt.shape[1] - conv_dim - heads, conv_np)
     F.silu(conv, inplace=True)

@@ -92,18 +92,18 @@ class Mamba2Mixer(nn.Module):
         return (self.heads, self.head_dim, self.d_state)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv: KVCacheStorage) -> torch.Tensor:
-        """A step through the compiled kernel (fused_mamba.py), in float32 (a bfloat16 model's projections widened
-        to it, the result rounded back): in_proj, the convolution, state updates, read-out and gated norm, row by row
-        (the states updated where they sit and saved where asked), out_proj."""
+        """A step through the compiled kernel (fused_mamba.py), in float32 (a bfloat16 model's projection widened
+        where the kernel reads it, the result rounded back): in_proj, the convolution, state updates, read-out and
+        gated norm, row by row (the states updated where they sit and saved where asked), out_proj."""
         meta = ctx.groups[kv.slot(self.layer_id).group_id]
         if not isinstance(meta, MambaRows):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
         separate_gate = x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS and halves_pay(x, self.in_proj.weight)
         gate, xbc_dt = self._in_proj(x, separate_gate=separate_gate)
-        if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32 from the projection's values
-            # widened: the gate and xbc | dt_raw, not the gate twice where one product gave both
-            gate, xbc_dt = gate.float(), xbc_dt[:, xbc_dt.shape[1] - self.conv_dim - self.heads :].float()
+        if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32, from the gate widened here
+            # (its SiLU in float32, as transformers' gated norm takes it) and xbc | dt_raw read as bfloat16 bits
+            gate = gate.float()
         y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
         return linear(y.to(x.dtype), self.out_proj.weight, self.out_proj.bias)

@@ -4,7 +4,8 @@ Shapes as the mixer has them: the caches are views into wider storage rows (slot
 slots in any order, one or several groups, with and without a conv bias, a dt limit or not; sequences of one row
 (decode) and of many (prefill chunks), resumed from their slot or starting from zeros over a stale slot, states
 saved to other slots after given rows; the SSM state kept in float32 or in bfloat16 (a bfloat16 model's: computed in
-float32, rounded once where it is stored).
+float32, rounded once where it is stored), and in_proj's xbc | dt_raw handed over in float32 or, as a bfloat16 model's
+mixer hands them, in bfloat16 (read as its bits).
 """
 
 from __future__ import annotations
@@ -61,12 +62,18 @@ CASES = [
 SAVE_SLOTS = (9, 10, 11, 12, 13, 1)  # slot 1: no sequence of the one case with six saves uses it
 
 
-@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16], ids=["ssm_f32", "ssm_bf16"])
+# (in_proj's xbc | dt_raw, the SSM state): a float32 model's, a bfloat16 state beside float32 projections, a bfloat16
+# model's
+DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("proj_dtype, ssm_dtype", DTYPES, ids=["f32", "ssm_bf16", "bf16"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_product", "gate_apart"])
 @pytest.mark.parametrize("heads, head_dim, groups, d_state, width, with_bias, limit, seqs", CASES)
 def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split,
-                                     ssm_dtype):
-    _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype)
+                                     proj_dtype, ssm_dtype):
+    _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype,
+                                proj_dtype)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,12 +85,13 @@ def test_any_chunk_length_and_saves_match_the_formulas(data):
     n = data.draw(st.integers(2, 45), label="rows")
     afters = data.draw(st.lists(st.integers(1, n), max_size=len(SAVE_SLOTS) - 1, unique=True), label="saves")
     resumed = data.draw(st.integers(0, 1), label="resumed")
-    ssm_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="ssm dtype")
+    proj_dtype, ssm_dtype = data.draw(st.sampled_from(DTYPES), label="dtypes")
     _check_against_the_formulas(2, 8, 1, 8, 4, True, (0.0, math.inf), [(n, resumed, 3, tuple(sorted(afters)))],
-                                False, ssm_dtype)
+                                False, ssm_dtype, proj_dtype)
 
 
-def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype):
+def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype,
+                                proj_dtype=torch.float32):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim + len(seqs))
     inner = heads * head_dim
     conv_dim = inner + 2 * groups * d_state
@@ -95,7 +103,8 @@ def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bi
     conv_cache = conv_rows[:, : (width - 1) * conv_dim].view(num_slots, width - 1, conv_dim)
     ssm_cache = ssm_rows[:, : inner * d_state].view(num_slots, heads, head_dim, d_state)
     total_rows = sum(n for n, *_ in seqs)
-    proj = torch.randn(total_rows, inner + conv_dim + heads, generator=gen)
+    # values a bfloat16 model's projection can hold (the formulas then take the same values)
+    proj = torch.randn(total_rows, inner + conv_dim + heads, generator=gen).to(proj_dtype).float()
     conv_w = torch.randn(width, conv_dim, generator=gen) * 0.5
     conv_b = torch.randn(conv_dim, generator=gen) * 0.1 if with_bias else torch.zeros(conv_dim)
     dt_bias, D = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
@@ -116,11 +125,13 @@ def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bi
 
     weights = MambaKernelWeights.of(conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups)
     # in_proj's output as the mixer hands it over: one product (the gate a strided view of it), or the gate and
-    # xbc | dt_raw from products of their own (both contiguous; the gate's SiLU then runs in place on it).
+    # xbc | dt_raw from products of their own (both contiguous; the gate's SiLU then runs in place on it). A bfloat16
+    # model's mixer widens the gate and hands xbc | dt_raw over as they are.
+    handed = proj.to(proj_dtype)
     if split:
-        gate, xbc_dt = proj[:, :inner].clone(), proj[:, inner:].clone()
+        gate, xbc_dt = proj[:, :inner].clone(), handed[:, inner:].clone()
     else:
-        gate, xbc_dt = proj[:, :inner], proj
+        gate, xbc_dt = proj[:, :inner], handed
     out = mamba_rows_(gate, xbc_dt, rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
 
     saved = {}
