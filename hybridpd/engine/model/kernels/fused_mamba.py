@@ -68,7 +68,8 @@ def _conv_signature(proj: numba.types.Array) -> numba.core.typing.templates.Sign
     )
 
 
-def _scan_signature(proj: numba.types.Array, state: numba.types.Array) -> numba.core.typing.templates.Signature:
+def _scan_signature(proj: numba.types.Array, state: numba.types.Array,
+                    result: numba.types.Array) -> numba.core.typing.templates.Signature:
     return numba.void(
         _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
         proj,                     # [T, X] (dt_raw: its last H columns), as the convolution's
@@ -83,15 +84,17 @@ def _scan_signature(proj: numba.types.Array, state: numba.types.Array) -> numba.
         numba.float32,            # gated-norm eps
         numba.int64,              # how y meets the gate (shapes.MambaNorm: 0 gated norm, 1 gate only, 2 norm then gate)
         numba.int64,              # groups (G)
-        _F32_2D,                  # out [T, I]
+        _F32_2D,                  # y [T, I] (scratch: the read-outs before the gated norm)
+        result,                   # out [T, I]: float32 (y itself may be passed) or bfloat16 bits, as in_proj's output
     )
 
 
 # in_proj's output in float32, or a bfloat16 model's as its bits, read where it lies (widened where read: a copy
 # widened to float32 beforehand took ~6% of a 512-token bfloat16 prefill of granite-350m inside the engine, ~4 ms a
-# layer); the SSM cache in float32, or in bfloat16 as its bits (a bfloat16 model's).
+# layer), and the output written in the same dtype (rounded where stored, not copied afterwards); the SSM cache in
+# float32, or in bfloat16 as its bits (a bfloat16 model's).
 _CONV_SIGNATURES = [_conv_signature(proj) for proj in (_F32_2D, _U16_2D)]
-_SCAN_SIGNATURES = [_scan_signature(proj, state)
+_SCAN_SIGNATURES = [_scan_signature(proj, state, proj)
                     for proj, state in ((_F32_2D, _F32_1D), (_F32_2D, numba.uint16[::1]), (_U16_2D, numba.uint16[::1]))]
 
 
@@ -265,12 +268,13 @@ ROW_BLOCK = 16
 @numba.njit(_SCAN_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False)
 def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
                ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
-               eps, norm_mode, groups, out):  # pragma: no cover - compiled
+               eps, norm_mode, groups, out, result):  # pragma: no cover - compiled
     """A decode row (a sequence of one row) updates each head's state where it sits in the cache. A sequence of
     several rows (a prefill chunk) holds its states ([H, P, N], 786 kB on the published shapes) in a float32
     scratch, read from the cache once and stored once (rounded there when the cache is bfloat16), and goes through
     them ROW_BLOCK rows at a time, head by head within a block, four rows at a time within a head (one row at a
-    time where a save falls among the four). Then the gated norm, row by row, over every head's y."""
+    time where a save falls among the four). Then the gated norm, row by row, over every head's y (`out`), into
+    `result` (rounded there when it is bfloat16)."""
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
@@ -328,14 +332,14 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
         for h in range(heads):
             _copy_state(_head_state(ssm_cache, at, h, head_dim, d_state), states[h])
     for r in range(out.shape[0]):
-        y, gr = out[r], gate[r]
+        y, gr, res = out[r], gate[r], result[r]
         for start in range(0, inner, norm_group):
             # Slices indexed from 0 (not y[start + c]): only that form vectorises, ~9x faster.
             end = start + norm_group
-            yg, gg, wg = y[start:end], gr[start:end], norm_w[start:end]
+            yg, gg, wg, rg = y[start:end], gr[start:end], norm_w[start:end], res[start:end]
             if norm_mode == 1:
                 for c in range(norm_group):
-                    yg[c] = yg[c] * gg[c]
+                    rg[c] = narrow(yg[c] * gg[c], result)
                 continue
             square = np.float32(0.0)
             if norm_mode == 0:
@@ -349,10 +353,10 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
             scale = np.float32(1.0) / np.sqrt(square / np.float32(norm_group) + eps)
             if norm_mode == 0:
                 for c in range(norm_group):
-                    yg[c] = yg[c] * scale * wg[c]
+                    rg[c] = narrow(yg[c] * scale * wg[c], result)
             else:
                 for c in range(norm_group):
-                    yg[c] = yg[c] * scale * wg[c] * gg[c]
+                    rg[c] = narrow(yg[c] * scale * wg[c] * gg[c], result)
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -418,7 +422,7 @@ def mamba_rows_(
     weights: MambaKernelWeights,
 ) -> torch.Tensor:
     """Every row of in_proj's output, sequence by sequence as `rows` lays them out; the states in the caches updated
-    in place and saved where `rows` asks -> the gated-normed output [T, I] float32.
+    in place and saved where `rows` asks -> the gated-normed output [T, I] in `xbc_dt`'s dtype.
 
     `gate` is in_proj's first I columns in float32 ([T, I], any strides; a contiguous one is our own and gets its
     SiLU in place); `xbc_dt` is a contiguous [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole
@@ -439,9 +443,10 @@ def mamba_rows_(
     F.silu(conv, inplace=True)
     gate = F.silu(gate, inplace=True) if gate.is_contiguous() else F.silu(gate)
     out = torch.empty(xbc_dt.shape[0], gate.shape[1], dtype=torch.float32)
+    result = out if xbc_dt.dtype == torch.float32 else torch.empty(out.shape, dtype=xbc_dt.dtype)
     _scan_rows(
         conv_np, source, gate.numpy(), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
         weights.dt_bias, weights.A, weights.D, *weights.dt_limit, weights.norm_weight, weights.norm_group,
-        weights.eps, weights.norm_mode, weights.groups, out.numpy(),
+        weights.eps, weights.norm_mode, weights.groups, out.numpy(), kernel_array(result),
     )
-    return out
+    return result
