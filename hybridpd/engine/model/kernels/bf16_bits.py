@@ -25,7 +25,8 @@ def kernel_array(t: torch.Tensor) -> np.ndarray:
 
 
 @intrinsic
-def _float_from_bits(typingctx, bits):  # pragma: no cover - compiled
+def float_from_bits(typingctx, bits):  # pragma: no cover - compiled
+    """The float32 whose bits are the uint32 `bits` (compiled code only)."""
     if bits != types.uint32:
         return None
 
@@ -59,7 +60,7 @@ def narrow(value, like):  # pragma: no cover - replaced by the overload in compi
 @overload(widen, inline="always")
 def _widen(element):  # pragma: no cover - compiled
     if element == types.uint16:
-        return lambda element: _float_from_bits(np.uint32(np.uint32(element) << np.uint32(16)))
+        return lambda element: float_from_bits(np.uint32(np.uint32(element) << np.uint32(16)))
     if element == types.float32:
         return lambda element: element
     return None

@@ -8,13 +8,16 @@ window, SiLU, softplus, the state update, the read-out, the gated norm): each co
 arithmetic, ~250 us per layer for 16 rows of the default model, and a prefill needs a chunked scan with its own
 layouts. Here a step is three passes over all its rows (`mamba_rows_`):
 
-1. `_conv_rows` (compiled): the causal convolution, each output reading its K inputs where they are (this step's
-   rows of in_proj's output, or the slot's window for those before the step); the window is written once at the end;
-2. the SiLUs of the convolution and of the gate, in torch over all rows at once (its exp is vectorised; numba calls
-   libm's expf one element at a time, which made them half of a one-pass kernel's time);
-3. `_scan_rows` (compiled): softplus, the state update and read-out with the D skip (a prefill chunk's states held
+1. `_conv_rows` (compiled): the causal convolution and its SiLU, each output reading its K inputs where they are
+   (this step's rows of in_proj's output, or the slot's window for those before the step); the window is written
+   once at the end;
+2. `_scan_rows` (compiled): softplus, the state update and read-out with the D skip (a prefill chunk's states held
    in a float32 scratch while its rows pass, ROW_BLOCK rows at a time through every head, four rows in each pass
-   over a head's state; a decode row's updated where they sit in the cache), then the gated norm row by row.
+   over a head's state; a decode row's updated where they sit in the cache), then the gated norm row by row, the
+   gate's SiLU taken where it is read.
+
+The SiLUs are silu.py's, which LLVM vectorises (numba's own exp is libm's, one element at a time: that made them half
+of a one-pass kernel's time, so they used to be torch's, a pass of their own over each array).
 
 16 decode rows of the default model: ~80 us per layer (~1 ms less per decode step than the torch operations); a
 16 x 256 prefill: ~8.5 ms per layer, about half of a chunked scan's in torch with its layouts and the gated norm.
@@ -43,9 +46,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels.bf16_bits import kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.silu import silu
 from hybridpd.engine.model.step.mamba_meta import MambaRows
 
 _F32_1D = numba.float32[::1]
@@ -64,7 +67,7 @@ def _conv_signature(proj: numba.types.Array) -> numba.core.typing.templates.Sign
         _F32_2D,                  # conv weight [K, C]
         _F32_1D,                  # conv bias [C] (zeros when the layer has none)
         numba.int64,              # where xbc starts in a row of that array
-        _F32_2D,                  # out: the convolution before its SiLU [T, C]
+        _F32_2D,                  # out: silu(the convolution) [T, C]
     )
 
 
@@ -73,7 +76,7 @@ def _scan_signature(proj: numba.types.Array, state: numba.types.Array,
     return numba.void(
         _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
         proj,                     # [T, X] (dt_raw: its last H columns), as the convolution's
-        _F32_2D,                  # silu(gate) [T, I]
+        proj,                     # the gate: its first I columns (in_proj's whole output, or the gate's own product)
         *_SEQUENCES,
         state, numba.int64,       # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
         numba.int64, numba.int64, numba.int64,  # H, P, N
@@ -105,7 +108,7 @@ def _widen_into(dst, src):  # pragma: no cover - compiled
         dst[c] = widen(src[c])
 
 
-@numba.njit(_CONV_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False)
+@numba.njit(_CONV_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
 def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot, conv_cache,
                conv_stride, conv_w, conv_b, inner, out):  # pragma: no cover - compiled
     """Output row t of a sequence reads its inputs t - (K - 1) .. t straight where they are: this step's rows of
@@ -134,6 +137,8 @@ def _conv_rows(proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_
                     earlier = window[history + j]
                     for c in range(conv_dim):
                         conv[c] += earlier[c] * wk[c]
+            for c in range(conv_dim):
+                conv[c] = silu(conv[c])
             while next_save < save_seq.shape[0] and save_seq[next_save] == q and save_after[next_save] == t + 1:
                 at = save_slot[next_save] * conv_stride
                 saved = conv_cache[at : at + history * conv_dim].reshape((history, conv_dim))
@@ -265,7 +270,7 @@ def _head_state(cache, at, h, head_dim, d_state):  # pragma: no cover - compiled
 ROW_BLOCK = 16
 
 
-@numba.njit(_SCAN_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False)
+@numba.njit(_SCAN_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
 def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
                ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
                eps, norm_mode, groups, out, result):  # pragma: no cover - compiled
@@ -273,8 +278,8 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
     several rows (a prefill chunk) holds its states ([H, P, N], 786 kB on the published shapes) in a float32
     scratch, read from the cache once and stored once (rounded there when the cache is bfloat16), and goes through
     them ROW_BLOCK rows at a time, head by head within a block, four rows at a time within a head (one row at a
-    time where a save falls among the four). Then the gated norm, row by row, over every head's y (`out`), into
-    `result` (rounded there when it is bfloat16)."""
+    time where a save falls among the four). Then the gated norm, row by row, over every head's y (`out`) and the
+    SiLU of the gate (`gate`'s first I columns), into `result` (rounded there when it is bfloat16)."""
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
@@ -339,12 +344,12 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
             yg, gg, wg, rg = y[start:end], gr[start:end], norm_w[start:end], res[start:end]
             if norm_mode == 1:
                 for c in range(norm_group):
-                    rg[c] = narrow(yg[c] * gg[c], result)
+                    rg[c] = narrow(yg[c] * silu(widen(gg[c])), result)
                 continue
             square = np.float32(0.0)
             if norm_mode == 0:
                 for c in range(norm_group):
-                    value = yg[c] * gg[c]
+                    value = yg[c] * silu(widen(gg[c]))
                     yg[c] = value
                     square += value * value
             else:
@@ -356,7 +361,7 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
                     rg[c] = narrow(yg[c] * scale * wg[c], result)
             else:
                 for c in range(norm_group):
-                    rg[c] = narrow(yg[c] * scale * wg[c] * gg[c], result)
+                    rg[c] = narrow(yg[c] * scale * wg[c] * silu(widen(gg[c])), result)
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -424,14 +429,23 @@ def mamba_rows_(
     """Every row of in_proj's output, sequence by sequence as `rows` lays them out; the states in the caches updated
     in place and saved where `rows` asks -> the gated-normed output [T, I] in `xbc_dt`'s dtype.
 
-    `gate` is in_proj's first I columns in float32 ([T, I], any strides; a contiguous one is our own and gets its
-    SiLU in place); `xbc_dt` is a contiguous [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole
-    output (with the gate in its first columns) or only those columns from a product of their own, float32 or
-    bfloat16 (read as its bits, widened where read; then the SSM cache must be bfloat16 too).
+    `xbc_dt` is a contiguous [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole output (with the gate
+    in its first I columns) or only those columns from a product of their own, float32 or bfloat16 (read as its bits,
+    widened where read; then the SSM cache must be bfloat16 too). `gate` [T, I], in `xbc_dt`'s dtype, is in_proj's
+    first I columns: a view of `xbc_dt` (the whole output) or a contiguous array of its own.
 
-    Three passes: the convolution (compiled: it walks each sequence's window), the two SiLUs over all rows at once
-    (torch's vectorised kernel: numba calls libm's expf one element at a time, which made them half of a one-pass
-    kernel's time), the scan and gated norm (compiled)."""
+    Two compiled passes: the convolution and its SiLU (it walks each sequence's window), then the scan and the gated
+    norm with the gate's SiLU."""
+    if gate.dtype != xbc_dt.dtype:
+        raise ValueError(f"mamba_rows_: the gate is {gate.dtype}, xbc | dt_raw {xbc_dt.dtype}")
+    if not xbc_dt.is_contiguous():
+        raise ValueError("mamba_rows_: xbc | dt_raw must be contiguous")
+    if gate.is_contiguous():
+        gate_source = gate
+    elif gate.data_ptr() == xbc_dt.data_ptr() and gate.stride() == xbc_dt.stride():
+        gate_source = xbc_dt   # the kernel reads the gate from its first I columns
+    else:
+        raise ValueError("mamba_rows_: a gate that is not contiguous must be the first columns of xbc_dt")
     conv_dim = weights.conv_weight.shape[1]
     heads = weights.A.shape[0]
     sequences = (rows.starts, rows.lengths, rows.resumed, rows.slots, rows.save_seqs, rows.save_after,
@@ -440,12 +454,10 @@ def mamba_rows_(
     source, conv_np = kernel_array(xbc_dt), conv.numpy()
     _conv_rows(source, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias,
                xbc_dt.shape[1] - conv_dim - heads, conv_np)
-    F.silu(conv, inplace=True)
-    gate = F.silu(gate, inplace=True) if gate.is_contiguous() else F.silu(gate)
     out = torch.empty(xbc_dt.shape[0], gate.shape[1], dtype=torch.float32)
     result = out if xbc_dt.dtype == torch.float32 else torch.empty(out.shape, dtype=xbc_dt.dtype)
     _scan_rows(
-        conv_np, source, gate.numpy(), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
+        conv_np, source, kernel_array(gate_source), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
         weights.dt_bias, weights.A, weights.D, *weights.dt_limit, weights.norm_weight, weights.norm_group,
         weights.eps, weights.norm_mode, weights.groups, out.numpy(), kernel_array(result),
     )

@@ -101,16 +101,12 @@ class Mamba2Mixer(nn.Module):
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
         separate_gate = x.shape[0] >= self.SEPARATE_GATE_FROM_ROWS and halves_pay(x, self.in_proj.weight)
         gate, xbc_dt = self._in_proj(x, separate_gate=separate_gate)
-        if x.dtype != torch.float32:  # a bfloat16 model: the kernel computes in float32, from the gate widened here
-            # (its SiLU in float32, as transformers' gated norm takes it) and xbc | dt_raw read as bfloat16 bits
-            gate = gate.float()
         y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
         return linear(y.to(x.dtype), self.out_proj.weight, self.out_proj.bias)
 
-    # From this many rows (a prefill chunk) the gate is taken apart (`_in_proj`): its SiLU then runs in
-    # place (~40% faster than over the strided columns of one output), and the two products together take less
-    # than the one 580-wide product of the default preset (9.0 vs 10.4 ms on 4,096 rows, MKL).
+    # From this many rows (a prefill chunk) the gate is taken apart (`_in_proj`): the two products together take
+    # less than the one 580-wide product of the default preset (9.0 vs 10.4 ms on 4,096 rows, MKL).
     SEPARATE_GATE_FROM_ROWS = 256
 
     def _weights_for_kernel(self) -> MambaKernelWeights:
@@ -143,9 +139,9 @@ class Mamba2Mixer(nn.Module):
         """in_proj -> (gate [T, I], an array whose last conv_dim + H columns are xbc | dt_raw).
 
         With `separate_gate` the gate comes from its own product (rows [0, I) of the weight, a view) and xbc | dt_raw
-        from another: both contiguous, and the silu over the gate runs ~3x faster than over a strided column block
-        of the fused output, which on a prefill is worth more than the one extra matmul call. Decode rows take the
-        one fused product (the second array is then the whole output), where the call count is what matters."""
+        from another, both contiguous: on a prefill's rows two products of MKL's take less than the one. Decode rows
+        take the one fused product (the second array is then the whole output, the gate a view of its first
+        columns), where the call count is what matters."""
         weight, bias, scale = self.in_proj.weight, self.in_proj.bias, self._in_proj_scale
         i = self.intermediate
         if not separate_gate:

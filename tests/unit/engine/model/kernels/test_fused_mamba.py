@@ -124,14 +124,13 @@ def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bi
     touched = {s for _, _, s, _ in seqs} | set(SAVE_SLOTS[: len(saves)])
 
     weights = MambaKernelWeights.of(conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups)
-    # in_proj's output as the mixer hands it over: one product (the gate a strided view of it), or the gate and
-    # xbc | dt_raw from products of their own (both contiguous; the gate's SiLU then runs in place on it). A bfloat16
-    # model's mixer widens the gate and hands xbc | dt_raw over as they are.
+    # in_proj's output as the mixer hands it over, in the model's dtype: one product (the gate a strided view of
+    # it), or the gate and xbc | dt_raw from products of their own (both contiguous).
     handed = proj.to(proj_dtype)
     if split:
-        gate, xbc_dt = proj[:, :inner].clone(), handed[:, inner:].clone()
+        gate, xbc_dt = handed[:, :inner].clone(), handed[:, inner:].clone()
     else:
-        gate, xbc_dt = proj[:, :inner], handed
+        gate, xbc_dt = handed[:, :inner], handed
     out = mamba_rows_(gate, xbc_dt, rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
 
     assert out.dtype == proj_dtype   # a bfloat16 model's output rounded where the kernel stores it
@@ -167,3 +166,39 @@ def test_refuses_a_slot_that_is_not_contiguous():
     conv_cache = torch.zeros(4, 3, 2 * 8 + 2 * 3)
     with pytest.raises(ValueError, match="contiguous"):
         MambaKernelCaches.of(conv_cache, ssm_cache)
+
+
+def _one_row_layer(proj_dtype: torch.dtype):
+    """A 1-head layer's caches, weights and a decode row's layout (shapes only matter here)."""
+    heads, head_dim, d_state, width = 1, 4, 2, 2
+    inner = heads * head_dim
+    conv_dim = inner + 2 * d_state
+    conv_cache = torch.zeros(2, width - 1, conv_dim)
+    ssm_cache = torch.zeros(2, heads, head_dim, d_state, dtype=proj_dtype)
+    weights = MambaKernelWeights.of(torch.ones(width, conv_dim), torch.zeros(conv_dim), torch.zeros(heads),
+                                    -torch.ones(heads), torch.ones(heads), (0.0, math.inf), torch.ones(inner), inner,
+                                    1e-5, 1)
+    rows = MambaRows(starts=_ints([0]), lengths=_ints([1]), resumed=_ints([1]), slots=_ints([1]),
+                     save_seqs=_ints([]), save_after=_ints([]), save_slots=_ints([]))
+    return inner, conv_dim + heads, MambaKernelCaches.of(conv_cache, ssm_cache), weights, rows
+
+
+@pytest.mark.parametrize("case, message", [
+    ("gate_of_another_dtype", "the gate is"),
+    ("gate_a_view_of_another_array", "first columns of xbc_dt"),
+    ("xbc_dt_strided", "must be contiguous"),
+])
+def test_refuses_a_gate_or_rows_it_cannot_read(case, message):
+    """The kernel reads the gate from its own contiguous array or from xbc_dt's first columns, in xbc_dt's dtype."""
+    inner, rest, caches, weights, rows = _one_row_layer(torch.float32)
+    proj = torch.randn(2, inner + rest)   # refused before any row is read
+    gate, xbc_dt = proj[:, :inner], proj
+    if case == "gate_of_another_dtype":
+        gate = gate.to(torch.bfloat16).contiguous()
+    elif case == "gate_a_view_of_another_array":
+        gate = torch.randn(2, 2 * inner)[:, :inner]
+    else:
+        xbc_dt = torch.randn(inner + rest, 2).t()
+        gate = xbc_dt[:, :inner]
+    with pytest.raises(ValueError, match=message):
+        mamba_rows_(gate, xbc_dt, rows, caches, weights)

@@ -1,0 +1,42 @@
+"""SiLU inside compiled loops (numba), in float32, where LLVM can vectorise it.
+
+numba compiles `math.exp` to a call of libm's `expf`, one element at a time, which made the SiLUs half of a one-pass
+Mamba kernel's time; so the kernels used to leave them to torch, one more pass over each [T, C] array. `exp32` is
+Cephes' `expf` written out (a rounding to the nearest power of two, a degree-5 polynomial on what is left, the power
+built from its bits), with nothing in it that stops LLVM vectorising a loop: 917,504 elements in 0.61 ms against
+libm's 4.2-5.3 (one thread, Xeon-AMX), within 1.9e-7 of float64's SiLU where torch's float32 SiLU is within 1.6e-7.
+A loop that divides by what `silu` returns must be compiled with `error_model="numpy"`: numba's default checks
+every float division for zero, and that branch stops the vectorising.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from hybridpd.engine.model.kernels.bf16_bits import float_from_bits
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HIGH = np.float32(0.693359375)       # ln 2 in two parts (Cody and Waite): k * _LN2_HIGH is exact
+_LN2_LOW = np.float32(-2.12194440e-4)
+_LOWEST = np.float32(-87.3)               # exp of less is below float32's normal range
+_HIGHEST = np.float32(88.3)               # exp of more overflows
+
+
+@numba.njit(inline="always", fastmath=True)
+def exp32(x):  # pragma: no cover - compiled
+    """e ** x in float32 (x clamped to [-87.3, 88.3])."""
+    x = min(max(x, _LOWEST), _HIGHEST)
+    k = np.int32(x * _LOG2E + np.float32(128.5)) - np.int32(128)   # round(x log2 e): the sum is positive, so
+    kf = np.float32(k)                                              # truncation rounds down
+    f = x - kf * _LN2_HIGH - kf * _LN2_LOW
+    p = ((((np.float32(1.9875691500e-4) * f + np.float32(1.3981999507e-3)) * f + np.float32(8.3334519073e-3)) * f
+          + np.float32(4.1665795894e-2)) * f + np.float32(1.6666665459e-1)) * f + np.float32(5.0000001201e-1)
+    p = p * (f * f) + f + np.float32(1.0)
+    return p * float_from_bits(np.uint32(np.uint32(k + np.int32(127)) << np.uint32(23)))
+
+
+@numba.njit(inline="always", fastmath=True)
+def silu(x):  # pragma: no cover - compiled
+    """x * sigmoid(x) in float32."""
+    return x / (np.float32(1.0) + exp32(-x))
