@@ -124,14 +124,6 @@ def packs_products(dtype: torch.dtype) -> bool:
     return _bf16_packing and dtype == torch.bfloat16
 
 
-def halves_pay(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a fused projection of a prefill's rows is better taken as two products (each output contiguous, so the
-    SiLU after it runs ~3x faster: mlp.py, mamba2.py): on every path but bfloat16 through packed weights, where the
-    one product was the faster (a 1,024-token granite-350m prefill, rounds alternated: median 2.26 s against 2.41) and
-    each half would need a pack of its own (~350 MB on that shape)."""
-    return not _packed_bf16(x, weight)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS, through the
     few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), bfloat16 on a CPU without

@@ -25,8 +25,8 @@ as oneDNN's is.
 The packs live on the weight they come from (an attribute of its base tensor, so a view of a weight, such as the
 gate's rows of a fused projection, has its own), made at the first product and made again when the weight was
 written in place (its version counter moved): a reloaded weight never multiplies through a stale pack. They cost
-the weight's bytes once more (granite-350m: 497 MB of packs for 505 MB of weights; a fused projection is not taken
-in halves on this path, `linear.halves_pay`, which would need 330 MB more); a granite-350m engine in bfloat16 held
+the weight's bytes once more (granite-350m: 497 MB of packs for 505 MB of weights; a fused projection is one product,
+not two halves, which would need 330 MB more); a granite-350m engine in bfloat16 held
 2.7 GB after serving against 1.9 without packs (measured). The plain weights stay for the compiled kernels and the
 other dtypes' paths.
 """

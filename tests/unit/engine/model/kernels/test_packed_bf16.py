@@ -118,12 +118,3 @@ def test_float32_and_cpus_without_units_never_pack(monkeypatch, product):
     product(torch.randn(4, 32).to(BF16), weight.to(BF16))
 
 
-@pytest.mark.parametrize("dtype, packing, halves", [
-    (BF16, True, False),            # one packed product: faster than two, and one pack instead of three
-    (BF16, False, True),            # bfloat16 without packs
-    (torch.float32, True, True),
-])
-def test_a_fused_projection_is_taken_in_halves_except_through_packs(monkeypatch, dtype, packing, halves):
-    monkeypatch.setattr(linear_module, "_bf16_packing", packing)
-    x, weight = torch.randn(300, 32).to(dtype), torch.randn(64, 32).to(dtype)
-    assert linear_module.halves_pay(x, weight) is halves
