@@ -102,7 +102,7 @@ class Mamba2Mixer(nn.Module):
         gate, xbc_dt = self._in_proj(x)
         y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
-        return linear(y.to(x.dtype), self.out_proj.weight, self.out_proj.bias)
+        return linear(y, self.out_proj.weight, self.out_proj.bias)   # y in x's dtype: the kernel writes it so
 
     def _weights_for_kernel(self) -> MambaKernelWeights:
         """The kernel's numpy views of the parameters (of float32 copies in a bfloat16 model), made again only when a

@@ -104,10 +104,10 @@ class GraniteMoE(nn.Module):
         self.input_linear = _StackedLinear(num_experts, 2 * intermediate_size, hidden_size, dtype)
         self.output_linear = _StackedLinear(num_experts, hidden_size, intermediate_size, dtype)
         # Up to this many rows a layer runs its experts in one compiled call (fused_moe.py).
-        expert_bytes = 3 * hidden_size * intermediate_size * num_experts * dtype.itemsize
-        self.fused_max_rows = rows_worth_fusing(num_experts, top_k, expert_bytes)
+        expert_elements = 3 * hidden_size * intermediate_size * num_experts
+        self.fused_max_rows = rows_worth_fusing(num_experts, top_k, expert_elements * dtype.itemsize)
         # From this many bfloat16 rows on packed products every expert at once (`every_expert`; None: never).
-        resident = 3 * hidden_size * intermediate_size * num_experts * torch.bfloat16.itemsize <= RESIDENT_BYTES
+        resident = expert_elements * torch.bfloat16.itemsize <= RESIDENT_BYTES
         self.every_expert_min_rows = EVERY_EXPERT_MIN_ROWS if resident else None
         self._side_by_side_of: tuple[torch.Tensor, int] | None = None
         self._side_by_side: torch.Tensor | None = None
