@@ -48,31 +48,24 @@ _F32_2D = numba.float32[:, ::1]
 _U16_2D = numba.uint16[:, ::1]   # bfloat16 as its bits (bf16_bits.py)
 
 
-@numba.njit([numba.void(rows, numba.int64, rows, numba.int64, rows) for rows in (_F32_2D, _U16_2D)], cache=True,
-            nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
-def _silu_times_rows(gate, gate_at, up, up_at, out):  # pragma: no cover - compiled
+@numba.njit([numba.void(rows, rows) for rows in (_F32_2D, _U16_2D)], cache=True, nogil=True, fastmath=True,
+            boundscheck=False, error_model="numpy")
+def _silu_times_rows(gate_up, out):  # pragma: no cover - compiled
     inter = out.shape[1]
     for t in range(out.shape[0]):
-        g, u, o = gate[t, gate_at : gate_at + inter], up[t, up_at : up_at + inter], out[t]
+        g, u, o = gate_up[t, :inter], gate_up[t, inter:], out[t]
         for i in range(inter):
             o[i] = narrow(silu(widen(g[i])) * widen(u[i]), out)
 
 
-def silu_times(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up, computed in float32 and rounded once to the inputs' dtype (float32 or bfloat16): the gate and
-    up as the two halves of one contiguous [T, 2I] `gate_up`, or `gate_up` the gate [T, I] and `up` the up, each
-    contiguous. One pass: torch's SiLU and product are two (the SiLU's output written and read again), and over the
-    strided halves of one output each ran ~3x slower than over contiguous arrays."""
-    if up is None:
-        inter = gate_up.shape[1] // 2
-        gate, gate_at, up, up_at = gate_up, 0, gate_up, inter
-    else:
-        inter = gate_up.shape[1]
-        gate, gate_at, up_at = gate_up, 0, 0
-        if up.shape != gate.shape or up.dtype != gate.dtype:
-            raise ValueError(f"silu_times: gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}")
-    if gate.dtype not in (torch.float32, torch.bfloat16) or not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError("silu_times: contiguous float32 or bfloat16 arrays only")
-    out = torch.empty((gate.shape[0], inter), dtype=gate.dtype)
-    _silu_times_rows(kernel_array(gate), gate_at, kernel_array(up), up_at, kernel_array(out))
+def silu_times(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the two halves of a contiguous [T, 2I] `gate_up` (float32 or bfloat16), computed in
+    float32 and rounded once to its dtype. One pass: torch's SiLU and product are two (the SiLU's output written and
+    read again), and over the strided halves of one output each ran ~3x slower than over contiguous arrays."""
+    if (gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() != 2 or gate_up.shape[1] % 2
+            or not gate_up.is_contiguous()):
+        raise ValueError(f"silu_times: a contiguous [T, 2I] float32 or bfloat16 array only, got "
+                         f"{tuple(gate_up.shape)} {gate_up.dtype}")
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    _silu_times_rows(kernel_array(gate_up), kernel_array(out))
     return out
