@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import subprocess
@@ -66,27 +67,33 @@ class Capture:
         self._call = mamba2.mamba_rows_
         mamba2.mamba_rows_ = self
 
-    def __call__(self, gate, xbc_dt, rows, caches, weights):
-        if self.args is None and xbc_dt.shape[0] >= self.rows:
+    def __call__(self, proj, rows, caches, weights):
+        if self.args is None and proj.shape[0] >= self.rows:
             slot = int(rows.slots[0])
             heads, head_dim, d_state = caches.state_shape
             ssm = caches.ssm[slot * caches.ssm_stride : slot * caches.ssm_stride + heads * head_dim * d_state]
             conv = caches.conv[slot * caches.conv_stride : (slot + 1) * caches.conv_stride]
-            self.args = (gate.clone(), xbc_dt.clone(), rows, caches, weights, slot, ssm.copy(), conv.copy())
-        return self._call(gate, xbc_dt, rows, caches, weights)
+            self.args = (proj.clone(), rows, caches, weights, slot, ssm.copy(), conv.copy())
+        return self._call(proj, rows, caches, weights)
 
     def release(self) -> None:
         mamba2.mamba_rows_ = self._call
 
     def run(self, module: ModuleType) -> tuple[float, torch.Tensor, np.ndarray]:
-        """One call of `module`'s kernel on the captured inputs, from the captured states -> (s, output, state)."""
-        gate, xbc_dt, rows, caches, weights, slot, ssm, conv = self.args
+        """One call of `module`'s kernel on the captured inputs, from the captured states -> (s, output, state).
+        A revision whose kernel takes the gate apart (`mamba_rows_(gate, xbc_dt, ...)`) gets it as an array of its
+        own, and xbc | dt_raw as another: the form every such revision reads."""
+        proj, rows, caches, weights, slot, ssm, conv = self.args
         at_ssm, at_conv = slot * caches.ssm_stride, slot * caches.conv_stride
         caches.ssm[at_ssm : at_ssm + ssm.size] = ssm
         caches.conv[at_conv : at_conv + conv.size] = conv
-        gate, xbc_dt = gate.clone(), xbc_dt.clone()
+        if "gate" in inspect.signature(module.mamba_rows_).parameters:
+            inner = caches.state_shape[0] * caches.state_shape[1]
+            handed = (proj[:, :inner].clone(), proj[:, inner:].clone())
+        else:
+            handed = (proj.clone(),)
         start = time.perf_counter()
-        out = module.mamba_rows_(gate, xbc_dt, rows, caches, weights)
+        out = module.mamba_rows_(*handed, rows, caches, weights)
         return time.perf_counter() - start, out, caches.ssm[at_ssm : at_ssm + ssm.size].copy()
 
 

@@ -61,7 +61,7 @@ _SEQUENCES = (
 )
 def _conv_signature(proj: numba.types.Array) -> numba.core.typing.templates.Signature:
     return numba.void(
-        proj,                     # [T, X]: xbc | dt_raw in each row's last C + H columns (float32 or bfloat16 bits)
+        proj,                     # in_proj's output [T, I + C + H]: gate | xbc | dt_raw (float32 or bfloat16 bits)
         *_SEQUENCES,
         _F32_1D, numba.int64,     # conv cache: slot s's [K - 1, C] state at [s * stride, ...) of this flat array
         _F32_2D,                  # conv weight [K, C]
@@ -75,8 +75,7 @@ def _scan_signature(proj: numba.types.Array, state: numba.types.Array,
                     result: numba.types.Array) -> numba.core.typing.templates.Signature:
     return numba.void(
         _F32_2D,                  # silu(conv) [T, C]: x | B | C per row
-        proj,                     # [T, X] (dt_raw: its last H columns), as the convolution's
-        proj,                     # the gate: its first I columns (in_proj's whole output, or the gate's own product)
+        proj,                     # in_proj's output, as the convolution's: the gate and dt_raw read from it
         *_SEQUENCES,
         state, numba.int64,       # ssm cache: slot s's [H, P, N] state at [s * stride, ...) of this flat array
         numba.int64, numba.int64, numba.int64,  # H, P, N
@@ -271,7 +270,7 @@ ROW_BLOCK = 16
 
 
 @numba.njit(_SCAN_SIGNATURES, cache=True, nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
-def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
+def _scan_rows(xbc, proj, seq_start, seq_rows, seq_resumed, seq_slot, save_seq, save_after, save_slot,
                ssm_cache, ssm_stride, heads, head_dim, d_state, dt_bias, A, D, dt_min, dt_max, norm_w, norm_group,
                eps, norm_mode, groups, out, result):  # pragma: no cover - compiled
     """A decode row (a sequence of one row) updates each head's state where it sits in the cache. A sequence of
@@ -279,7 +278,7 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
     scratch, read from the cache once and stored once (rounded there when the cache is bfloat16), and goes through
     them ROW_BLOCK rows at a time, head by head within a block, four rows at a time within a head (one row at a
     time where a save falls among the four). Then the gated norm, row by row, over every head's y (`out`) and the
-    SiLU of the gate (`gate`'s first I columns), into `result` (rounded there when it is bfloat16)."""
+    SiLU of the gate (`proj`'s first I columns), into `result` (rounded there when it is bfloat16)."""
     inner = heads * head_dim
     dt_at = proj.shape[1] - heads
     per_group = heads // groups
@@ -337,7 +336,7 @@ def _scan_rows(xbc, proj, gate, seq_start, seq_rows, seq_resumed, seq_slot, save
         for h in range(heads):
             _copy_state(_head_state(ssm_cache, at, h, head_dim, d_state), states[h])
     for r in range(out.shape[0]):
-        y, gr, res = out[r], gate[r], result[r]
+        y, gr, res = out[r], proj[r], result[r]
         for start in range(0, inner, norm_group):
             # Slices indexed from 0 (not y[start + c]): only that form vectorises, ~9x faster.
             end = start + norm_group
@@ -423,41 +422,35 @@ class MambaKernelWeights:
 
 
 def mamba_rows_(
-    gate: torch.Tensor, xbc_dt: torch.Tensor, rows: MambaRows, caches: MambaKernelCaches,
-    weights: MambaKernelWeights,
+    proj: torch.Tensor, rows: MambaRows, caches: MambaKernelCaches, weights: MambaKernelWeights,
 ) -> torch.Tensor:
     """Every row of in_proj's output, sequence by sequence as `rows` lays them out; the states in the caches updated
-    in place and saved where `rows` asks -> the gated-normed output [T, I] in `xbc_dt`'s dtype.
+    in place and saved where `rows` asks -> the gated-normed output [T, I] in `proj`'s dtype.
 
-    `xbc_dt` is a contiguous [T, X] whose last C + H columns are xbc | dt_raw: in_proj's whole output (with the gate
-    in its first I columns) or only those columns from a product of their own, float32 or bfloat16 (read as its bits,
-    widened where read; then the SSM cache must be bfloat16 too). `gate` [T, I], in `xbc_dt`'s dtype, is in_proj's
-    first I columns: a view of `xbc_dt` (the whole output) or a contiguous array of its own.
+    `proj` is in_proj's whole output, a contiguous [T, I + C + H] (gate | xbc | dt_raw), float32 or bfloat16 (read
+    as its bits, widened where read; then the SSM cache must be bfloat16 too): the kernel reads the gate from its
+    first I columns, xbc and dt_raw from the rest, where they lie.
 
     Two compiled passes: the convolution and its SiLU (it walks each sequence's window), then the scan and the gated
     norm with the gate's SiLU."""
-    if gate.dtype != xbc_dt.dtype:
-        raise ValueError(f"mamba_rows_: the gate is {gate.dtype}, xbc | dt_raw {xbc_dt.dtype}")
-    if not xbc_dt.is_contiguous():
-        raise ValueError("mamba_rows_: xbc | dt_raw must be contiguous")
-    if gate.is_contiguous():
-        gate_source = gate
-    elif gate.data_ptr() == xbc_dt.data_ptr() and gate.stride() == xbc_dt.stride():
-        gate_source = xbc_dt   # the kernel reads the gate from its first I columns
-    else:
-        raise ValueError("mamba_rows_: a gate that is not contiguous must be the first columns of xbc_dt")
     conv_dim = weights.conv_weight.shape[1]
-    heads = weights.A.shape[0]
+    heads, head_dim, _ = caches.state_shape
+    inner = heads * head_dim
+    if proj.dim() != 2 or proj.shape[1] != inner + conv_dim + heads:
+        raise ValueError(f"mamba_rows_: in_proj's output is {tuple(proj.shape)}, the layer's rows are "
+                         f"[T, {inner + conv_dim + heads}] (gate {inner} | xbc {conv_dim} | dt {heads})")
+    if not proj.is_contiguous():
+        raise ValueError("mamba_rows_: in_proj's output must be contiguous")
     sequences = (rows.starts, rows.lengths, rows.resumed, rows.slots, rows.save_seqs, rows.save_after,
                  rows.save_slots)
-    conv = torch.empty(xbc_dt.shape[0], conv_dim, dtype=torch.float32)
-    source, conv_np = kernel_array(xbc_dt), conv.numpy()
-    _conv_rows(source, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias,
-               xbc_dt.shape[1] - conv_dim - heads, conv_np)
-    out = torch.empty(xbc_dt.shape[0], gate.shape[1], dtype=torch.float32)
-    result = out if xbc_dt.dtype == torch.float32 else torch.empty(out.shape, dtype=xbc_dt.dtype)
+    conv = torch.empty(proj.shape[0], conv_dim, dtype=torch.float32)
+    source, conv_np = kernel_array(proj), conv.numpy()
+    _conv_rows(source, *sequences, caches.conv, caches.conv_stride, weights.conv_weight, weights.conv_bias, inner,
+               conv_np)
+    out = torch.empty(proj.shape[0], inner, dtype=torch.float32)
+    result = out if proj.dtype == torch.float32 else torch.empty(out.shape, dtype=proj.dtype)
     _scan_rows(
-        conv_np, source, kernel_array(gate_source), *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
+        conv_np, source, *sequences, caches.ssm, caches.ssm_stride, *caches.state_shape,
         weights.dt_bias, weights.A, weights.D, *weights.dt_limit, weights.norm_weight, weights.norm_group,
         weights.eps, weights.norm_mode, weights.groups, out.numpy(), kernel_array(result),
     )

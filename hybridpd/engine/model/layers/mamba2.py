@@ -99,8 +99,7 @@ class Mamba2Mixer(nn.Module):
         if not isinstance(meta, MambaRows):
             raise TypeError(f"layer {self.layer_id} is Mamba but its KV group is not")
         conv_cache, ssm_cache = kv.mamba_views(self.layer_id)
-        gate, xbc_dt = self._in_proj(x)
-        y = mamba_rows_(gate, xbc_dt, meta, self._caches_for_kernel(conv_cache, ssm_cache),
+        y = mamba_rows_(self._in_proj(x), meta, self._caches_for_kernel(conv_cache, ssm_cache),
                         self._weights_for_kernel())
         return linear(y, self.out_proj.weight, self.out_proj.bias)   # y in x's dtype: the kernel writes it so
 
@@ -130,8 +129,8 @@ class Mamba2Mixer(nn.Module):
             self._kernel_caches_of = (conv_cache, ssm_cache)
         return self._kernel_caches
 
-    def _in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """in_proj -> (the gate [T, I]: a view of the output's first I columns, the whole output [T, I + C + H]).
+    def _in_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj -> its whole output [T, I + C + H] (gate | xbc | dt_raw), which the kernel reads where it lies.
 
         One product: the gate used to come from a product of its own on a prefill's rows (torch's SiLU over a
         contiguous gate ran ~3x faster); the kernel now takes the gate's SiLU where it reads it, and the one product
@@ -140,7 +139,7 @@ class Mamba2Mixer(nn.Module):
         proj = linear(x, self.in_proj.weight, self.in_proj.bias)
         if self._in_proj_scale is not None:
             proj.mul_(self._in_proj_scale)
-        return proj[:, : self.intermediate], proj
+        return proj
 
 
 class GateNormWeight(nn.Module):

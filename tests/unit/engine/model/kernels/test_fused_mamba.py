@@ -68,12 +68,10 @@ DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torc
 
 
 @pytest.mark.parametrize("proj_dtype, ssm_dtype", DTYPES, ids=["f32", "ssm_bf16", "bf16"])
-@pytest.mark.parametrize("split", [False, True], ids=["one_product", "gate_apart"])
 @pytest.mark.parametrize("heads, head_dim, groups, d_state, width, with_bias, limit, seqs", CASES)
-def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split,
-                                     proj_dtype, ssm_dtype):
-    _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype,
-                                proj_dtype)
+def test_kernel_matches_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, proj_dtype,
+                                     ssm_dtype):
+    _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, ssm_dtype, proj_dtype)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,10 +85,10 @@ def test_any_chunk_length_and_saves_match_the_formulas(data):
     resumed = data.draw(st.integers(0, 1), label="resumed")
     proj_dtype, ssm_dtype = data.draw(st.sampled_from(DTYPES), label="dtypes")
     _check_against_the_formulas(2, 8, 1, 8, 4, True, (0.0, math.inf), [(n, resumed, 3, tuple(sorted(afters)))],
-                                False, ssm_dtype, proj_dtype)
+                                ssm_dtype, proj_dtype)
 
 
-def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, split, ssm_dtype,
+def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bias, limit, seqs, ssm_dtype,
                                 proj_dtype=torch.float32):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim + len(seqs))
     inner = heads * head_dim
@@ -124,14 +122,8 @@ def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bi
     touched = {s for _, _, s, _ in seqs} | set(SAVE_SLOTS[: len(saves)])
 
     weights = MambaKernelWeights.of(conv_w, conv_b, dt_bias, A, D, limit, norm_w, norm_group, eps, groups)
-    # in_proj's output as the mixer hands it over, in the model's dtype: one product (the gate a strided view of
-    # it), or the gate and xbc | dt_raw from products of their own (both contiguous).
-    handed = proj.to(proj_dtype)
-    if split:
-        gate, xbc_dt = handed[:, :inner].clone(), handed[:, inner:].clone()
-    else:
-        gate, xbc_dt = handed[:, :inner], handed
-    out = mamba_rows_(gate, xbc_dt, rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
+    # in_proj's whole output as the mixer hands it over, in the model's dtype
+    out = mamba_rows_(proj.to(proj_dtype), rows, MambaKernelCaches.of(conv_cache, ssm_cache), weights)
 
     assert out.dtype == proj_dtype   # a bfloat16 model's output rounded where the kernel stores it
     tolerance = 1e-4 if proj_dtype == torch.float32 else 2 ** -8   # then one bfloat16 rounding more
@@ -184,21 +176,18 @@ def _one_row_layer(proj_dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("gate_of_another_dtype", "the gate is"),
-    ("gate_a_view_of_another_array", "first columns of xbc_dt"),
-    ("xbc_dt_strided", "must be contiguous"),
+    ("a_column_short", "the layer's rows are"),
+    ("xbc_dt_only", "the layer's rows are"),
+    ("strided", "must be contiguous"),
 ])
-def test_refuses_a_gate_or_rows_it_cannot_read(case, message):
-    """The kernel reads the gate from its own contiguous array or from xbc_dt's first columns, in xbc_dt's dtype."""
+def test_refuses_rows_it_cannot_read(case, message):
+    """The kernel reads in_proj's whole output, gate | xbc | dt_raw, contiguous: anything else is refused before a
+    row is read (it reads unchecked)."""
     inner, rest, caches, weights, rows = _one_row_layer(torch.float32)
-    proj = torch.randn(2, inner + rest)   # refused before any row is read
-    gate, xbc_dt = proj[:, :inner], proj
-    if case == "gate_of_another_dtype":
-        gate = gate.to(torch.bfloat16).contiguous()
-    elif case == "gate_a_view_of_another_array":
-        gate = torch.randn(2, 2 * inner)[:, :inner]
-    else:
-        xbc_dt = torch.randn(inner + rest, 2).t()
-        gate = xbc_dt[:, :inner]
+    proj = {
+        "a_column_short": torch.randn(2, inner + rest - 1),
+        "xbc_dt_only": torch.randn(2, rest),
+        "strided": torch.randn(inner + rest, 2).t(),
+    }[case]
     with pytest.raises(ValueError, match=message):
-        mamba_rows_(gate, xbc_dt, rows, caches, weights)
+        mamba_rows_(proj, rows, caches, weights)
