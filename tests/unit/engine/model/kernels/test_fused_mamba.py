@@ -160,13 +160,13 @@ def test_refuses_a_slot_that_is_not_contiguous():
         MambaKernelCaches.of(conv_cache, ssm_cache)
 
 
-def _one_row_layer(proj_dtype: torch.dtype):
+def _one_row_layer():
     """A 1-head layer's caches, weights and a decode row's layout (shapes only matter here)."""
     heads, head_dim, d_state, width = 1, 4, 2, 2
     inner = heads * head_dim
     conv_dim = inner + 2 * d_state
     conv_cache = torch.zeros(2, width - 1, conv_dim)
-    ssm_cache = torch.zeros(2, heads, head_dim, d_state, dtype=proj_dtype)
+    ssm_cache = torch.zeros(2, heads, head_dim, d_state)
     weights = MambaKernelWeights.of(torch.ones(width, conv_dim), torch.zeros(conv_dim), torch.zeros(heads),
                                     -torch.ones(heads), torch.ones(heads), (0.0, math.inf), torch.ones(inner), inner,
                                     1e-5, 1)
@@ -183,7 +183,7 @@ def _one_row_layer(proj_dtype: torch.dtype):
 def test_refuses_rows_it_cannot_read(case, message):
     """The kernel reads in_proj's whole output, gate | xbc | dt_raw, contiguous: anything else is refused before a
     row is read (it reads unchecked)."""
-    inner, rest, caches, weights, rows = _one_row_layer(torch.float32)
+    inner, rest, caches, weights, rows = _one_row_layer()
     proj = {
         "a_column_short": torch.randn(2, inner + rest - 1),
         "xbc_dt_only": torch.randn(2, rest),
