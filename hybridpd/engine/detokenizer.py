@@ -26,11 +26,15 @@ class Detokenizer:
     text: str = field(default="")
     context: int = 0          # output_ids[context:decoded] were the last ids added: the next ones decode after them
     decoded: int = 0          # output_ids[:decoded] are in `text`
+    unmatched: int = 0        # text[:unmatched] was decoded while stop strings were not looked for (min_tokens)
 
-    def step(self, output_ids: list[int], final: bool) -> tuple[str, str | None]:
-        """Returns (new text to release, the stop string that matched or None)."""
+    def step(self, output_ids: list[int], final: bool, match_stops: bool = True) -> tuple[str, str | None]:
+        """Returns (new text to release, the stop string that matched or None); with `match_stops` false (the output
+        is not yet past min_tokens) no stop string is looked for, and the text that could begin one is held back."""
         self._decode_new(output_ids, final)
-        match = self._first_stop()
+        match = self._first_stop() if match_stops else None
+        if not match_stops:
+            self.unmatched = len(self.text)
         if match is not None:
             at, stop = match
             self.text = self.text[:at]
@@ -59,10 +63,11 @@ class Detokenizer:
     def _first_stop(self) -> tuple[int, str] | None:
         """The stop string that occurs first in the text not yet released (one token may add several: the earliest
         ends the output, whatever its place in the list). No match can start before `emitted`: the held-back
-        tail is as long as the longest stop string minus one."""
+        tail is as long as the longest stop string minus one. Nor can one end inside text decoded before min_tokens
+        was reached: as in vLLM, a match must take in text added since."""
         matches = []
         for stop in self.stop:
-            at = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
+            at = self.text.find(stop, max(0, self.emitted - len(stop) + 1, self.unmatched - len(stop) + 1))
             if at != -1:
                 matches.append((at, stop))
         return min(matches, key=lambda m: m[0], default=None)

@@ -117,7 +117,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             chunk_boundary=self.mamba_interval if align and config.cache.enable_prefix_caching else None,
         )
-        self.runner = ModelRunner(self.model, self.storage, logits_hook)
+        self.runner = ModelRunner(self.model, self.storage, logits_hook, eos_token_ids=self.eos_token_ids)
         self.offload = self._storage_tier() if config.cache.kv_offload_dir is not None else None
         self.hold_handler: HoldHandler | None = None
         self.decode_skip_mamba_align = True
@@ -352,13 +352,15 @@ class LLMEngine:
         self.num_generation_tokens_total += 1
         output_ids = seq.output_token_ids  # a copy: made once here
         text_ids = output_ids
-        if seq.finish_reason is FinishReason.STOP:  # ended by EOS, which is not part of the text
+        if seq.finish_reason is FinishReason.STOP:  # ended by EOS or a stop token id, which are not part of the text
             text_ids = text_ids[:-1]
         # A prefill-role request ends at its one token (max_tokens) but its output goes on at the decode node: the
         # text is not final there, so what the detokenizer holds back (half a character, the start of a stop
         # string) stays back, as in a colocated stream; the decode node releases it with the tokens after.
         goes_on = seq.remote_decode and seq.finish_reason is FinishReason.LENGTH
-        new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished and not goes_on)
+        # Stop strings are looked for once the output is past min_tokens, as vLLM does.
+        new_text, stop = tracked.detok.step(text_ids, final=seq.is_finished and not goes_on,
+                                            match_stops=len(output_ids) > seq.sampling.min_tokens)
         if stop is not None:  # a stop string wins over max_tokens or EOS reached by the same token
             if seq.is_finished:
                 seq.finish_reason = FinishReason.STOP

@@ -57,7 +57,7 @@ class RequestOutput:
     num_output_tokens: int
     finished: bool = False
     finish_reason: FinishReason | None = None
-    stop_reason: str | None = None          # the stop string that ended the request, if one did
+    stop_reason: str | int | None = None    # the stop string or stop token id that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()
     # For a request prefilled here for a remote decode node: the top-level `kv_transfer_params` to answer.
     kv_transfer_params: dict[str, Any] | None = None

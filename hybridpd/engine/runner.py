@@ -10,6 +10,7 @@ import torch
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.step.forward_batch import ForwardBatch, SeqEntry, int64_tensor
 from hybridpd.engine.model.paged_lm import PagedCausalLM
+from hybridpd.engine.logits_processors import TokenHistory
 from hybridpd.engine.sampling import SampledToken, sample
 from hybridpd.engine.scheduler import SchedulerPlan
 
@@ -22,9 +23,11 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: PagedCausalLM, storage: KVCacheStorage, logits_hook: LogitsHook | None = None) -> None:
+    def __init__(self, model: PagedCausalLM, storage: KVCacheStorage, logits_hook: LogitsHook | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.storage = storage
+        self.eos_token_ids = eos_token_ids  # what min_tokens masks (unless a request ignores EOS)
         self.logits_hook = logits_hook  # tests read every step's logits through it
 
     def build_batch(self, plan: SchedulerPlan) -> ForwardBatch:
@@ -72,5 +75,8 @@ class ModelRunner:
         if self.logits_hook is not None:
             self.logits_hook(plan, logits)
         samplers = [item for item in plan.scheduled if item.samples]
-        tokens = sample(logits, [s.seq.sampling for s in samplers], [s.seq.generator for s in samplers])
+        histories = [TokenHistory(s.seq.prompt_token_ids, s.seq.output_token_ids) if s.seq.sampling.shapes_logits
+                     else None for s in samplers]
+        tokens = sample(logits, [s.seq.sampling for s in samplers], [s.seq.generator for s in samplers], histories,
+                        self.eos_token_ids)
         return RunnerOutput({s.seq.request_id: t for s, t in zip(samplers, tokens)})

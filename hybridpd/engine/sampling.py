@@ -1,4 +1,5 @@
-"""Pick the next token of each sequence from its logits: greedy, temperature, top-k, top-p, per-request seed."""
+"""Pick the next token of each sequence from its logits: the request's logits processors (logits_processors.py),
+then greedy, or temperature, min-p, top-k, top-p and a draw from the request's own generator (its seed)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridpd.engine.logits_processors import TokenHistory, min_p_filter, process_logits
 from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.sampling_params import SamplingParams
 
@@ -16,7 +18,8 @@ class SampledToken:
     logprob: TokenLogprob | None
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    logits = min_p_filter(logits, min_p)
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -41,15 +44,23 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list
 
 
 def _unfiltered(params: SamplingParams, vocab_size: int) -> bool:
-    return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0
+    return ((params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0 and params.min_p <= 0
+            and not params.shapes_logits)
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> SampledToken:
-    """`logits` is one sequence's [vocab] float32 row."""
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               history: TokenHistory | None = None, eos_token_ids: frozenset[int] = frozenset()) -> SampledToken:
+    """`logits` is one sequence's [vocab] float32 row; `history` its tokens, which a request whose parameters shape
+    its logits needs (`SamplingParams.shapes_logits`). Logprobs are of `logits` as they come."""
+    chosen = logits
+    if params.shapes_logits:
+        if history is None:
+            raise ValueError("sample_one: this request's logits depend on its tokens; pass its history")
+        chosen = process_logits(logits, params, history, eos_token_ids)
     if params.greedy:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(chosen))
     else:
-        filtered = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+        filtered = _filter_top_k_top_p(chosen / params.temperature, params.top_k, params.top_p, params.min_p)
         token = _race(torch.softmax(filtered, dim=-1).unsqueeze(0), [generator])[0]
     logprob = None
     if params.logprobs is not None:
@@ -69,10 +80,15 @@ def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
     torch.empty(vocab_size).exponential_(generator=generator)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
-    """Rows of `logits` [S, vocab] in the order of `params`. Greedy rows without logprobs share one argmax; random
-    rows without logprobs or top-k / top-p share one softmax and one race (each with its own generator's noise)."""
-    plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[TokenHistory | None] | None = None,
+           eos_token_ids: frozenset[int] = frozenset()) -> list[SampledToken]:
+    """Rows of `logits` [S, vocab] in the order of `params`; `histories` holds the tokens of each row whose parameters
+    shape its logits (None for the others). Greedy rows without logprobs or logits processors share one argmax;
+    random rows without logprobs, processors, min-p, top-k or top-p share one softmax and one race (each with its
+    own generator's noise)."""
+    histories = histories if histories is not None else [None] * len(params)
+    plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None and not p.shapes_logits]
     out: list[SampledToken | None] = [None] * len(params)
     if plain_greedy:
         rows = logits if len(plain_greedy) == len(params) else logits[plain_greedy]
@@ -90,5 +106,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             out[i] = SampledToken(token, None)
     for i, p in enumerate(params):
         if out[i] is None:
-            out[i] = sample_one(logits[i], p, generators[i])
+            out[i] = sample_one(logits[i], p, generators[i], histories[i], eos_token_ids)
     return out  # type: ignore[return-value]

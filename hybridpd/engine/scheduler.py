@@ -378,11 +378,16 @@ class Scheduler:
             self.finish(seq, reason)
 
     def finish_reason(self, seq: Sequence) -> FinishReason | None:
-        """Why `seq` ends with the token it just got (EOS, max_tokens, the model's length; a prefill-role request
-        ends at its first token), or None."""
-        if not seq.sampling.ignore_eos and seq.all_token_ids[-1] in self.eos_token_ids:
-            return FinishReason.STOP
-        out = len(seq.output_token_ids)
+        """Why `seq` ends with the token it just got (EOS or a stop token id once past min_tokens, max_tokens, the
+        model's length; a prefill-role request ends at its first token), or None. A stop token id is the request's
+        `stop_reason`, as in vLLM."""
+        last, out, sampling = seq.all_token_ids[-1], seq.num_tokens - seq.num_prompt_tokens, seq.sampling
+        if out >= sampling.min_tokens:
+            if not sampling.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in sampling.stop_token_ids:
+                seq.stop_reason = last
+                return FinishReason.STOP
         if out >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len or seq.remote_decode:
             return FinishReason.LENGTH
         return None

@@ -33,7 +33,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0                # the local prefix hit at (first) admission
     finish_reason: FinishReason | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None      # the stop string or stop token id that ended it
     num_preemptions: int = 0
     trace_context: tuple[tuple[str, str], ...] = ()   # EngineRequest.trace_context
     scheduled_at: float | None = None         # time.monotonic() when it first left the waiting queue

@@ -1,8 +1,9 @@
 """OpenAI/vLLM request bodies -> `EngineRequest`s, checked strictly: every bad input is an InvalidRequestError.
 
-Accepted fields (others are ignored, like vLLM does):
-  completions: model, prompt (string | token ids | a list of exactly one of those), max_tokens (16), temperature,
-    top_p, top_k, seed, stop (string | list), ignore_eos, logprobs (int), n (1 only), echo (false only), stream,
+Accepted fields (unknown ones are ignored, like vLLM does; the ones vLLM acts on and this server does not are
+refused by name, sampling_fields.py):
+  completions: model, prompt (string | token ids | a list of exactly one of those), max_tokens (16), the sampling
+    fields of sampling_fields.py, logprobs (int), n (1 only), echo (false only), stream,
     stream_options.include_usage, return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int).
 A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that sampling never divides by ~0.
@@ -16,19 +17,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpd.engine.transfer_params import parse_kv_transfer_params
+from hybridpd.engine.transfer_params import RemoteDecodeParams, parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
-from hybridpd.engine.sampling_params import SamplingParams
-from hybridpd.engine.tokenizer import NO_TOKENIZER, Tokenizer
 from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
+from hybridpd.server.sampling_fields import refuse_unsupported, sampling_params
 from hybridpd.stream_head import StreamHead, parse_stream_head
 
-GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -141,17 +139,6 @@ def chat_prompt(messages: list[dict[str, str]], engine: EngineClient) -> tuple[i
     return ids
 
 
-def _stop(value: Any, tokenizer: Tokenizer) -> tuple[str, ...]:
-    if value is None or value == []:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
-    if not tokenizer.decodes_text:
-        raise InvalidRequestError(f"{NO_TOKENIZER}: stop strings need the output text", "stop")
-    return tuple(stops)
-
-
 def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
     if num_prompt + max_tokens > max_model_len:
         raise InvalidRequestError(
@@ -160,23 +147,6 @@ def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
             "Please reduce the length of the prompt or completion.",
             "max_tokens",
         )
-
-
-def _sampling(f: Fields, *, max_tokens: int, logprobs: int | None, engine: EngineClient) -> SamplingParams:
-    """Fields the request omits take the checkpoint's generation_config.json value, else OpenAI's default."""
-    defaults, vocab_size = engine.generation_defaults, engine.vocab_size
-    temperature = f.float("temperature", 1.0 if defaults.temperature is None else defaults.temperature)
-    top_k = f.int("top_k", defaults.top_k or 0, minimum=-1)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0 if 0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature,
-        top_p=f.float("top_p", 1.0 if defaults.top_p is None else defaults.top_p),
-        top_k=min(top_k, vocab_size),  # a top_k past the vocabulary keeps every token, as vLLM does
-        seed=f.optional_int("seed", minimum=_INT64_MIN, maximum=_INT64_MAX),
-        stop=_stop(f.raw("stop"), engine.tokenizer),
-        ignore_eos=f.bool("ignore_eos", False),
-        logprobs=logprobs,
-    )
 
 
 def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
@@ -192,14 +162,16 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
     _check_length(len(prompt), max_tokens, engine.max_model_len)
     salt = f.optional_str("cache_salt")
     kv_transfer_params = f.raw("kv_transfer_params")
+    kv_transfer = parse_kv_transfer_params(kv_transfer_params)
     prefix = "cmpl" if endpoint is Endpoint.COMPLETIONS else "chatcmpl"
     return ParsedRequest(
         endpoint=endpoint,
         engine_request=EngineRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
-            sampling=_sampling(f, max_tokens=max_tokens, logprobs=logprobs, engine=engine),
-            kv_transfer=parse_kv_transfer_params(kv_transfer_params),
+            sampling=sampling_params(f, max_tokens=max_tokens, logprobs=logprobs, engine=engine,
+                                     remote_decode=isinstance(kv_transfer, RemoteDecodeParams)),
+            kv_transfer=kv_transfer,
             cache_salt=None if salt is None else salt.encode("utf-8"),
         ),
         created=int(time.time()),
@@ -213,6 +185,7 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
 def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
+    refuse_unsupported(body)
     if f.bool("echo", False):
         raise InvalidRequestError("echo is not supported", "echo")
     logprobs = f.optional_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
@@ -223,6 +196,7 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
+    refuse_unsupported(body)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
     wants_logprobs = f.bool("logprobs", False)
     if top_logprobs is not None and not wants_logprobs:

@@ -21,7 +21,7 @@ class FinalOutput:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: FinishReason | None
-    stop_reason: str | None
+    stop_reason: str | int | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int

@@ -120,8 +120,9 @@ class ChunkBuilder:
             return []
         text = ""
         if first.finish_reason is FinishReason.LENGTH:  # the head held back what a stream holds back mid-way
-            shown, _ = Detokenizer(self._tokenizer, self._parsed.engine_request.sampling.stop).step(
-                list(first.new_token_ids), final=False)
+            sampling = self._parsed.engine_request.sampling
+            shown, _ = Detokenizer(self._tokenizer, sampling.stop).step(
+                list(first.new_token_ids), final=False, match_stops=len(first.new_token_ids) > sampling.min_tokens)
             text = first.new_text[len(shown):]
         last = replace(first, new_token_ids=(), new_text=text, logprobs=())
         return [self._chunk(self._choice(last), last)]

@@ -1,7 +1,8 @@
 """P/D correctness with two real nodes: greedy tokens through prefill-then-decode (driven as vLLM's toy proxy
 does) equal colocated tokens, for prompt lengths around the block size, prompts longer than every window,
-8 requests in flight at once, and a streamed decode call; seeded sampling and logprobs equal colocated too; a
-request its first token ends pulls nothing. After each scenario both nodes hold no lease and have
+8 requests in flight at once, and a streamed decode call; seeded sampling and logprobs equal colocated too, and so
+do vLLM's logits processors (penalties, min_p, logit_bias, min_tokens) and stop token ids; a request its first token
+ends pulls nothing. After each scenario both nodes hold no lease and have
 every block back in the pool.
 
 The tiny preset has windows 5 and 11 and Mamba chunk 8; it runs at block size 16 (windows inside one or two
@@ -104,6 +105,47 @@ def test_seeded_sampling_and_logprobs_through_pd_equal_colocated(pair, length):
     assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
     assert [sorted(top) for top in got["logprobs"]["top_logprobs"]] == [
         sorted(top) for top in want["logprobs"]["top_logprobs"]]
+    assert_drained(prefill, decode)
+
+
+TINY_EOS = 316
+
+
+@pytest.mark.parametrize("length", [1, 21, 150])
+def test_logits_processors_through_pd_equal_colocated(pair, length):
+    """Penalties, min_p, logit_bias and min_tokens (the prefill node takes it cut to its one token, as vLLM's toy
+    proxy sends max_tokens 1): the prefill node draws the first token under them, the decode node goes on with
+    that token in the output they count."""
+    prefill, decode, _ = pair
+    body = {"prompt": _prompt(length, seed=7000 + length), "max_tokens": 10, "temperature": 0.8, "seed": 7,
+            "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+            "min_tokens": 3, "logit_bias": {str(TINY_EOS): 6.0}, "return_token_ids": True}
+    status, colocated = prefill.post_json("/v1/completions", body)
+    assert status == 200, colocated
+
+    status, answer = decode_call(decode, body, prefill_call(prefill, body))
+
+    assert status == 200, answer
+    want, got = colocated["choices"][0], answer["choices"][0]
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert got["finish_reason"] == want["finish_reason"] and len(got["token_ids"]) > 3
+    assert TINY_EOS not in got["token_ids"][:3]
+    assert_drained(prefill, decode)
+
+
+def test_a_stop_token_id_ends_a_pd_request_where_it_ends_a_colocated_one(pair):
+    prefill, decode, _ = pair
+    body = greedy_body(_prompt(30, seed=8000), max_tokens=12)
+    plain = colocated_token_ids(prefill, body)
+    k = next(k for k in range(2, len(plain)) if plain[k] not in plain[:k])
+    body |= {"stop_token_ids": [plain[k]]}
+
+    status, answer = decode_call(decode, body, prefill_call(prefill, body))
+
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == plain[:k + 1]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == plain[k]
     assert_drained(prefill, decode)
 
 

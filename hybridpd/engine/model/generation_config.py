@@ -1,7 +1,8 @@
 """`generation_config.json`: the checkpoint's sampling defaults, as vLLM applies them (`--generation-config auto`).
 
-A request that omits `temperature`, `top_p`, `top_k` or `max_tokens` gets the checkpoint's value (`max_new_tokens`
-for `max_tokens`) instead of the OpenAI default; `eos_token_id` there adds stop ids to config.json's. A checkpoint
+A request that omits `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`,
+`frequency_penalty` or `max_tokens` gets the checkpoint's value (`max_new_tokens` for `max_tokens`) instead of the
+OpenAI default, the fields vLLM takes from the file; `eos_token_id` there adds stop ids to config.json's. A checkpoint
 without the file keeps the OpenAI defaults (temperature 1, top_p 1, no top-k, 16 tokens).
 """
 
@@ -22,6 +23,10 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     max_tokens: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -45,6 +50,10 @@ class GenerationDefaults:
             temperature=number("temperature", float, lambda v: v >= 0),
             top_p=number("top_p", float, lambda v: 0 < v <= 1),
             top_k=number("top_k", int, lambda v: v >= -1),
+            min_p=number("min_p", float, lambda v: 0 <= v <= 1),
+            repetition_penalty=number("repetition_penalty", float, lambda v: v > 0),
+            presence_penalty=number("presence_penalty", float, lambda v: -2 <= v <= 2),
+            frequency_penalty=number("frequency_penalty", float, lambda v: -2 <= v <= 2),
             max_tokens=number("max_new_tokens", int, lambda v: v >= 1),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         )

@@ -173,3 +173,27 @@ def test_a_decoder_that_rewrites_its_context_falls_back_to_decoding_everything()
     pieces, _ = drive(detok, [0, 1, 2, 0])
     assert detok.text == tok.decode([0, 1, 2, 0]) == "aBca"
     assert pieces == ["a", "b", "c", "a"]
+
+
+@pytest.mark.parametrize("ids, stop, min_tokens, expected_text, expected_stop", [
+    # min_tokens 2: "lo w" ends in the third token, past it: matched as without min_tokens
+    ([0, 1, 2, 3], ("lo w",), 2, "hel", "lo w"),
+    # min_tokens 3: "lo w" was complete before the output was past min_tokens: never matched (as vLLM, a match must
+    # take in new text), the text runs on
+    ([0, 1, 2, 3], ("lo w",), 3, "hello world", None),
+    # ... while a stop that ends in new text is matched even when it starts in the old
+    ([0, 1, 2, 3], ("o wor",), 3, "hell", "o wor"),
+    ([0, 1, 2, 3], ("hello",), 1, "", "hello"),         # "hel" came before, "lo" completes it after: matched
+    ([0, 1, 2, 3], ("hel",), 1, "hello world", None),    # the whole stop came before
+    ([0, 1, 2, 3], ("hel",), 0, "", "hel"),
+])
+def test_stop_strings_wait_for_min_tokens(ids, stop, min_tokens, expected_text, expected_stop):
+    detok = Detokenizer(PieceTokenizer(PIECES), stop)
+    pieces, matched = [], None
+    for i in range(len(ids)):
+        new, matched = detok.step(list(ids[: i + 1]), final=i == len(ids) - 1, match_stops=i + 1 > min_tokens)
+        pieces.append(new)
+        if matched is not None:
+            break
+    assert "".join(pieces) == expected_text
+    assert matched == expected_stop

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.errors import InvalidRequestError, KVTransferError, ServerOverloadedError
 
 from .conftest import make_app
+from .fake_engine import FakeEngine
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
@@ -78,6 +81,32 @@ def error_of(out: dict, status: int) -> dict:
         (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"messages": USER, "logprobs": 2}, "logprobs"),
         (CHAT, {"messages": USER, "max_tokens": 500}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
+        (COMPLETIONS, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        (COMPLETIONS, {"prompt": "x", "frequency_penalty": "a lot"}, "frequency_penalty"),
+        (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (COMPLETIONS, {"prompt": "x", "min_tokens": 17}, "min_tokens"),
+        (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        (COMPLETIONS, {"prompt": "x", "stop_token_ids": [1, 260]}, "stop_token_ids"),
+        (COMPLETIONS, {"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"3": "up"}}, "logit_bias.3"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": [3]}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+        (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+        # fields vLLM acts on that this server does not: refused rather than ignored
+        (COMPLETIONS, {"prompt": "x", "best_of": 2}, "best_of"),
+        (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        (COMPLETIONS, {"prompt": "x", "suffix": "end"}, "suffix"),
+        (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        (COMPLETIONS, {"prompt": "x", "bad_words": ["no"]}, "bad_words"),
+        (COMPLETIONS, {"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        (COMPLETIONS, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        (COMPLETIONS, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        (CHAT, {"messages": USER, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"prompt": [1]}, "prompt"),
     ],
@@ -253,3 +282,51 @@ async def test_a_cluster_token_header_that_is_not_utf8_is_a_401(aiohttp_client_f
     status_line = await reader.readline()
     writer.close()
     assert status_line.split()[1] == b"401", status_line
+
+
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, {"prompt": "x", "best_of": 1, "use_beam_search": False, "suffix": "", "bad_words": [],
+                   "include_stop_str_in_output": False, "response_format": {"type": "text"}, "prompt_logprobs": None}),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
+    (CHAT, {"messages": USER, "tools": []}),
+])
+async def test_the_same_fields_at_values_that_change_nothing_are_accepted(client, path, body):
+    resp = await client.post(path, json=body | {"max_tokens": 2})
+    assert resp.status == 200, await resp.text()
+
+
+async def test_sampling_fields_reach_the_engine(client, engine):
+    body = {"prompt": "x", "max_tokens": 6, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+            "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7, 9, 7], "logit_bias": {"5": 300, "6": -2},
+            "allowed_token_ids": [5, 6, 7]}
+    assert (await client.post(COMPLETIONS, json=body)).status == 200
+    sampling = engine.requests[-1].sampling
+    assert (sampling.min_p, sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+            sampling.min_tokens) == (0.1, 0.5, -0.25, 1.2, 2)
+    assert sampling.stop_token_ids == (7, 9) and sampling.allowed_token_ids == (5, 6, 7)
+    assert sampling.logit_bias == ((5, 100.0), (6, -2.0))    # clamped to [-100, 100], as vLLM does
+
+
+async def test_a_prefill_request_takes_min_tokens_cut_to_its_one_token(client, engine):
+    body = {"prompt": "x", "max_tokens": 1, "min_tokens": 5, "kv_transfer_params": {"do_remote_decode": True}}
+    assert (await client.post(COMPLETIONS, json=body)).status == 200
+    assert engine.requests[-1].sampling.min_tokens == 1
+    resp = await client.post(COMPLETIONS, json=body | {"kv_transfer_params": None})
+    assert error_of(await resp.json(), 400)["param"] == "min_tokens"
+
+
+async def test_the_checkpoints_defaults_fill_the_fields_a_request_omits():
+    engine = FakeEngine(generation_defaults=GenerationDefaults(min_p=0.05, repetition_penalty=1.1,
+                                                               presence_penalty=0.5, frequency_penalty=0.25))
+    client = TestClient(TestServer(make_app(engine)))
+    await client.start_server()
+    try:
+        assert (await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2})).status == 200
+        assert (await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "min_p": 0,
+                                                     "repetition_penalty": 1})).status == 200
+    finally:
+        await client.close()
+    omitted, given = (r.sampling for r in engine.requests)
+    assert (omitted.min_p, omitted.repetition_penalty, omitted.presence_penalty, omitted.frequency_penalty) == (
+        0.05, 1.1, 0.5, 0.25)
+    assert (given.min_p, given.repetition_penalty) == (0.0, 1.0)

@@ -156,6 +156,8 @@ def test_read_config_json_decodes_transformers_non_finite_floats(tmp_path):
     ({"temperature": 0.6, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64, "eos_token_id": [3, 4]},
      GenerationDefaults(temperature=0.6, top_p=0.9, top_k=50, max_tokens=64, eos_token_ids=(3, 4))),
     ({"eos_token_id": 7, "do_sample": False}, GenerationDefaults(eos_token_ids=(7,))),  # vLLM reads no do_sample
+    ({"min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -1},
+     GenerationDefaults(min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-1.0)),
 ])
 def test_generation_defaults(raw, expected):
     assert GenerationDefaults.from_dict(raw) == expected
@@ -166,6 +168,9 @@ def test_generation_defaults(raw, expected):
     ({"top_p": 0}, "top_p"),
     ({"max_new_tokens": "many"}, "max_new_tokens must be a number"),
     ({"eos_token_id": ["x"]}, "eos_token_id"),
+    ({"repetition_penalty": 0}, "repetition_penalty 0 is out of range"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
 ])
 def test_bad_generation_defaults(raw, message):
     with pytest.raises(ValueError, match=message):
