@@ -60,9 +60,14 @@ def _add_traffic(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrency", type=int, default=None)
     group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                        help="send ignore_eos (default: on for random and prefix_repetition, off for custom)")
+    # vLLM bench's sampling flags: each sent only when given
     group.add_argument("--temperature", type=float, default=None)
     group.add_argument("--top-p", type=float, default=None)
     group.add_argument("--top-k", type=int, default=None)
+    group.add_argument("--min-p", type=float, default=None)
+    group.add_argument("--frequency-penalty", type=float, default=None)
+    group.add_argument("--presence-penalty", type=float, default=None)
+    group.add_argument("--repetition-penalty", type=float, default=None)
     group.add_argument("--disable-tqdm", action="store_true")
 
 

@@ -12,6 +12,9 @@ from hybridpd.bench.mooncake import TraceSlice
 
 PERCENTILE_METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRIC_NAMES = ("ttft", "tpot", "e2el")
+# Request fields `vllm bench serve`'s sampling flags set (--top-p for top_p, ...), sent only when given.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty")
 DEFAULT_RANDOM_VOCAB_SIZE = 250  # below 256 so every id is a byte of the byte tokenizer
 
 
@@ -105,7 +108,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = True
-    sampling: tuple[tuple[str, float | int], ...] = ()   # temperature/top_p/top_k given on the command line
+    sampling: tuple[tuple[str, float | int], ...] = ()   # the SAMPLING_FIELDS given on the command line
     percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
     metric_percentiles: tuple[float, ...] = (99.0,)
     goodput: tuple[tuple[str, float], ...] = ()           # (metric, SLO in ms)
@@ -182,11 +185,7 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
-    sampling = tuple(
-        (name, value)
-        for name, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
-        if value is not None
-    )
+    sampling = tuple((name, getattr(args, name)) for name in SAMPLING_FIELDS if getattr(args, name) is not None)
     dataset = DatasetName(args.dataset_name)
     return BenchConfig(
         base_url=base_url,

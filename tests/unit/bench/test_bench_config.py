@@ -109,3 +109,11 @@ def test_table_lines_have_vllm_widths():
     assert "----------------End-to-end Latency----------------" in lines
     assert f"{'P99.9 E2EL (ms):':<40} {0.0:<10.2f}" in lines
     assert not any("ITL" in line or "TPOT" in line for line in lines)
+
+
+def test_sampling_flags_are_sent_only_when_given():
+    assert config_for([]).sampling == ()
+    config = config_for(["--temperature", "0.5", "--min-p", "0.1", "--repetition-penalty", "1.2",
+                         "--presence-penalty", "-0.5", "--frequency-penalty", "0.25", "--top-k", "5"])
+    assert dict(config.sampling) == {"temperature": 0.5, "min_p": 0.1, "repetition_penalty": 1.2,
+                                     "presence_penalty": -0.5, "frequency_penalty": 0.25, "top_k": 5}
