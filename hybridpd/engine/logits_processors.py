@@ -24,9 +24,9 @@ from hybridpd.engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class TokenHistory:
-    """The tokens a row's logits may depend on: its prompt and the output so far."""
+    """The tokens a row's logits may depend on: its prompt (ids, or an int64 tensor of them) and the output so far."""
 
-    prompt: Sequence[int]
+    prompt: Sequence[int] | torch.Tensor
     output: Sequence[int]
 
 
@@ -59,7 +59,7 @@ def _penalize(out: torch.Tensor, params: SamplingParams, history: TokenHistory) 
     counts = torch.bincount(output, minlength=vocab)[:vocab].to(out.dtype)
     if params.repetition_penalty != 1:
         seen = counts > 0
-        seen[torch.tensor(list(history.prompt), dtype=torch.int64)] = True
+        seen[torch.as_tensor(history.prompt, dtype=torch.int64)] = True
         penalty = params.repetition_penalty
         out.copy_(torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out))
     if params.frequency_penalty:

@@ -75,7 +75,7 @@ class ModelRunner:
         if self.logits_hook is not None:
             self.logits_hook(plan, logits)
         samplers = [item for item in plan.scheduled if item.samples]
-        histories = [TokenHistory(s.seq.prompt_token_ids, s.seq.output_token_ids) if s.seq.sampling.shapes_logits
+        histories = [TokenHistory(s.seq.prompt_tensor, s.seq.output_token_ids) if s.seq.sampling.shapes_logits
                      else None for s in samplers]
         tokens = sample(logits, [s.seq.sampling for s in samplers], [s.seq.generator for s in samplers], histories,
                         self.eos_token_ids)

@@ -7,6 +7,7 @@ with the first output token that node sampled, and decodes on from it once the p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @functools.cached_property
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt's ids as an int64 tensor, made once (a repetition penalty reads them every step)."""
+        return torch.tensor(self.prompt_token_ids, dtype=torch.int64)
 
     @property
     def output_token_ids(self) -> list[int]:
