@@ -7,9 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridpd.engine.logits_processors import TokenHistory, min_p_filter, process_logits
+from hybridpd.engine.logits_processors import TokenHistory, min_p_filter, process_rows_
 from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.sampling_params import SamplingParams
+
+
+_AS_IS = SamplingParams()          # a row no processor touches, beside rows they do
+_NO_HISTORY = TokenHistory((), ())
 
 
 @dataclass(frozen=True)
@@ -44,19 +48,20 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list
 
 
 def _unfiltered(params: SamplingParams, vocab_size: int) -> bool:
-    return ((params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0 and params.min_p <= 0
-            and not params.shapes_logits)
+    return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0 and params.min_p <= 0
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                history: TokenHistory | None = None, eos_token_ids: frozenset[int] = frozenset()) -> SampledToken:
     """`logits` is one sequence's [vocab] float32 row; `history` its tokens, which a request whose parameters shape
     its logits needs (`SamplingParams.shapes_logits`). Logprobs are of `logits` as they come."""
-    chosen = logits
-    if params.shapes_logits:
-        if history is None:
-            raise ValueError("sample_one: this request's logits depend on its tokens; pass its history")
-        chosen = process_logits(logits, params, history, eos_token_ids)
+    return sample(logits.unsqueeze(0), [params], [generator], [history], eos_token_ids)[0]
+
+
+def _sample_row(chosen: torch.Tensor, raw: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> SampledToken:
+    """A token drawn from the processed row `chosen`, its logprobs from the model's own row `raw`."""
+    logits = raw
     if params.greedy:
         token = int(torch.argmax(chosen))
     else:
@@ -84,11 +89,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            histories: list[TokenHistory | None] | None = None,
            eos_token_ids: frozenset[int] = frozenset()) -> list[SampledToken]:
     """Rows of `logits` [S, vocab] in the order of `params`; `histories` holds the tokens of each row whose parameters
-    shape its logits (None for the others). Greedy rows without logprobs or logits processors share one argmax;
-    random rows without logprobs, processors, min-p, top-k or top-p share one softmax and one race (each with its
-    own generator's noise)."""
-    histories = histories if histories is not None else [None] * len(params)
-    plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None and not p.shapes_logits]
+    shape its logits (None for the others). Those rows are processed first, together (logits_processors.py); then
+    greedy rows without logprobs share one argmax, random rows without logprobs, min-p, top-k or top-p share one
+    softmax and one race (each with its own generator's noise). Logprobs are of the rows as the model gave them."""
+    raw = logits
+    shaped = [i for i, p in enumerate(params) if p.shapes_logits]
+    if shaped:
+        if histories is None or any(histories[i] is None for i in shaped):
+            raise ValueError("sample: a request's logits depend on its tokens; pass its history")
+        logits = logits.to(torch.float32, copy=True).contiguous()
+        process_rows_(logits, [params[i] if i in shaped else _AS_IS for i in range(len(params))],
+                      [histories[i] or _NO_HISTORY for i in range(len(params))], eos_token_ids)
+    plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
     out: list[SampledToken | None] = [None] * len(params)
     if plain_greedy:
         rows = logits if len(plain_greedy) == len(params) else logits[plain_greedy]
@@ -106,5 +118,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             out[i] = SampledToken(token, None)
     for i, p in enumerate(params):
         if out[i] is None:
-            out[i] = sample_one(logits[i], p, generators[i], histories[i], eos_token_ids)
+            out[i] = _sample_row(logits[i], raw[i], p, generators[i])
     return out  # type: ignore[return-value]

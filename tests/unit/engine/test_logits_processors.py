@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridpd.engine.logits_processors import TokenHistory, min_p_filter, process_logits
+from hybridpd.engine.logits_processors import TokenHistory, min_p_filter, process_logits, process_rows
 from hybridpd.engine.sampling import sample, sample_one
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.errors import InvalidRequestError
@@ -177,3 +177,22 @@ def test_out_of_range_parameters_are_refused_by_name(fields, param):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(max_tokens=16, **fields)
     assert info.value.param == param
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),    # prompt
+    st.lists(st.integers(0, VOCAB - 1), max_size=6),                # output
+    st.sampled_from([1.0, 0.5, 1.7]), st.sampled_from([0.0, 0.8]), st.sampled_from([0.0, -1.2]),
+    st.integers(0, 4), st.booleans()), min_size=1, max_size=5), seed=st.integers(0, 1000))
+def test_rows_processed_together_equal_each_alone(rows, seed):
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(seed)) * 4
+    params, histories = [], []
+    for prompt, output, repetition, frequency, presence, min_tokens, biased in rows:
+        params.append(SamplingParams(max_tokens=8, repetition_penalty=repetition, frequency_penalty=frequency,
+                                     presence_penalty=presence, min_tokens=min_tokens,
+                                     logit_bias=((3, 2.5),) if biased else ()))
+        histories.append(TokenHistory(torch.tensor(prompt), output))
+    together = process_rows(logits, params, histories, EOS)
+    for r in range(len(rows)):
+        assert torch.equal(together[r], process_logits(logits[r], params[r], histories[r], EOS))
