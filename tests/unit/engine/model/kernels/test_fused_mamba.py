@@ -143,7 +143,9 @@ def _check_against_the_formulas(heads, head_dim, groups, d_state, width, with_bi
     for slot, (want_conv, want_ssm) in saved.items():
         torch.testing.assert_close(conv_cache[slot].double(), want_conv)  # exact: stored inputs
         stored = want_ssm.to(ssm_dtype).double()   # rounded once, where it is stored
-        rtol = 1e-4 if ssm_dtype == torch.float32 else 2 ** -8
+        # The kernel's float32 state and the float64 reference may round to neighbouring bfloat16 values: one unit
+        # in the last place apart, up to 2^-7 of the value (bfloat16 keeps 8 significant bits).
+        rtol = 1e-4 if ssm_dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(ssm_cache[slot].double(), stored, rtol=rtol, atol=1e-4)
     untouched = [s for s in range(num_slots) if s not in touched]
     assert torch.equal(conv_cache[untouched], before_conv[untouched])
