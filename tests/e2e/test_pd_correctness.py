@@ -86,6 +86,15 @@ def test_prefill_then_decode_equals_colocated(pair, case):
     assert_drained(prefill, decode)
 
 
+def colocated_and_pd_choices(prefill, decode, body: dict) -> tuple[dict, dict]:
+    """The choice the prefill node answers for `body` alone (colocated), then the one P/D answers."""
+    status, colocated = prefill.post_json("/v1/completions", body)
+    assert status == 200, colocated
+    status, answer = decode_call(decode, body, prefill_call(prefill, body))
+    assert status == 200, answer
+    return colocated["choices"][0], answer["choices"][0]
+
+
 @pytest.mark.parametrize("length", [1, 21, 150])
 def test_seeded_sampling_and_logprobs_through_pd_equal_colocated(pair, length):
     """The prefill node samples the first token from the seed and sends its logprobs; the decode node's generator
@@ -93,13 +102,7 @@ def test_seeded_sampling_and_logprobs_through_pd_equal_colocated(pair, length):
     prefill, decode, _ = pair
     body = {"prompt": _prompt(length, seed=5000 + length), "max_tokens": 8, "temperature": 0.9, "top_k": 50,
             "seed": 11, "logprobs": 3, "ignore_eos": True, "return_token_ids": True}
-    status, colocated = prefill.post_json("/v1/completions", body)
-    assert status == 200, colocated
-
-    status, answer = decode_call(decode, body, prefill_call(prefill, body))
-
-    assert status == 200, answer
-    want, got = colocated["choices"][0], answer["choices"][0]
+    want, got = colocated_and_pd_choices(prefill, decode, body)
     assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
     assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
     assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
@@ -120,13 +123,7 @@ def test_logits_processors_through_pd_equal_colocated(pair, length):
     body = {"prompt": _prompt(length, seed=7000 + length), "max_tokens": 10, "temperature": 0.8, "seed": 7,
             "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
             "min_tokens": 3, "logit_bias": {str(TINY_EOS): 6.0}, "return_token_ids": True}
-    status, colocated = prefill.post_json("/v1/completions", body)
-    assert status == 200, colocated
-
-    status, answer = decode_call(decode, body, prefill_call(prefill, body))
-
-    assert status == 200, answer
-    want, got = colocated["choices"][0], answer["choices"][0]
+    want, got = colocated_and_pd_choices(prefill, decode, body)
     assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
     assert got["finish_reason"] == want["finish_reason"] and len(got["token_ids"]) > 3
     assert TINY_EOS not in got["token_ids"][:3]
