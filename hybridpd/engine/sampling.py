@@ -12,8 +12,7 @@ from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.sampling_params import SamplingParams
 
 
-_AS_IS = SamplingParams()          # a row no processor touches, beside rows they do
-_NO_HISTORY = TokenHistory((), ())
+_NO_HISTORY = TokenHistory((), ())   # a row whose parameters ask for no processor
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,6 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 def _sample_row(chosen: torch.Tensor, raw: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> SampledToken:
     """A token drawn from the processed row `chosen`, its logprobs from the model's own row `raw`."""
-    logits = raw
     if params.greedy:
         token = int(torch.argmax(chosen))
     else:
@@ -69,7 +67,7 @@ def _sample_row(chosen: torch.Tensor, raw: torch.Tensor, params: SamplingParams,
         token = _race(torch.softmax(filtered, dim=-1).unsqueeze(0), [generator])[0]
     logprob = None
     if params.logprobs is not None:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(raw, dim=-1)
         top = torch.topk(logprobs, params.logprobs) if params.logprobs > 0 else None
         logprob = TokenLogprob(
             token_id=token,
@@ -98,8 +96,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if histories is None or any(histories[i] is None for i in shaped):
             raise ValueError("sample: a request's logits depend on its tokens; pass its history")
         logits = logits.to(torch.float32, copy=True).contiguous()
-        process_rows_(logits, [params[i] if i in shaped else _AS_IS for i in range(len(params))],
-                      [histories[i] or _NO_HISTORY for i in range(len(params))], eos_token_ids)
+        # the other rows' parameters ask for nothing: they pass through as they are
+        process_rows_(logits, params, [h or _NO_HISTORY for h in histories], eos_token_ids)
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
     out: list[SampledToken | None] = [None] * len(params)
     if plain_greedy:
