@@ -76,26 +76,28 @@ def _penalize_(out: torch.Tensor, rows: list[int], params: list[SamplingParams],
     100k vocabulary)."""
     vocab = out.shape[1]
     flat = out.view(-1)   # entries addressed as row * vocab + token: index_select / index_copy_ are the cheap ops
-    output_lengths = [len(h.output) for h in histories]
+
+    def per_row(values: list[float], neutral: float) -> torch.Tensor:
+        """A value for every row of `out` (`neutral` for the rows not in `rows`), to index by a key's row."""
+        of_row = torch.full((out.shape[0],), neutral, dtype=out.dtype)
+        of_row[rows] = torch.tensor(values, dtype=out.dtype)
+        return of_row
+
     outputs = torch.tensor([t + r * vocab for r, h in zip(rows, histories) for t in h.output], dtype=torch.int64)
     repetition = [p.repetition_penalty for p in params]
     if any(r != 1 for r in repetition):
         prompts = [torch.as_tensor(h.prompt, dtype=torch.int64) for h in histories]
-        lengths = torch.tensor([len(t) for t in prompts] + output_lengths)
-        which = torch.repeat_interleave(torch.arange(2 * len(rows)) % len(rows), lengths)  # index into `rows`
-        keys = torch.cat(prompts + [outputs % vocab]) + torch.tensor(rows).index_select(0, which) * vocab
+        prompt_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(t) for t in prompts]))
+        keys = torch.cat([torch.cat(prompts) + prompt_rows * vocab, outputs])
         values = flat.index_select(0, keys)
-        penalty = torch.tensor(repetition, dtype=out.dtype).index_select(0, which)
+        penalty = per_row(repetition, 1.0).index_select(0, keys // vocab)
         flat.index_copy_(0, keys, torch.where(values > 0, values / penalty, values * penalty))  # a key named twice
     if outputs.numel():                                                                      # writes one value
         keys, counts = torch.unique(outputs, return_counts=True)
-        owner = torch.full((out.shape[0],), -1, dtype=torch.int64)    # row of `out` -> its index in `rows`
-        owner[rows] = torch.arange(len(rows))
-        which = owner.index_select(0, keys // vocab)
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=out.dtype).index_select(0, which)
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=out.dtype).index_select(0, which)
+        owners = keys // vocab
+        frequency = per_row([p.frequency_penalty for p in params], 0.0).index_select(0, owners)
+        presence = per_row([p.presence_penalty for p in params], 0.0).index_select(0, owners)
         flat.index_copy_(0, keys, flat.index_select(0, keys) - frequency * counts.to(out.dtype) - presence)
-
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """`logits` (temperature applied) with the tokens whose probability is below `min_p` x the likeliest one's set to

@@ -151,6 +151,7 @@ def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
 
 def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
             logprobs: int | None, engine: EngineClient) -> ParsedRequest:
+    refuse_unsupported(f.obj)
     if f.int("n", 1) != 1:
         raise InvalidRequestError("only n=1 is supported", "n")
     stream = f.bool("stream", False)
@@ -185,7 +186,6 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
 def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
-    refuse_unsupported(body)
     if f.bool("echo", False):
         raise InvalidRequestError("echo is not supported", "echo")
     logprobs = f.optional_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
@@ -196,7 +196,6 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
-    refuse_unsupported(body)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
     wants_logprobs = f.bool("logprobs", False)
     if top_logprobs is not None and not wants_logprobs:

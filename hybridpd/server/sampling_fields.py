@@ -14,17 +14,16 @@ drawn as the colocated request's would be (EOS masked when min_tokens >= 1) inst
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from hybridpd.engine.tokenizer import NO_TOKENIZER, Tokenizer
 from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.fields import Fields
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-GREEDY_BELOW_TEMPERATURE = 1e-5
 LOGIT_BIAS_LIMIT = 100.0
 
 
@@ -33,7 +32,7 @@ def _unset(value: Any) -> bool:
 
 
 # Fields vLLM acts on that this server does not: each is accepted only at a value that changes nothing.
-UNSUPPORTED: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
+UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "best_of": (lambda v, _: v is None or v == 1, "best_of > 1 is not supported"),
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
@@ -52,7 +51,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
 }
 
 
-def refuse_unsupported(body: dict[str, Any]) -> None:
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name, (harmless, message) in UNSUPPORTED.items():
         if name in body and not harmless(body[name], body):
             raise InvalidRequestError(message, name)
@@ -112,7 +111,7 @@ def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, engine:
     min_tokens = f.int("min_tokens", 0, minimum=0)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=0.0 if 0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+        temperature=0.0 if 0 <= temperature < GREEDY_TEMPERATURE else temperature,
         top_p=f.float("top_p", default(defaults.top_p, 1.0)),
         top_k=min(top_k, vocab_size),  # a top_k past the vocabulary keeps every token, as vLLM does
         min_p=f.float("min_p", default(defaults.min_p, 0.0)),
