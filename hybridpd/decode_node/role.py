@@ -116,7 +116,9 @@ class DecodeRole:
 
     def discard(self, seq: Sequence) -> None:
         assert seq.remote_prefill is not None
-        params = seq.remote_prefill
+        self.release(seq.remote_prefill)
+
+    def release(self, params: RemotePrefillParams) -> None:
         self._loop.call_soon_threadsafe(lambda: self._release_in_background(params, aborted=True))
 
     # -- event loop ---------------------------------------------------------------------------------------------

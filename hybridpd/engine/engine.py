@@ -9,7 +9,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,8 +30,8 @@ from hybridpd.engine.model.registry import ModelConfig
 from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.model.loader import load_model
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus, TokenLogprob
-from hybridpd.engine.runner import LogitsHook, ModelRunner
-from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler
+from hybridpd.engine.runner import LogitsHook, ModelRunner, RunnerOutput
+from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler, SchedulerPlan
 from hybridpd.engine.sequence import Sequence
 from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
@@ -244,6 +244,11 @@ class LLMEngine:
         """Queue `request`. A remotely prefilled one starts with the first token its prefill node sampled: that
         token's output is returned at once (and when it ends the request, the request is done here)."""
         self.validate(request)
+        if isinstance(request.kv_transfer, RemotePrefillParams) and request.sampling.prompt_logprobs is not None:
+            # a pull brings the prompt's KV, not its logprobs: the prompt is computed here, the prefill node's
+            # blocks let go
+            self.scheduler.release_remote(request.kv_transfer)
+            request = replace(request, kv_transfer=None)
         seq = Sequence.from_request(
             request, arrival_order=next(self._order), decode_skip_mamba_align=self.decode_skip_mamba_align,
             vocab_size=self.model_config.vocab_size,
@@ -313,6 +318,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.storage.prefault_ahead(self.kv.upcoming_blocks(PREFAULT_BLOCKS))
         out = self.runner.run(plan)
+        self._record_prompt_logprobs(plan, out)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
         if self.offload is not None:
             self._write_behind()
@@ -336,6 +342,13 @@ class LLMEngine:
                 self.complete_load(request_id)
             else:
                 self.fail_load(request_id, RuntimeError("storage tier read failed"), recompute=True)
+
+    @staticmethod
+    def _record_prompt_logprobs(plan: SchedulerPlan, out: RunnerOutput) -> None:
+        for item in plan.scheduled:
+            scored = out.prompt_logprobs.get(item.seq.request_id)
+            if scored is not None:
+                item.seq.record_prompt_logprobs(*scored)
 
     def _write_behind(self) -> None:
         """Offer the blocks that became hits this step to the tier's write-behind (copies; never waits)."""
@@ -370,13 +383,17 @@ class LLMEngine:
         new_ids = tuple(output_ids[tracked.sent_tokens :])
         tracked.sent_tokens = len(output_ids)
         logprobs = (logprob,) if logprob is not None else ()
+        prompt_logprobs = None
+        if seq.scores_prompt:  # its first output: the prompt is computed
+            prompt_logprobs = (None, *seq.prompt_logprobs)
+            seq.prompt_logprobs, seq.prompt_logprobs_sent = [], True
         params = None
         if seq.is_finished:
             self._tracked.pop(seq.request_id, None)
             if self.scheduler.holds(seq):
                 params = self._hold(seq, logprob)
         return self._output(tracked, new_text, new_ids, finished=seq.is_finished, logprobs=logprobs,
-                            kv_transfer_params=params)
+                            prompt_logprobs=prompt_logprobs, kv_transfer_params=params)
 
     def _hold(self, seq: Sequence, logprob: TokenLogprob | None) -> dict | None:
         """A prefill-role request computed its prompt and sampled its first token: its blocks stay held under a
@@ -387,7 +404,8 @@ class LLMEngine:
         return self.hold_handler(seq, logprob)
 
     def _output(self, tracked: _Tracked, text: str, ids: tuple[int, ...], *, finished: bool,
-                logprobs: tuple[TokenLogprob, ...] = (), error: Exception | None = None,
+                logprobs: tuple[TokenLogprob, ...] = (),
+                prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None, error: Exception | None = None,
                 kv_transfer_params: dict | None = None) -> RequestOutput:
         seq = tracked.seq
         return RequestOutput(
@@ -402,6 +420,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason if finished else None,
             stop_reason=seq.stop_reason,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             kv_transfer_params=kv_transfer_params,
             error=error,
         )

@@ -43,6 +43,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None   # 1 + how many tokens the model found likelier (prompt tokens: vLLM reports it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None    # the stop string or stop token id that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()
+    # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token, None for the first
+    # (nothing comes before it), as vLLM's `prompt_logprobs`.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     # For a request prefilled here for a remote decode node: the top-level `kv_transfer_params` to answer.
     kv_transfer_params: dict[str, Any] | None = None
     scheduled_at: float | None = None   # time.monotonic() when the engine first took the request from its queue

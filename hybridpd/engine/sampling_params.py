@@ -29,6 +29,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # tokens that end the output (finish_reason "stop", stop_reason the id)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to its logit
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be drawn (None: any)
+    # The logprob of every prompt token after the first (the model's, given the tokens before it) and the top ones
+    # beside it; None = not asked. A request that asks computes its whole prompt (no prefix hit), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +44,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
+                                      "prompt_logprobs")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -25,6 +25,7 @@ from hybridpd.engine.kv_cache.coordinator import CacheHit, KVCacheManager, StepB
 from hybridpd.engine.kv_offload.tier import LoadItem
 from hybridpd.engine.request import FinishReason, RequestStatus
 from hybridpd.engine.sequence import Sequence
+from hybridpd.engine.transfer_params import RemotePrefillParams
 
 
 def _decoding(seq: Sequence) -> bool:
@@ -61,6 +62,9 @@ class RemoteKVLoader(Protocol):
 
     def discard(self, seq: Sequence) -> None:
         """`seq` ended before its pull started: let the prefill node free the blocks it holds for it."""
+
+    def release(self, params: RemotePrefillParams) -> None:
+        """A request will not pull what `params` name (it computes its prompt here): let its prefill node free it."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,11 @@ class Scheduler:
             self._drop_remote_prefill(seq)
         if not self.holds(seq):
             self.kv.free(seq.request_id)
+
+    def release_remote(self, params: RemotePrefillParams) -> None:
+        """A remotely prefilled request computes its prompt here instead: its prefill node's blocks are let go."""
+        if self.loader is not None:
+            self.loader.release(params)
 
     @staticmethod
     def holds(seq: Sequence) -> bool:
@@ -236,12 +245,12 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.remote_prefill is not None and self.loader is None:
                 self._drop_remote_prefill(seq)  # nothing can pull it: prefill here, with a hit every group serves
-            hit = self.kv.get_computed_blocks(seq)
+            hit = self.kv.get_computed_blocks(seq) if not seq.scores_prompt else self.kv.no_hit()
             if seq.remote_prefill is not None:
                 if not self._start_remote_load(seq, hit):
                     return
                 continue
-            stored = self.kv.storage_hit(seq, hit) if self.storage is not None else 0
+            stored = self.kv.storage_hit(seq, hit) if self.storage is not None and not seq.scores_prompt else 0
             if stored:
                 if not self._start_storage_load(seq, hit, stored):
                     return

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
-from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus
+from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus, TokenLogprob
 from hybridpd.engine.sampling import skip_draw
 from hybridpd.engine.sampling_params import SamplingParams
 
@@ -38,6 +38,10 @@ class Sequence:
     num_preemptions: int = 0
     trace_context: tuple[tuple[str, str], ...] = ()   # EngineRequest.trace_context
     scheduled_at: float | None = None         # time.monotonic() when it first left the waiting queue
+    # With sampling.prompt_logprobs: entry i is prompt token i + 1's, filled chunk by chunk until the first output
+    # carries them (`prompt_logprobs_sent`).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @classmethod
     def from_request(
@@ -88,6 +92,16 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt tokens' logprobs are wanted and not yet sent: the prompt is computed, never taken as a hit."""
+        return self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    def record_prompt_logprobs(self, first_target: int, entries: list[TokenLogprob]) -> None:
+        """The logprobs of prompt positions `first_target`, `first_target + 1`, ... (a recomputed prompt overwrites
+        what its first computation left)."""
+        self.prompt_logprobs[first_target - 1 :] = entries
 
     @property
     def is_finished(self) -> bool:

@@ -126,13 +126,17 @@ class KVCacheManager:
         return [by_size[m.block_size] for m in self._managers]
 
     # --- the request lifecycle ---
+    def no_hit(self) -> CacheHit:
+        """The hit of a request that computes its whole prompt."""
+        return CacheHit(num_tokens=0, blocks=tuple(() for _ in self.groups))
+
     def get_computed_blocks(self, req: CacheRequest) -> CacheHit:
         """The longest local prefix hit: < num_prompt_tokens, decided by every group, or only by the
         full-attention groups when `req.skip_mamba_align` (0 if there is none)."""
         n_prompt = req.num_prompt_tokens
-        blocks: list[tuple[int, ...]] = [() for _ in self.groups]
         if not self.caching or n_prompt <= 1:
-            return CacheHit(num_tokens=0, blocks=tuple(blocks))
+            return self.no_hit()
+        blocks: list[tuple[int, ...]] = [() for _ in self.groups]
         deciding = self._remote_groups if req.skip_mamba_align else self._all_groups
         chains = self._chains(req)
         hit = find_common_hit([self._managers[g] for g in deciding], [chains[g] for g in deciding], n_prompt - 1)

@@ -87,6 +87,12 @@ class PagedCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCacheStorage) -> torch.Tensor:
         """[S, vocab] float32 logits of the rows `batch.logits_indices`; writes the step's KV and Mamba states."""
+        return self.logits(self.final_hidden(batch, kv))
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, kv: KVCacheStorage) -> torch.Tensor:
+        """[S, hidden] of the rows `batch.logits_indices` after the final norm (what `logits` takes); writes the
+        step's KV and Mamba states."""
         rope = None
         if self.rope is not None:
             rope = self.rope.cos_sin(batch.positions, self.dtype, max(s.end for s in batch.seqs))
@@ -101,8 +107,12 @@ class PagedCausalLM(nn.Module):
         except BaseException:
             self.decode_kv.end_runs()  # some layers may have appended, others not
             raise
-        h = self.final_norm().forward(h[batch.logits_indices])
-        logits = plain_linear(h, self.lm_head.weight)
+        return self.final_norm().forward(h[batch.logits_indices])
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, vocab] float32 logits of final hidden rows."""
+        logits = plain_linear(hidden, self.lm_head.weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         if self.logits_multiplier != 1.0:

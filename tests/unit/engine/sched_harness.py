@@ -51,12 +51,16 @@ class FakeLoader:
     started: list[tuple[str, int, StepBlocks]] = field(default_factory=list)
 
     discarded: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)   # the remote request ids of `release`
 
     def start_load(self, seq: Sequence, hit_tokens: int, blocks: StepBlocks) -> None:
         self.started.append((seq.request_id, hit_tokens, blocks))
 
     def discard(self, seq: Sequence) -> None:
         self.discarded.append(seq.request_id)
+
+    def release(self, params: RemotePrefillParams) -> None:
+        self.released.append(params.remote_request_id)
 
 
 def make_scheduler(kv: KVCacheManager, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 4096,
