@@ -26,25 +26,49 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(
-    logprobs: Sequence[TokenLogprob], tokenizer: Tokenizer, text_offset: int
+    logprobs: Sequence[TokenLogprob | None], tokenizer: Tokenizer, text_offset: int, token_ids: Sequence[int] = ()
 ) -> tuple[dict[str, Any], int]:
-    """`{"text_offset", "token_logprobs", "tokens", "top_logprobs"}` for these tokens, and the offset after them.
+    """`{"text_offset", "token_logprobs", "tokens", "top_logprobs"}` for these tokens, and the offset after them. A
+    None entry (an echoed prompt's first token, which nothing predicts) is the token `token_ids` names at its index,
+    with null logprobs, as vLLM writes it.
 
     `text_offset` counts characters of the per-token strings from the start of the completion, so that a
     stream continues where the previous chunk ended.
     """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for entry in logprobs:
-        text = _token_text(tokenizer, entry.token_id)
-        top = {_token_text(tokenizer, token_id): _finite(lp) for token_id, lp in entry.top}
-        top.setdefault(text, _finite(entry.logprob))
+    for index, entry in enumerate(logprobs):
+        if entry is None:
+            text = _token_text(tokenizer, token_ids[index])
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            text = _token_text(tokenizer, entry.token_id)
+            top = {_token_text(tokenizer, token_id): _finite(lp) for token_id, lp in entry.top}
+            top.setdefault(text, _finite(entry.logprob))
+            token_logprobs.append(_finite(entry.logprob))
+            top_logprobs.append(top)
         tokens.append(text)
-        token_logprobs.append(_finite(entry.logprob))
-        top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     body = {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
     return body, text_offset
+
+
+def prompt_logprobs_body(entries: Sequence[TokenLogprob | None], tokenizer: Tokenizer) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null (the first) or {token id: {"logprob", "rank",
+    "decoded_token"}}, the prompt's own token first, then the likeliest ones (ranks 1, 2, ...)."""
+    body: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            body.append(None)
+            continue
+        step = {str(entry.token_id): {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                      "decoded_token": _token_text(tokenizer, entry.token_id)}}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            step.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": rank,
+                                            "decoded_token": _token_text(tokenizer, token_id)})
+        body.append(step)
+    return body
 
 
 def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:

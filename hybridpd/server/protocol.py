@@ -2,10 +2,12 @@
 
 Accepted fields (unknown ones are ignored, like vLLM does; the ones vLLM acts on and this server does not are
 refused by name, sampling_fields.py):
-  completions: model, prompt (string | token ids | a list of exactly one of those), max_tokens (16), the sampling
-    fields of sampling_fields.py, logprobs (int), n (1 only), echo (false only), stream,
+  completions: model, prompt (string | token ids | a list of exactly one of those), max_tokens (16; 0 with echo:
+    the prompt alone), the sampling fields of sampling_fields.py, logprobs (int), echo (the prompt's text, and with
+    logprobs its tokens' logprobs, before the output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream,
     stream_options.include_usage, return_token_ids, kv_transfer_params, cache_salt.
-  chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int).
+  chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
+    prompt_logprobs.
 A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that sampling never divides by ~0.
 """
 
@@ -23,7 +25,7 @@ from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
-from hybridpd.server.sampling_fields import refuse_unsupported, sampling_params
+from hybridpd.server.sampling_fields import prompt_logprobs_field, refuse_unsupported, sampling_params
 from hybridpd.stream_head import StreamHead, parse_stream_head
 
 MAX_LOGPROBS = 20
@@ -35,6 +37,14 @@ class Endpoint(enum.Enum):
     CHAT = "chat"
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion request's `echo`: its answer starts with the prompt (its tokens' logprobs too, with logprobs)."""
+
+    text: str              # the prompt as the client gave it; a prompt of token ids, decoded
+    without_output: bool   # max_tokens 0: the prompt alone (one token is generated and left out, as vLLM does)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParsedRequest:
     endpoint: Endpoint
@@ -44,6 +54,7 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
+    echo: Echo | None = None
 
     @property
     def request_id(self) -> str:
@@ -78,10 +89,15 @@ def _token_ids(value: list[Any], vocab_size: int, param: str) -> tuple[int, ...]
     return tuple(value)
 
 
+def _one_prompt(value: Any) -> Any:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return value[0]
+    return value
+
+
 def parse_prompt(value: Any, engine: EngineClient) -> tuple[int, ...]:
     """A string, a list of token ids, or a list holding exactly one of those; never empty."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+    value = _one_prompt(value)
     if isinstance(value, str):
         ids = tuple(engine.tokenizer.encode(value)) if value else ()
     elif isinstance(value, list):
@@ -150,11 +166,14 @@ def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
 
 
 def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
-            logprobs: int | None, engine: EngineClient) -> ParsedRequest:
+            logprobs: int | None, engine: EngineClient, echo: Echo | None = None) -> ParsedRequest:
     refuse_unsupported(f.obj)
     if f.int("n", 1) != 1:
         raise InvalidRequestError("only n=1 is supported", "n")
     stream = f.bool("stream", False)
+    prompt_logprobs = prompt_logprobs_field(f, stream)
+    if prompt_logprobs is None and echo is not None:
+        prompt_logprobs = logprobs   # the echoed prompt's tokens get logprobs as the output's do
     options = f.optional_object("stream_options")
     if options is not None and not stream:
         raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
@@ -170,8 +189,8 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
         engine_request=EngineRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
-            sampling=sampling_params(f, max_tokens=max_tokens, logprobs=logprobs, engine=engine,
-                                     remote_decode=isinstance(kv_transfer, RemoteDecodeParams)),
+            sampling=sampling_params(f, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                     engine=engine, remote_decode=isinstance(kv_transfer, RemoteDecodeParams)),
             kv_transfer=kv_transfer,
             cache_salt=None if salt is None else salt.encode("utf-8"),
         ),
@@ -180,17 +199,26 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
         include_usage=options is not None and options.bool("include_usage", False),
         return_token_ids=f.bool("return_token_ids", False),
         stream_head=parse_stream_head(kv_transfer_params, stream=stream),
+        echo=echo,
     )
 
 
 def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
-    if f.bool("echo", False):
-        raise InvalidRequestError("echo is not supported", "echo")
+    echoes = f.bool("echo", False)
     logprobs = f.optional_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
-    return _common(f, Endpoint.COMPLETIONS, parse_prompt(f.raw("prompt"), engine),
-                   max_tokens=f.optional_int("max_tokens", minimum=1), logprobs=logprobs, engine=engine)
+    prompt = parse_prompt(f.raw("prompt"), engine)
+    max_tokens = f.optional_int("max_tokens", minimum=0 if echoes else 1)
+    echo = None
+    if echoes:
+        given = _one_prompt(f.raw("prompt"))
+        text = given if isinstance(given, str) else engine.tokenizer.decode(prompt)
+        echo = Echo(text, without_output=max_tokens == 0)
+        if max_tokens == 0:
+            max_tokens = 1
+    return _common(f, Endpoint.COMPLETIONS, prompt, max_tokens=max_tokens, logprobs=logprobs, engine=engine,
+                   echo=echo)
 
 
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:

@@ -9,7 +9,7 @@ from typing import Any
 from hybridpd.engine.request import FinishReason, RequestOutput, TokenLogprob
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.server.engine_client import EngineClient
-from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
+from hybridpd.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_body
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 
 
@@ -20,6 +20,7 @@ class FinalOutput:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None
     finish_reason: FinishReason | None
     stop_reason: str | int | None
     num_prompt_tokens: int
@@ -34,6 +35,7 @@ class FinalOutput:
             text="".join(o.new_text for o in outputs),
             token_ids=tuple(t for o in outputs for t in o.new_token_ids),
             logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+            prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
             finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             num_prompt_tokens=last.num_prompt_tokens,
@@ -60,12 +62,39 @@ def header(parsed: ParsedRequest, model: str, object_name: str) -> dict[str, Any
     return {"id": parsed.response_id, "object": object_name, "created": parsed.response_created, "model": model}
 
 
+@dataclass(frozen=True)
+class CompletionPart:
+    """What a completion choice shows of some outputs: its text, and the logprob entries of the tokens `token_ids`
+    (None for an echoed prompt's first token)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob | None, ...]
+    token_ids: tuple[int, ...]
+
+
+def completion_part(parsed: ParsedRequest, text: str, logprobs: tuple[TokenLogprob, ...], token_ids: tuple[int, ...],
+                    prompt_logprobs: tuple[TokenLogprob | None, ...] | None, *, first: bool) -> CompletionPart:
+    """The outputs' part as it is, or, the answer's first part with `echo`, after the prompt (its text, and its
+    tokens' logprobs when asked); with max_tokens 0 the prompt alone."""
+    echo = parsed.echo
+    if echo is None or not first:
+        return CompletionPart(text, logprobs, token_ids)
+    prompt_ids = parsed.engine_request.prompt_token_ids
+    if echo.without_output:
+        text, logprobs, token_ids = "", (), ()
+    echoed = prompt_logprobs if prompt_logprobs is not None else (None,) * len(prompt_ids)
+    return CompletionPart(echo.text + text, (*echoed, *logprobs), (*prompt_ids, *token_ids))
+
+
 def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    logprobs = completion_logprobs(final.logprobs, tokenizer, 0)[0] if parsed.wants_logprobs else None
+    part = completion_part(parsed, final.text, final.logprobs, final.token_ids, final.prompt_logprobs, first=True)
+    logprobs = completion_logprobs(part.logprobs, tokenizer, 0, part.token_ids)[0] if parsed.wants_logprobs else None
     choice: dict[str, Any] = {
-        "index": 0, "text": final.text, "logprobs": logprobs,
+        "index": 0, "text": part.text, "logprobs": logprobs,
         "finish_reason": finish_reason_value(final.finish_reason), "stop_reason": final.stop_reason,
     }
+    if final.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, tokenizer)
     if parsed.return_token_ids:
         choice["prompt_token_ids"] = list(parsed.engine_request.prompt_token_ids)
         choice["token_ids"] = list(final.token_ids)
@@ -82,7 +111,10 @@ def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Toke
     }
     if parsed.return_token_ids:
         choice["token_ids"] = list(final.token_ids)
-    return {**header(parsed, model, "chat.completion"), "choices": [choice]}
+    body = {**header(parsed, model, "chat.completion"), "choices": [choice]}
+    if final.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, tokenizer)
+    return body
 
 
 _BUILDERS = {Endpoint.COMPLETIONS: _completion, Endpoint.CHAT: _chat}

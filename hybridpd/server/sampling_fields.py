@@ -4,7 +4,7 @@ server does not, which are refused by name rather than ignored (an answer that s
 
 Read: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias (token id -> bias, clamped to [-100, 100] as vLLM does),
-allowed_token_ids. Fields a request omits take the checkpoint's generation_config.json value where vLLM takes one
+allowed_token_ids, prompt_logprobs. Fields a request omits take the checkpoint's generation_config.json value where vLLM takes one
 (temperature, top_p, top_k, min_p and the three penalties), else vLLM's default.
 
 A request prefilled here for a remote decode node (`kv_transfer_params.do_remote_decode`) comes with max_tokens set
@@ -36,7 +36,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "best_of": (lambda v, _: v is None or v == 1, "best_of > 1 is not supported"),
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
-    "prompt_logprobs": (lambda v, _: v is None, "prompt_logprobs is not supported"),
     "bad_words": (lambda v, _: _unset(v), "bad_words is not supported"),
     "include_stop_str_in_output": (lambda v, _: _unset(v), "include_stop_str_in_output is not supported"),
     "response_format": (lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
@@ -99,8 +98,21 @@ def _logit_bias(f: Fields, vocab_size: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(biases.items()))
 
 
-def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, engine: EngineClient,
-                    remote_decode: bool) -> SamplingParams:
+def prompt_logprobs_field(f: Fields, stream: bool) -> int | None:
+    """`prompt_logprobs` as vLLM takes it: 0 to 20 (vLLM's -1, the whole vocabulary at every prompt position, is not
+    served), not with a stream unless 0."""
+    value = f.optional_int("prompt_logprobs")
+    if value is None:
+        return None
+    if value == -1:
+        raise f.fail("prompt_logprobs", "-1 (the whole vocabulary) is not supported; ask for 0 to 20")
+    if stream and value > 0:
+        raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    return value
+
+
+def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                    engine: EngineClient, remote_decode: bool) -> SamplingParams:
     defaults, vocab_size = engine.generation_defaults, engine.vocab_size
 
     def default(value: float | None, fallback: float) -> float:
@@ -126,4 +138,5 @@ def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, engine:
         logit_bias=_logit_bias(f, vocab_size),
         allowed_token_ids=_token_id_list(f, "allowed_token_ids", vocab_size, allow_empty=False),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

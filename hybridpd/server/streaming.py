@@ -23,7 +23,7 @@ from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
 from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
-from hybridpd.server.responses import finish_reason_value, header, usage
+from hybridpd.server.responses import completion_part, finish_reason_value, header, usage
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -66,11 +66,14 @@ class ChunkBuilder:
         return chunk
 
     def _completion_choice(self, output: RequestOutput) -> dict[str, Any]:
+        part = completion_part(self._parsed, output.new_text, output.logprobs, output.new_token_ids,
+                               output.prompt_logprobs, first=not self._started)
         logprobs = None
         if self._parsed.wants_logprobs:
-            logprobs, self._text_offset = completion_logprobs(output.logprobs, self._tokenizer, self._text_offset)
+            logprobs, self._text_offset = completion_logprobs(part.logprobs, self._tokenizer, self._text_offset,
+                                                              part.token_ids)
         choice: dict[str, Any] = {
-            "index": 0, "text": output.new_text, "logprobs": logprobs,
+            "index": 0, "text": part.text, "logprobs": logprobs,
             "finish_reason": finish_reason_value(output.finish_reason), "stop_reason": output.stop_reason,
         }
         if self._parsed.return_token_ids:
@@ -101,7 +104,7 @@ class ChunkBuilder:
         if is_chat and not self._started:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             chunks.append({**self._header, "choices": [role]})
-        if output.new_text or output.finished or output.new_token_ids:
+        if output.new_text or output.finished or output.new_token_ids or (self._parsed.echo and not self._started):
             chunks.append(self._chunk(self._choice(output), output))
         self._started = True
         return chunks

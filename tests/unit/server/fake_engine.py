@@ -36,6 +36,16 @@ def fake_token(index: int) -> int:
     return ord("a") + index % 26
 
 
+def fake_prompt_logprobs(request: EngineRequest) -> tuple[TokenLogprob | None, ...] | None:
+    """With prompt_logprobs: prompt token i (from 1) at logprob -i / 10, rank i; the top ones 'x', 'y', ... ."""
+    n_top = request.sampling.prompt_logprobs
+    if n_top is None:
+        return None
+    return (None, *(TokenLogprob(token_id=token, logprob=-i / 10, rank=i,
+                                 top=tuple((ord("x") + k, -0.05 - k) for k in range(n_top)))
+                    for i, token in enumerate(request.prompt_token_ids[1:], start=1)))
+
+
 @dataclass
 class FakeEngine:
     model_name: str = "fake-model"
@@ -82,6 +92,7 @@ class FakeEngine:
         )
         return RequestOutput(
             request_id=request.request_id,
+            prompt_logprobs=fake_prompt_logprobs(request) if index == 0 and not failed else None,
             new_token_ids=() if failed else (token,),
             new_text="" if failed or index in self.textless_outputs else chr(token),
             num_prompt_tokens=len(request.prompt_token_ids),

@@ -46,6 +46,7 @@ SAMPLING = {
     "top_logprobs": st.integers(min_value=-1, max_value=25) | JSON,
     "n": st.sampled_from([1, 2]) | JSON,
     "echo": st.booleans() | JSON,
+    "prompt_logprobs": st.integers(min_value=-2, max_value=25) | JSON,
     "stream": st.booleans() | JSON,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON}) | JSON,
     "return_token_ids": st.booleans() | JSON,
