@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hybridpd.proxy.bodies import decode_body, prefill_body, wants_stream
+from hybridpd.proxy.bodies import decode_body, prefill_body, scores_prompt, wants_stream
 from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
@@ -143,6 +143,9 @@ class Proxy:
         with self.tracer.span("routing", span.carrier(), {"hybridpd.routing": self.config.routing.value}):
             prompt = await self._prompt(path, body) if self.cache_aware else None
         try:
+            if scores_prompt(body):
+                with self.tracer.span("whole call", span.carrier()) as call:
+                    return await self._whole(request, path, body, request_id, prompt, call.carrier())
             with self.tracer.span("prefill call", span.carrier()) as call:
                 answer = await self._prefill_or_fall_back(path, body, request_id, prompt, call.carrier())
             kv_params = answer.kv_transfer_params if answer is not None else None
@@ -221,12 +224,27 @@ class Proxy:
                                "the decode node computes the prompt itself", request_id, upstream.name)
             return answer
 
+    async def _whole(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
+                     prompt: PromptHashes | None, trace: Carrier) -> web.StreamResponse:
+        """A request that scores its prompt, served whole by a prefill node (the decode nodes keep to decoding);
+        by a decode node when no prefill node could even be reached and the colocated fallback is on."""
+        whole = decode_body(body, None)
+        try:
+            return await self._decode(request, path, whole, request_id, prompt, None, trace, Role.PREFILL)
+        except (UpstreamError, NoUpstreamError) as exc:
+            if not self.config.fallback_colocated or (isinstance(exc, UpstreamError) and not exc.nothing_sent):
+                raise
+            logger.warning("request %s: %s; a decode node serves it (fallback)", request_id, exc)
+            self.metrics.count_fallback()
+        return await self._decode(request, path, whole, request_id, prompt, None, trace, Role.DECODE)
+
     async def _decode(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None,
-        lease: HeldLease | None, trace: Carrier,
+        lease: HeldLease | None, trace: Carrier, role: Role = Role.DECODE,
     ) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
-            stream = await self._open_decode(stack, path, body, request_id, prompt, lease=lease, trace=trace)
+            stream = await self._open_decode(stack, path, body, request_id, prompt, lease=lease, trace=trace,
+                                             role=role)
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
@@ -276,12 +294,13 @@ class Proxy:
 
     async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
                            request_id: str, prompt: PromptHashes | None, first: Choice | None = None,
-                           lease: HeldLease | None = None, trace: Carrier | None = None) -> DecodeStream:
-        """The decode call (on `first` when given), opened on a second node if the first could not be connected to.
-        When no decode node takes it, the prefill node's lease is released at once (it would pin blocks until it
-        expired)."""
+                           lease: HeldLease | None = None, trace: Carrier | None = None,
+                           role: Role = Role.DECODE) -> DecodeStream:
+        """The decode call (on `first` when given; on a node of `role`), opened on a second node if the first could
+        not be connected to. When no decode node takes it, the prefill node's lease is released at once (it would
+        pin blocks until it expired)."""
         try:
-            return await self._open_decode_on(stack, path, body, request_id, prompt, first, trace or {})
+            return await self._open_decode_on(stack, path, body, request_id, prompt, first, trace or {}, role)
         except (UpstreamError, UpstreamRejectedError, NoUpstreamError):
             self._release(lease)
             raise
@@ -295,11 +314,11 @@ class Proxy:
 
     async def _open_decode_on(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
                               request_id: str, prompt: PromptHashes | None, first: Choice | None,
-                              trace: Carrier) -> DecodeStream:
-        router = self.routers[Role.DECODE]
+                              trace: Carrier, role: Role) -> DecodeStream:
+        router = self.routers[role]
         tried: list[Upstream] = []
         while True:
-            choice = first if first is not None and not tried else self._choose(Role.DECODE, prompt, tuple(tried))
+            choice = first if first is not None and not tried else self._choose(role, prompt, tuple(tried))
             try:
                 stream = await stack.enter_async_context(
                     self.client.decode(router, choice.upstream, path, body, request_id, choice.work_tokens, trace))

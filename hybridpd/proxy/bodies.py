@@ -46,6 +46,12 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
     return out
 
 
+def scores_prompt(body: dict[str, Any]) -> bool:
+    """Whether the answer holds the prompt's own logprobs (`prompt_logprobs`, or `echo` with `logprobs`): they come
+    from computing the prompt, which a pull of its KV does not give, so one node serves the whole request."""
+    return body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None)
+
+
 def wants_stream(body: dict[str, Any]) -> bool:
     return body.get("stream") is True
 

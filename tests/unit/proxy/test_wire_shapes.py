@@ -9,6 +9,7 @@ import pytest
 from hybridpd.proxy.bodies import decode_body, prefill_body
 from hybridpd.wire_headers import CLUSTER_TOKEN_HEADER
 
+from .conftest import DOWN
 from .fake_node import SSE_CHUNKS, Behavior, remote_params
 
 # vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) sends the prefill node
@@ -126,3 +127,45 @@ async def test_stream_is_passed_through_byte_for_byte(make_harness):
     assert rest == b"".join(SSE_CHUNKS)
     assert h.decode[0].received[0].body["stream_options"] == {"include_usage": True}
     assert "stream_options" not in h.prefill[0].received[0].body
+
+
+@pytest.mark.parametrize("client_body", [
+    {"prompt": [5, 6, 7], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0},   # lm-eval's loglikelihood
+    {"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 0},
+    {"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 2, "kv_transfer_params": {"stale": 1}},
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_scoring_its_prompt_is_served_whole_by_a_prefill_node(make_harness, client_body, stream):
+    """Its prompt's logprobs come from computing the prompt, which a pull does not give: no split, no lease."""
+    h = await make_harness([Behavior.OK, Behavior.OK], [Behavior.OK])
+    body = client_body | {"stream": stream}
+    async with h.session.post(h.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+    received = [r for node in h.prefill for r in node.received]
+    assert [r.body for r in received] == [decode_body(body, None)]
+    assert "kv_transfer_params" not in received[0].body
+    assert h.decode[0].received == []
+    served_by = next(node.port for node in h.prefill if node.received)
+    assert raw == b"".join(SSE_CHUNKS) if stream else json.loads(raw) == {"id": "cmpl-d", "node": served_by}
+
+
+@pytest.mark.parametrize("client_body", [
+    {"prompt": "hi", "max_tokens": 2, "echo": True},                   # the prompt's text only: P/D as usual
+    {"prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": False},
+])
+async def test_echo_without_logprobs_is_split_as_usual(make_harness, client_body):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/completions", json=client_body) as resp:
+        assert resp.status == 200
+    assert h.prefill[0].received[0].body == prefill_body(client_body)
+    assert h.decode[0].received[0].body == {**client_body, "kv_transfer_params": remote_params(h.prefill_ports[0])}
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+async def test_with_no_prefill_node_reachable_a_scoring_request_goes_to_a_decode_node(make_harness, fallback):
+    h = await make_harness([DOWN], [Behavior.OK], fallback_colocated=fallback)
+    body = {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
+    async with h.session.post(h.url + "/v1/completions", json=body) as resp:
+        assert resp.status == (200 if fallback else 502)
+    assert [r.body for r in h.decode[0].received] == ([body] if fallback else [])
