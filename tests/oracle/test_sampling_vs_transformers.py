@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 from hybridpd.engine.request import EngineRequest, FinishReason
 from hybridpd.engine.sampling_params import SamplingParams
 from tests.oracle.saved_models import save_granite
+from tests.oracle.reference import reference_logits
 from tests.oracle.test_engine_vs_transformers import Recorder, assert_drained, make_engine, prompt
 
 
@@ -70,3 +71,37 @@ def test_min_tokens_holds_eos_back_as_transformers_does(granite, min_tokens):
                             sequence_bias={(eos,): 40.0})
         assert tokens[rid] == expected and len(expected) == min_tokens + 1 and expected[-1] == eos, rid
         assert reasons[rid] is FinishReason.STOP
+
+
+@pytest.mark.parametrize("budget", [2048, 12])
+def test_prompt_logprobs_match_transformers(granite, budget):
+    """Every prompt position's logprob, rank and top tokens against a full transformers forward's log-softmax, the
+    prompt in one chunk or in several (its Mamba state carried from chunk to chunk)."""
+    model_dir, reference = granite
+    ids = prompt(5, 37)
+    engine = make_engine(model_dir, Recorder(), budget=budget)
+    engine.add_request(EngineRequest(request_id="s", prompt_token_ids=ids,
+                                     sampling=SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=4)))
+    first = _first_output(engine)
+    while engine.has_work():
+        engine.step()
+    assert_drained(engine)
+    logprobs = torch.log_softmax(reference_logits(reference, list(ids)).double(), dim=-1)
+    got = first.prompt_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    for k in range(1, len(ids)):
+        row, entry = logprobs[k - 1], got[k]
+        assert entry.token_id == ids[k]
+        assert entry.logprob == pytest.approx(float(row[ids[k]]), abs=1e-4), k
+        assert entry.rank == int((row > row[ids[k]]).sum()) + 1, k
+        top = torch.topk(row, 4)
+        assert [t for t, _ in entry.top] == top.indices.tolist(), k
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4), k
+
+
+def _first_output(engine):
+    for _ in range(100):
+        outputs = [out for out in engine.step() if out.request_id == "s"]
+        if outputs:
+            return outputs[0]
+    raise AssertionError("the engine made no progress")
