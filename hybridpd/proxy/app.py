@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hybridpd.proxy.bodies import decode_body, prefill_body, scores_prompt, wants_stream
+from hybridpd.proxy.bodies import decode_body, prefill_body, served_whole, wants_stream
 from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
@@ -143,7 +143,7 @@ class Proxy:
         with self.tracer.span("routing", span.carrier(), {"hybridpd.routing": self.config.routing.value}):
             prompt = await self._prompt(path, body) if self.cache_aware else None
         try:
-            if scores_prompt(body):
+            if served_whole(body):
                 with self.tracer.span("whole call", span.carrier()) as call:
                     return await self._whole(request, path, body, request_id, prompt, call.carrier())
             with self.tracer.span("prefill call", span.carrier()) as call:
@@ -226,8 +226,8 @@ class Proxy:
 
     async def _whole(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
                      prompt: PromptHashes | None, trace: Carrier) -> web.StreamResponse:
-        """A request that scores its prompt, served whole by a prefill node (the decode nodes keep to decoding);
-        by a decode node when no prefill node could even be reached and the colocated fallback is on."""
+        """A request that scores its prompt or holds several, served whole by a prefill node (the decode nodes keep
+        to decoding); by a decode node when no prefill node could even be reached and the colocated fallback is on."""
         whole = decode_body(body, None)
         try:
             return await self._decode(request, path, whole, request_id, prompt, None, trace, Role.PREFILL)

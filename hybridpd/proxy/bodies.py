@@ -46,10 +46,15 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None,
     return out
 
 
-def scores_prompt(body: dict[str, Any]) -> bool:
-    """Whether the answer holds the prompt's own logprobs (`prompt_logprobs`, or `echo` with `logprobs`): they come
-    from computing the prompt, which a pull of its KV does not give, so one node serves the whole request."""
-    return body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None)
+def served_whole(body: dict[str, Any]) -> bool:
+    """Whether one node serves the whole request, unsplit: when its answer holds the prompt's own logprobs
+    (`prompt_logprobs`, or `echo` with `logprobs`), which come from computing the prompt (a pull of its KV does not
+    give them), or when it holds several prompts (each its own request on the node; one prefill answer carries one
+    set of kv_transfer_params)."""
+    if body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None):
+        return True
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

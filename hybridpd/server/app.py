@@ -35,14 +35,18 @@ from hybridpd.server.metrics import RequestTracker, ServerMetrics, metrics_middl
 from hybridpd.server.protocol import (
     ParsedRequest,
     parse_chat_request,
+    parse_completion_batch,
     parse_completion_request,
     parse_tokenize_request,
+    several_prompts,
 )
-from hybridpd.server.responses import FinalOutput, final_response, models_response, tokenize_response
+from hybridpd.server.responses import (
+    FinalOutput, batch_response, final_response, models_response, tokenize_response,
+)
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
 from hybridpd.server.request_trace import record_request
-from hybridpd.tracing import NoTracer, Tracer, carrier_of
+from hybridpd.tracing import NoTracer, Span, Tracer, carrier_of
 from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
@@ -95,15 +99,18 @@ class Handlers:
             )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_completion_request)
+        return await self._generate(request, parse_completion_request, batches=True)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat_request)
 
-    async def _generate(self, request: web.Request, parse: Parser) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, parse: Parser, batches: bool = False) -> web.StreamResponse:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
+            if batches and several_prompts(body.get("prompt")) is not None:
+                return await self._batch(request, parse_completion_batch(body, self._engine,
+                                                                         self._config.served_model_name), span)
             parsed = parse(body, self._engine, self._config.served_model_name)
             self._check_peer(parsed)
             tracker = self._metrics.tracker()
@@ -134,20 +141,41 @@ class Handlers:
     async def _answer(self, request: web.Request, parsed: ParsedRequest, first: RequestOutput,
                       outputs: EngineOutputs, tracker: RequestTracker,
                       headers: dict[str, str]) -> web.StreamResponse:
-        collected = [first]
         tracker.observe(first)
-        while not collected[-1].finished:
-            if _client_gone(request):
-                return web.Response(status=CLIENT_CLOSED_REQUEST)
-            output = await outputs.next()
-            tracker.observe(output)
-            error = failure(output)
-            if error is not None:
-                raise error
-            collected.append(output)
-        body = final_response(parsed, FinalOutput.join(collected), self._config.served_model_name,
-                              self._engine.tokenizer)
+        final = await _collect(request, [first], outputs, tracker)
+        if final is None:
+            return web.Response(status=CLIENT_CLOSED_REQUEST)
+        body = final_response(parsed, final, self._config.served_model_name, self._engine.tokenizer)
         return web.json_response(body, dumps=_dumps, headers=headers)
+
+    async def _batch(self, request: web.Request, requests: list[ParsedRequest], span: Span) -> web.StreamResponse:
+        """Several prompts of one completions body: each its own engine request, all queued at once; one answer. A
+        failure of one ends the others (their generators closed: aborted, their blocks freed)."""
+        trackers = [self._metrics.tracker() for _ in requests]
+        requests = [replace(p, engine_request=replace(p.engine_request, trace_context=tuple(span.carrier().items())))
+                    for p in requests]
+
+        async def one(parsed: ParsedRequest, tracker: RequestTracker) -> FinalOutput | None:
+            outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
+            try:
+                return await _collect(request, [], outputs, tracker)
+            finally:
+                await outputs.close()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(p, t)) for p, t in zip(requests, trackers)]
+        except BaseExceptionGroup as grouped:
+            raise grouped.exceptions[0] from None
+        finally:
+            for parsed, tracker in zip(requests, trackers):
+                record_request(self._tracer, span, parsed, tracker)
+        finals = [task.result() for task in tasks]
+        if any(final is None for final in finals):
+            return web.Response(status=CLIENT_CLOSED_REQUEST)
+        body = batch_response(requests, finals, self._config.served_model_name, self._engine.tokenizer)
+        cached = sum(final.num_cached_tokens for final in finals)
+        return web.json_response(body, dumps=_dumps, headers={CACHED_TOKENS_HEADER: str(cached)})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(models_response(self._engine, self._config.served_model_name, self._created))
@@ -172,6 +200,21 @@ class Handlers:
             except (HybridPDError, asyncio.TimeoutError) as exc:  # the engine's families are missing, ours are not
                 log.warning("engine metrics unavailable: %s", exc)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _collect(request: web.Request, collected: list[RequestOutput], outputs: EngineOutputs,
+                   tracker: RequestTracker) -> FinalOutput | None:
+    """The request's outputs after `collected` up to the finished one, joined; None if the client went away."""
+    while not collected or not collected[-1].finished:
+        if collected and _client_gone(request):
+            return None
+        output = await outputs.next()
+        tracker.observe(output)
+        error = failure(output)
+        if error is not None:
+            raise error
+        collected.append(output)
+    return FinalOutput.join(collected)
 
 
 async def expect_continue(request: web.Request) -> None:

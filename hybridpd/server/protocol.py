@@ -2,7 +2,8 @@
 
 Accepted fields (unknown ones are ignored, like vLLM does; the ones vLLM acts on and this server does not are
 refused by name, sampling_fields.py):
-  completions: model, prompt (string | token ids | a list of exactly one of those), max_tokens (16; 0 with echo:
+  completions: model, prompt (string | token ids | a list of those: several prompts, each its own request, answered
+    together without a stream), max_tokens (16; 0 with echo:
     the prompt alone), the sampling fields of sampling_fields.py, logprobs (int), echo (the prompt's text, and with
     logprobs its tokens' logprobs, before the output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream,
     stream_options.include_usage, return_token_ids, kv_transfer_params, cache_salt.
@@ -95,6 +96,14 @@ def _one_prompt(value: Any) -> Any:
     return value
 
 
+def several_prompts(value: Any) -> list[Any] | None:
+    """The prompts of a completions body's `prompt` that holds several (a list of strings or of token-id lists, as
+    OpenAI's API and vLLM take them); None for one prompt."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(item, (str, list)) for item in value):
+        return value
+    return None
+
+
 def parse_prompt(value: Any, engine: EngineClient) -> tuple[int, ...]:
     """A string, a list of token ids, or a list holding exactly one of those; never empty."""
     value = _one_prompt(value)
@@ -102,7 +111,8 @@ def parse_prompt(value: Any, engine: EngineClient) -> tuple[int, ...]:
         ids = tuple(engine.tokenizer.encode(value)) if value else ()
     elif isinstance(value, list):
         if any(isinstance(item, (str, list)) for item in value):
-            raise InvalidRequestError("only one prompt per request is supported", "prompt")
+            raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of those "
+                                      "(not a mix)", "prompt")
         ids = _token_ids(value, engine.vocab_size, "prompt")
     elif value is None:
         raise InvalidRequestError("prompt is required", "prompt")
@@ -219,6 +229,21 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
             max_tokens = 1
     return _common(f, Endpoint.COMPLETIONS, prompt, max_tokens=max_tokens, logprobs=logprobs, engine=engine,
                    echo=echo)
+
+
+def parse_completion_batch(body: dict[str, Any], engine: EngineClient,
+                           served_model_name: str) -> list[ParsedRequest]:
+    """A completions body with several prompts: one request per prompt, every other field shared (a stream or
+    kv_transfer_params need a single prompt here)."""
+    prompts = several_prompts(body.get("prompt"))
+    assert prompts is not None
+    f = Fields(body)
+    if f.bool("stream", False):
+        raise InvalidRequestError("a list of prompts is answered whole: send stream false, or one prompt per "
+                                  "streamed request", "stream")
+    if f.raw("kv_transfer_params") is not None:
+        raise InvalidRequestError("kv_transfer_params go with a single prompt", "kv_transfer_params")
+    return [parse_completion_request({**body, "prompt": prompt}, engine, served_model_name) for prompt in prompts]
 
 
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:

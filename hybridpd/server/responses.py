@@ -130,6 +130,21 @@ def final_response(parsed: ParsedRequest, final: FinalOutput, model: str, tokeni
     return body
 
 
+def batch_response(requests: Sequence[ParsedRequest], finals: Sequence[FinalOutput], model: str,
+                   tokenizer: Tokenizer) -> dict[str, Any]:
+    """The answer to several prompts: a choice per prompt, in order (each with its `prompt_token_ids` when asked),
+    under the first request's id, with the usage summed."""
+    choices = [{**final_response(parsed, final, model, tokenizer)["choices"][0], "index": index}
+               for index, (parsed, final) in enumerate(zip(requests, finals, strict=True))]
+    prompt, completion = (sum(f.num_prompt_tokens for f in finals), sum(f.num_output_tokens for f in finals))
+    return {
+        **header(requests[0], model, "text_completion"), "choices": choices,
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                  "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}},
+        "kv_transfer_params": None,
+    }
+
+
 def models_response(engine: EngineClient, model: str, created: int) -> dict[str, Any]:
     return {
         "object": "list",

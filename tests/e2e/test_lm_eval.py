@@ -1,6 +1,7 @@
 """lm-evaluation-harness against a 1P+1D cluster through the proxy, unchanged: its `local-completions` model (the
 OpenAI completions client `lm_eval --model local-completions` runs) asks loglikelihood requests (`echo`, `logprobs:
-1`, `max_tokens: 1`, the prompt as token ids) and generate_until requests. The loglikelihoods equal transformers'
+1`, `max_tokens: 1`, the prompt as token ids; one prompt a request, or a list of them with `batch_size`) and
+generate_until requests. The loglikelihoods equal transformers'
 own on the same checkpoint (a full forward, log-softmax summed over the continuation's tokens), `is_greedy` equals
 the reference's argmax test, the generations equal transformers' greedy ones cut at the stop string, and the
 prompt scored after another request cached its prefix is scored all the same. Every block returns to its pool."""
@@ -38,10 +39,11 @@ class Cluster:
     model_dir: Path
     reference: torch.nn.Module
 
-    def lm(self) -> LocalCompletionsAPI:
+    def lm(self, batch_size: int = 1) -> LocalCompletionsAPI:
         return LocalCompletionsAPI(base_url=f"{self.proxy.url}/v1/completions", model="tiny",
                                    tokenizer=str(self.model_dir), tokenizer_backend="huggingface",
-                                   tokenized_requests=True, max_length=512, num_concurrent=1, max_retries=1)
+                                   tokenized_requests=True, max_length=512, num_concurrent=1, max_retries=1,
+                                   batch_size=batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,9 @@ def greedy_ids(reference, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_loglikelihood_through_pd_equals_transformers(cluster):
-    client = cluster.lm()
+@pytest.mark.parametrize("batch_size", [1, 3])   # 3: its prompts go in lists of three, one request each
+def test_loglikelihood_through_pd_equals_transformers(cluster, batch_size):
+    client = cluster.lm(batch_size)
     context = PAIRS[0][0]
     greedy = client.tokenizer.decode(greedy_ids(cluster.reference, client.tok_encode(context), 3))
     pairs = [*PAIRS, (context, greedy)]   # the model's own greedy continuation: is_greedy must be true

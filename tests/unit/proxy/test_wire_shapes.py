@@ -133,10 +133,13 @@ async def test_stream_is_passed_through_byte_for_byte(make_harness):
     {"prompt": [5, 6, 7], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0},   # lm-eval's loglikelihood
     {"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 0},
     {"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 2, "kv_transfer_params": {"stale": 1}},
+    {"prompt": ["hi", "there"], "max_tokens": 4},                                             # several prompts
+    {"prompt": [[1, 2], [3]], "max_tokens": 1, "logprobs": 1, "echo": True},                  # lm-eval's batches
 ])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_request_scoring_its_prompt_is_served_whole_by_a_prefill_node(make_harness, client_body, stream):
-    """Its prompt's logprobs come from computing the prompt, which a pull does not give: no split, no lease."""
+    """Its prompt's logprobs come from computing the prompt, which a pull does not give (and one prefill answer
+    carries the kv_transfer_params of one prompt): no split, no lease."""
     h = await make_harness([Behavior.OK, Behavior.OK], [Behavior.OK])
     body = client_body | {"stream": stream}
     async with h.session.post(h.url + "/v1/completions", json=body) as resp:
@@ -153,6 +156,7 @@ async def test_a_request_scoring_its_prompt_is_served_whole_by_a_prefill_node(ma
 @pytest.mark.parametrize("client_body", [
     {"prompt": "hi", "max_tokens": 2, "echo": True},                   # the prompt's text only: P/D as usual
     {"prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": False},
+    {"prompt": ["one prompt in a list"], "max_tokens": 2},
 ])
 async def test_echo_without_logprobs_is_split_as_usual(make_harness, client_body):
     h = await make_harness([Behavior.OK], [Behavior.OK])

@@ -57,6 +57,7 @@ class FakeEngine:
     is_healthy: bool = True
     raise_before_first: Exception | None = None   # raised at the first anext, like the engine's own rejections
     fail_at_output: int | None = None             # this output (0-based) ends the request with ERROR
+    fail_request: int | None = None               # the request of this arrival index (0-based) fails at its first output
     endless: bool = False                         # ignore max_tokens: yield until closed
     stall_after_first: asyncio.Event | None = None  # after the first output, wait for this event
     num_cached_tokens: int = 0
@@ -85,7 +86,8 @@ class FakeEngine:
     def _output(self, request: EngineRequest, index: int) -> RequestOutput:
         token = fake_token(index)
         done = not self.endless and index + 1 >= request.sampling.max_tokens
-        failed = self.fail_at_output == index
+        failed = self.fail_at_output == index or (
+            index == 0 and self.fail_request is not None and self.requests.index(request) == self.fail_request)
         n_top = request.sampling.logprobs
         logprobs = () if n_top is None else (
             TokenLogprob(token_id=token, logprob=-0.5, top=tuple((fake_token(index + k), -0.5 - k) for k in range(n_top))),
