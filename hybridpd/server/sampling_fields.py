@@ -4,8 +4,8 @@ server does not, which are refused by name rather than ignored (an answer that s
 
 Read: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias (token id -> bias, clamped to [-100, 100] as vLLM does),
-allowed_token_ids, prompt_logprobs. Fields a request omits take the checkpoint's generation_config.json value where vLLM takes one
-(temperature, top_p, top_k, min_p and the three penalties), else vLLM's default.
+allowed_token_ids, prompt_logprobs. Fields a request omits take the checkpoint's generation_config.json value where
+vLLM takes one (temperature, top_p, top_k, min_p and the three penalties), else vLLM's default.
 
 A request prefilled here for a remote decode node (`kv_transfer_params.do_remote_decode`) comes with max_tokens set
 to 1 by the proxy, vLLM's toy proxy included; its min_tokens is cut to that one token, so that its first token is

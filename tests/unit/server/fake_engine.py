@@ -57,7 +57,7 @@ class FakeEngine:
     is_healthy: bool = True
     raise_before_first: Exception | None = None   # raised at the first anext, like the engine's own rejections
     fail_at_output: int | None = None             # this output (0-based) ends the request with ERROR
-    fail_request: int | None = None               # the request of this arrival index (0-based) fails at its first output
+    fail_request: int | None = None               # the request that arrived this many (0-based) fails at once
     endless: bool = False                         # ignore max_tokens: yield until closed
     stall_after_first: asyncio.Event | None = None  # after the first output, wait for this event
     num_cached_tokens: int = 0
