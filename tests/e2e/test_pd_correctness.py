@@ -207,3 +207,26 @@ def test_roles_swap_request_by_request(pair):
     token_ids, usage = pd_token_ids(decode, prefill, body)
     assert token_ids == expected and usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert_drained(prefill, decode)
+
+
+@pytest.mark.parametrize("body", [
+    {"max_tokens": 4, "prompt_logprobs": 2, "temperature": 0, "ignore_eos": True},
+    {"max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0},   # lm-evaluation-harness's loglikelihood
+])
+def test_a_request_scoring_its_prompt_split_as_the_toy_proxy_splits_it(pair, body):
+    """vLLM's toy proxy splits every request: the decode node, which a pull would give KV but no logprobs, computes
+    the prompt itself and lets the prefill node's blocks go at once; the answer is the colocated one."""
+    prefill, decode, _ = pair
+    body = {"prompt": _prompt(40, seed=77), "return_token_ids": True, **body}
+    want, got = colocated_and_pd_choices(prefill, decode, body)
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert [sorted(step) if step else step for step in got["prompt_logprobs"]] == [
+        sorted(step) if step else step for step in want["prompt_logprobs"]]
+    for mine, theirs in zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:]):
+        for token, entry in theirs.items():
+            assert mine[token]["rank"] == entry["rank"]
+            assert mine[token]["logprob"] == pytest.approx(entry["logprob"], abs=1e-4)
+    expired = metric_total(prefill, "hybridpd:kv_leases_expired_total")
+    wait_for_metric_at_most(prefill, "hybridpd:kv_leases_held", 0)   # released by the decode node (a lease lasts 60 s)
+    assert metric_total(prefill, "hybridpd:kv_leases_expired_total") == expired
+    assert_drained(prefill, decode)
