@@ -45,12 +45,14 @@ class FinalOutput:
         )
 
 
-def usage(output: RequestOutput | FinalOutput) -> dict[str, Any]:
+def usage(*outputs: RequestOutput | FinalOutput) -> dict[str, Any]:
+    """The usage of one request's output, or the sum over several requests'."""
+    prompt, completion = sum(o.num_prompt_tokens for o in outputs), sum(o.num_output_tokens for o in outputs)
     return {
-        "prompt_tokens": output.num_prompt_tokens,
-        "completion_tokens": output.num_output_tokens,
-        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
     }
 
 
@@ -136,13 +138,8 @@ def batch_response(requests: Sequence[ParsedRequest], finals: Sequence[FinalOutp
     under the first request's id, with the usage summed."""
     choices = [{**final_response(parsed, final, model, tokenizer)["choices"][0], "index": index}
                for index, (parsed, final) in enumerate(zip(requests, finals, strict=True))]
-    prompt, completion = (sum(f.num_prompt_tokens for f in finals), sum(f.num_output_tokens for f in finals))
-    return {
-        **header(requests[0], model, "text_completion"), "choices": choices,
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                  "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}},
-        "kv_transfer_params": None,
-    }
+    return {**header(requests[0], model, "text_completion"), "choices": choices, "usage": usage(*finals),
+            "kv_transfer_params": None}
 
 
 def models_response(engine: EngineClient, model: str, created: int) -> dict[str, Any]:
