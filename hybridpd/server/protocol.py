@@ -3,10 +3,10 @@
 Accepted fields (unknown ones are ignored, like vLLM does; the ones vLLM acts on and this server does not are
 refused by name, sampling_fields.py):
   completions: model, prompt (string | token ids | a list of those: several prompts, each its own request, answered
-    together without a stream), max_tokens (16; 0 with echo:
-    the prompt alone), the sampling fields of sampling_fields.py, logprobs (int), echo (the prompt's text, and with
-    logprobs its tokens' logprobs, before the output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream,
-    stream_options.include_usage, return_token_ids, kv_transfer_params, cache_salt.
+    together without a stream), max_tokens (16; 0 with echo: the prompt alone), the sampling fields of
+    sampling_fields.py, logprobs (int), echo (the prompt's text, and with logprobs its tokens' logprobs, before the
+    output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
+    return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
     prompt_logprobs.
 A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that sampling never divides by ~0.
