@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridpd.completion_prompts import several_prompts
 from hybridpd.stream_head import STREAM_HEAD_FIELD, StreamHead
 
 # What the prefill call carries: "prefill here, hold the blocks, tell me where they are".
@@ -53,8 +54,7 @@ def served_whole(body: dict[str, Any]) -> bool:
     set of kv_transfer_params)."""
     if body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None):
         return True
-    prompt = body.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    return several_prompts(body.get("prompt")) is not None
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

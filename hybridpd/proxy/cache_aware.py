@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridpd.completion_prompts import one_prompt
 from hybridpd.proxy.config import CostRule, Role, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
@@ -91,9 +92,7 @@ def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
     is out of any vocabulary's range (the node refuses the request; nothing is predicted)."""
     if path != "/v1/completions":
         return None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
+    prompt = one_prompt(body.get("prompt"))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
         return prompt
@@ -105,9 +104,7 @@ def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     model = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
     if path == "/v1/chat/completions":
         return {**model, "messages": body["messages"]} if isinstance(body.get("messages"), list) else None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    prompt = one_prompt(body.get("prompt"))
     return {**model, "prompt": prompt} if isinstance(prompt, str) and prompt else None
 
 

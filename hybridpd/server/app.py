@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from hybridpd.completion_prompts import several_prompts
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import ForbiddenError, HybridPDError, UnauthorizedError
@@ -38,7 +39,6 @@ from hybridpd.server.protocol import (
     parse_completion_batch,
     parse_completion_request,
     parse_tokenize_request,
-    several_prompts,
 )
 from hybridpd.server.responses import (
     FinalOutput, batch_response, final_response, models_response, tokenize_response,

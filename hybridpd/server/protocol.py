@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from hybridpd.completion_prompts import one_prompt, several_prompts
 from hybridpd.engine.transfer_params import RemoteDecodeParams, parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
 from hybridpd.errors import InvalidRequestError
@@ -90,23 +91,9 @@ def _token_ids(value: list[Any], vocab_size: int, param: str) -> tuple[int, ...]
     return tuple(value)
 
 
-def _one_prompt(value: Any) -> Any:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        return value[0]
-    return value
-
-
-def several_prompts(value: Any) -> list[Any] | None:
-    """The prompts of a completions body's `prompt` that holds several (a list of strings or of token-id lists, as
-    OpenAI's API and vLLM take them); None for one prompt."""
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(item, (str, list)) for item in value):
-        return value
-    return None
-
-
 def parse_prompt(value: Any, engine: EngineClient) -> tuple[int, ...]:
     """A string, a list of token ids, or a list holding exactly one of those; never empty."""
-    value = _one_prompt(value)
+    value = one_prompt(value)
     if isinstance(value, str):
         ids = tuple(engine.tokenizer.encode(value)) if value else ()
     elif isinstance(value, list):
@@ -222,7 +209,7 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
     max_tokens = f.optional_int("max_tokens", minimum=0 if echoes else 1)
     echo = None
     if echoes:
-        given = _one_prompt(f.raw("prompt"))
+        given = one_prompt(f.raw("prompt"))
         text = given if isinstance(given, str) else engine.tokenizer.decode(prompt)
         echo = Echo(text, without_output=max_tokens == 0)
         if max_tokens == 0:
