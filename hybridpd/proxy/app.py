@@ -32,13 +32,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hybridpd.proxy.bodies import decode_body, prefill_body, served_whole, wants_stream
+from hybridpd.proxy.bodies import decode_body, prefill_body, sample_bodies, served_whole, wants_stream
 from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
+from hybridpd.proxy.replies import ClientReply, Reply
+from hybridpd.proxy.samples import merge_samples
 from hybridpd.proxy.responses import (
     invalid_request, no_upstream, sse_error_event, sse_rejected_event, upstream_failed, upstream_rejected,
 )
@@ -142,10 +144,20 @@ class Proxy:
             return invalid_request("request body must be a JSON object", request_id)
         with self.tracer.span("routing", span.carrier(), {"hybridpd.routing": self.config.routing.value}):
             prompt = await self._prompt(path, body) if self.cache_aware else None
+        bodies = [body] if served_whole(body) else sample_bodies(body)   # served whole: the node draws its samples
+        if len(bodies) > 1:
+            return await merge_samples(
+                request, bodies, request_id,
+                lambda reply, one, one_id: self._route(reply, path, one, one_id, prompt, span))
+        return await self._route(ClientReply(request), path, body, request_id, prompt, span)
+
+    async def _route(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
+                     prompt: PromptHashes | None, span: Span) -> web.StreamResponse:
+        """One request of one sample through the nodes: whole on one node, or a prefill call then a decode call."""
         try:
             if served_whole(body):
                 with self.tracer.span("whole call", span.carrier()) as call:
-                    return await self._whole(request, path, body, request_id, prompt, call.carrier())
+                    return await self._whole(reply, path, body, request_id, prompt, call.carrier())
             with self.tracer.span("prefill call", span.carrier()) as call:
                 answer = await self._prefill_or_fall_back(path, body, request_id, prompt, call.carrier())
             kv_params = answer.kv_transfer_params if answer is not None else None
@@ -153,9 +165,9 @@ class Proxy:
             with self.tracer.span("decode call", span.carrier()) as call:
                 if answer is not None and answer.head and kv_params is not None:
                     return await self._decode_after_head(
-                        request, path, decode_body(body, kv_params, answer.stream_head), request_id, prompt,
+                        reply, path, decode_body(body, kv_params, answer.stream_head), request_id, prompt,
                         answer.head, lease, call.carrier())
-                return await self._decode(request, path, decode_body(body, kv_params), request_id, prompt, lease,
+                return await self._decode(reply, path, decode_body(body, kv_params), request_id, prompt, lease,
                                           call.carrier())
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
@@ -224,22 +236,22 @@ class Proxy:
                                "the decode node computes the prompt itself", request_id, upstream.name)
             return answer
 
-    async def _whole(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
+    async def _whole(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
                      prompt: PromptHashes | None, trace: Carrier) -> web.StreamResponse:
         """A request that scores its prompt or holds several, served whole by a prefill node (the decode nodes keep
         to decoding); by a decode node when no prefill node could even be reached and the colocated fallback is on."""
         whole = decode_body(body, None)
         try:
-            return await self._decode(request, path, whole, request_id, prompt, None, trace, Role.PREFILL)
+            return await self._decode(reply, path, whole, request_id, prompt, None, trace, Role.PREFILL)
         except (UpstreamError, NoUpstreamError) as exc:
             if not self.config.fallback_colocated or (isinstance(exc, UpstreamError) and not exc.nothing_sent):
                 raise
             logger.warning("request %s: %s; a decode node serves it (fallback)", request_id, exc)
             self.metrics.count_fallback()
-        return await self._decode(request, path, whole, request_id, prompt, None, trace, Role.DECODE)
+        return await self._decode(reply, path, whole, request_id, prompt, None, trace, Role.DECODE)
 
     async def _decode(
-        self, request: web.Request, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None,
+        self, reply: Reply, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None,
         lease: HeldLease | None, trace: Carrier, role: Role = Role.DECODE,
     ) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
@@ -248,13 +260,11 @@ class Proxy:
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
-            out = web.StreamResponse(status=stream.status, headers=headers)
-            await out.prepare(request)
-            await self._relay(out, stream, request_id)
-            await out.write_eof()
-            return out
+            await reply.open(stream.status, headers)
+            await self._relay(reply, stream, request_id)
+            return await reply.close()
 
-    async def _relay(self, out: web.StreamResponse, stream: DecodeStream, request_id: str) -> None:
+    async def _relay(self, out: Reply, stream: DecodeStream, request_id: str) -> None:
         """The decode node's bytes to the client as they come; a failure midway becomes an error event."""
         try:
             async for chunk in stream.chunks():
@@ -263,7 +273,7 @@ class Proxy:
             logger.warning("request %s: %s (after the stream started)", request_id, exc)
             await out.write(sse_error_event(exc))
 
-    async def _decode_after_head(self, request: web.Request, path: str, body: dict[str, Any], request_id: str,
+    async def _decode_after_head(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
                                  prompt: PromptHashes | None, head: bytes,
                                  lease: HeldLease | None, trace: Carrier) -> web.StreamResponse:
         """A stream whose head (the first token) came with the prefill node's answer: the client has it before the
@@ -273,24 +283,22 @@ class Proxy:
         except NoUpstreamError:
             self._release(lease)
             raise
-        out = web.StreamResponse(status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
-                                                      "X-Request-Id": request_id})
-        await out.prepare(request)
-        await out.write(head)
+        await reply.open(200, {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
+                               "X-Request-Id": request_id})
+        await reply.write(head)
         async with contextlib.AsyncExitStack() as stack:
             try:
                 stream = await self._open_decode(stack, path, body, request_id, prompt, first, lease, trace)
             except UpstreamRejectedError as exc:
                 logger.warning("request %s: %s refused the decode call: HTTP %d", request_id, exc.upstream.name,
                                exc.status)
-                await out.write(sse_rejected_event(exc))
+                await reply.write(sse_rejected_event(exc))
             except (UpstreamError, NoUpstreamError) as exc:
                 logger.warning("request %s: %s (after the stream started)", request_id, exc)
-                await out.write(sse_error_event(exc))
+                await reply.write(sse_error_event(exc))
             else:
-                await self._relay(out, stream, request_id)
-        await out.write_eof()
-        return out
+                await self._relay(reply, stream, request_id)
+        return await reply.close()
 
     async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],
                            request_id: str, prompt: PromptHashes | None, first: Choice | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridpd.completion_prompts import several_prompts
+from hybridpd.samples import MAX_N, sample_seed
 from hybridpd.stream_head import STREAM_HEAD_FIELD, StreamHead
 
 # What the prefill call carries: "prefill here, hold the blocks, tell me where they are".
@@ -55,6 +56,17 @@ def served_whole(body: dict[str, Any]) -> bool:
     if body.get("prompt_logprobs") is not None or (body.get("echo") is True and body.get("logprobs") is not None):
         return True
     return several_prompts(body.get("prompt")) is not None
+
+
+def sample_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The body as one request per sample: `n` > 1 (an integer within the bound) as n bodies of `n` 1, sample i
+    seeded with the body's seed + i (as the node seeds its own samples); any other body alone, as it is (a bad `n` or
+    seed is the node's to refuse)."""
+    n, seed = body.get("n"), body.get("seed")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 < n <= MAX_N:
+        return [body]
+    seeded = isinstance(seed, int) and not isinstance(seed, bool) and -(2**63) <= seed < 2**63
+    return [{**body, "n": 1, **({"seed": sample_seed(seed, i)} if seeded else {})} for i in range(n)]
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

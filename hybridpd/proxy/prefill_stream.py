@@ -34,7 +34,7 @@ class PrefillStream:
     stream_head: StreamHead | None  # what the decode node continues; None without kv_transfer_params
 
 
-def _events(raw: bytes) -> list[bytes]:
+def sse_payloads(raw: bytes) -> list[bytes]:
     """The data payloads of an SSE body (one `data:` line per event, as the nodes write them)."""
     payloads = []
     for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
@@ -48,7 +48,7 @@ def read_prefill_stream(raw: bytes) -> PrefillStream:
     chunks: list[dict[str, Any]] = []
     params: dict[str, Any] | None = None
     carrier: dict[str, Any] = {}
-    for payload in _events(raw):
+    for payload in sse_payloads(raw):
         if payload == _DONE:
             break
         try:

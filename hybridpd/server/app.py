@@ -23,7 +23,6 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from hybridpd.completion_prompts import several_prompts
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import ForbiddenError, HybridPDError, UnauthorizedError
@@ -33,15 +32,10 @@ from hybridpd.server.config import ServerConfig
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import error_middleware
 from hybridpd.server.metrics import RequestTracker, ServerMetrics, metrics_middleware
-from hybridpd.server.protocol import (
-    ParsedRequest,
-    parse_chat_request,
-    parse_completion_batch,
-    parse_completion_request,
-    parse_tokenize_request,
-)
+from hybridpd.server.choice_streams import stream_choices
+from hybridpd.server.protocol import Endpoint, ParsedRequest, parse_choices, parse_tokenize_request
 from hybridpd.server.responses import (
-    FinalOutput, batch_response, final_response, models_response, tokenize_response,
+    FinalOutput, choices_response, final_response, models_response, tokenize_response,
 )
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
@@ -55,7 +49,6 @@ ADMISSION_KEY = web.AppKey("admission", Admission)
 METRICS_KEY = web.AppKey("server_metrics", ServerMetrics)
 HEALTH_KEY = web.AppKey("health_handler", Callable[[web.Request], Awaitable[web.StreamResponse]])
 
-Parser = Callable[[dict[str, Any], EngineClient, str], ParsedRequest]
 EngineMetrics = Callable[[], Awaitable[bytes]]
 log = logging.getLogger(__name__)
 _dumps = functools.partial(json.dumps, allow_nan=False)
@@ -99,19 +92,19 @@ class Handlers:
             )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_completion_request, batches=True)
+        return await self._generate(request, Endpoint.COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat_request)
+        return await self._generate(request, Endpoint.CHAT)
 
-    async def _generate(self, request: web.Request, parse: Parser, batches: bool = False) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
-            if batches and several_prompts(body.get("prompt")) is not None:
-                return await self._batch(request, parse_completion_batch(body, self._engine,
-                                                                         self._config.served_model_name), span)
-            parsed = parse(body, self._engine, self._config.served_model_name)
+            requests = parse_choices(body, endpoint, self._engine, self._config.served_model_name)
+            if len(requests) > 1:
+                return await self._choices(request, requests, span)
+            parsed = requests[0]
             self._check_peer(parsed)
             tracker = self._metrics.tracker()
             parsed = replace(parsed, engine_request=replace(parsed.engine_request,
@@ -148,33 +141,37 @@ class Handlers:
         body = final_response(parsed, final, self._config.served_model_name, self._engine.tokenizer)
         return web.json_response(body, dumps=_dumps, headers=headers)
 
-    async def _batch(self, request: web.Request, requests: list[ParsedRequest], span: Span) -> web.StreamResponse:
-        """Several prompts of one completions body: each its own engine request, all queued at once; one answer. A
-        failure of one ends the others (their generators closed: aborted, their blocks freed)."""
+    async def _choices(self, request: web.Request, requests: list[ParsedRequest],
+                       span: Span) -> web.StreamResponse:
+        """A body of several choices (`n` > 1, several prompts): each its own engine request, all queued at once; one
+        answer, or one stream. A failure of one ends the others (their generators closed: aborted, blocks freed)."""
         trackers = [self._metrics.tracker() for _ in requests]
         requests = [replace(p, engine_request=replace(p.engine_request, trace_context=tuple(span.carrier().items())))
                     for p in requests]
-
-        async def one(parsed: ParsedRequest, tracker: RequestTracker) -> FinalOutput | None:
-            outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
-            try:
-                return await _collect(request, [], outputs, tracker)
-            finally:
-                await outputs.close()
-
+        outputs = [EngineOutputs(self._engine.generate(p.engine_request)) for p in requests]
         try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(one(p, t)) for p, t in zip(requests, trackers)]
-        except BaseExceptionGroup as grouped:
-            raise grouped.exceptions[0] from None
+            if requests[0].stream:
+                builders = [ChunkBuilder(p, self._config.served_model_name, self._engine.tokenizer) for p in requests]
+                return await stream_choices(request, requests, outputs, builders, trackers, {})
+            return await self._choices_answer(request, requests, outputs, trackers)
         finally:
+            for one in outputs:
+                await one.close()
             for parsed, tracker in zip(requests, trackers):
                 record_request(self._tracer, span, parsed, tracker)
+
+    async def _choices_answer(self, request: web.Request, requests: list[ParsedRequest],
+                              outputs: list[EngineOutputs], trackers: list[RequestTracker]) -> web.StreamResponse:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(_collect(request, [], o, t)) for o, t in zip(outputs, trackers)]
+        except BaseExceptionGroup as grouped:
+            raise grouped.exceptions[0] from None
         finals = [task.result() for task in tasks]
         if any(final is None for final in finals):
             return web.Response(status=CLIENT_CLOSED_REQUEST)
-        body = batch_response(requests, finals, self._config.served_model_name, self._engine.tokenizer)
-        cached = sum(final.num_cached_tokens for final in finals)
+        body = choices_response(requests, finals, self._config.served_model_name, self._engine.tokenizer)
+        cached = sum(final.num_cached_tokens for parsed, final in zip(requests, finals) if parsed.counts_prompt)
         return web.json_response(body, dumps=_dumps, headers={CACHED_TOKENS_HEADER: str(cached)})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -9,6 +9,9 @@ refused by name, sampling_fields.py):
     return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
     prompt_logprobs.
+A body that asks for several choices (`n` > 1, or several prompts) becomes one engine request per choice
+(`parse_choices`): prompt p's sample i is choice p * n + i, its seed (when one is given) the body's + i, as vLLM
+draws them; kv_transfer_params go with one choice only.
 A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that sampling never divides by ~0.
 """
 
@@ -17,13 +20,14 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridpd.completion_prompts import one_prompt, several_prompts
 from hybridpd.engine.transfer_params import RemoteDecodeParams, parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
 from hybridpd.errors import InvalidRequestError
+from hybridpd.samples import MAX_N, sample_seed
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
@@ -47,6 +51,15 @@ class Echo:
     without_output: bool   # max_tokens 0: the prompt alone (one token is generated and left out, as vLLM does)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Where one engine request's answer goes in a body that asked for several choices (`n` > 1, several prompts)."""
+
+    index: int          # the choice's index in the answer: prompt * n + sample
+    sample: int         # which of its prompt's n samples (the first counts the prompt in the usage)
+    response_id: str    # the answer's id, shared by all its choices
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParsedRequest:
     endpoint: Endpoint
@@ -57,6 +70,7 @@ class ParsedRequest:
     return_token_ids: bool
     stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
     echo: Echo | None = None
+    choice: Choice | None = None   # one of several choices of one body
 
     @property
     def request_id(self) -> str:
@@ -64,8 +78,20 @@ class ParsedRequest:
 
     @property
     def response_id(self) -> str:
-        """The id the answer carries: the engine's request id, or the stream's the client already has."""
-        return self.stream_head.id if self.stream_head is not None else self.engine_request.request_id
+        """The id the answer carries: the engine's request id, the stream's the client already has, or the one all
+        choices of the body share."""
+        if self.stream_head is not None:
+            return self.stream_head.id
+        return self.choice.response_id if self.choice is not None else self.engine_request.request_id
+
+    @property
+    def index(self) -> int:
+        return self.choice.index if self.choice is not None else 0
+
+    @property
+    def counts_prompt(self) -> bool:
+        """Whether this request's prompt tokens count in the body's usage (once per prompt, not per sample)."""
+        return self.choice is None or self.choice.sample == 0
 
     @property
     def response_created(self) -> int:
@@ -165,8 +191,6 @@ def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
 def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
             logprobs: int | None, engine: EngineClient, echo: Echo | None = None) -> ParsedRequest:
     refuse_unsupported(f.obj)
-    if f.int("n", 1) != 1:
-        raise InvalidRequestError("only n=1 is supported", "n")
     stream = f.bool("stream", False)
     prompt_logprobs = prompt_logprobs_field(f, stream)
     if prompt_logprobs is None and echo is not None:
@@ -218,21 +242,6 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
                    echo=echo)
 
 
-def parse_completion_batch(body: dict[str, Any], engine: EngineClient,
-                           served_model_name: str) -> list[ParsedRequest]:
-    """A completions body with several prompts: one request per prompt, every other field shared (a stream or
-    kv_transfer_params need a single prompt here)."""
-    prompts = several_prompts(body.get("prompt"))
-    assert prompts is not None
-    f = Fields(body)
-    if f.bool("stream", False):
-        raise InvalidRequestError("a list of prompts is answered whole: send stream false, or one prompt per "
-                                  "streamed request", "stream")
-    if f.raw("kv_transfer_params") is not None:
-        raise InvalidRequestError("kv_transfer_params go with a single prompt", "kv_transfer_params")
-    return [parse_completion_request({**body, "prompt": prompt}, engine, served_model_name) for prompt in prompts]
-
-
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
@@ -257,3 +266,33 @@ def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_mo
     if prompt is None:
         raise InvalidRequestError("tokenize needs a prompt string or messages", "prompt")
     return tuple(engine.tokenizer.encode(prompt))
+
+
+def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient,
+                  served_model_name: str) -> list[ParsedRequest]:
+    """A body's engine requests: one, or one per choice when it asks for several (`n` > 1, several prompts)."""
+    f = Fields(body)
+    n = f.int("n", 1, minimum=1, maximum=MAX_N)
+    prompts = several_prompts(body.get("prompt")) if endpoint is Endpoint.COMPLETIONS else None
+    parse = parse_completion_request if endpoint is Endpoint.COMPLETIONS else parse_chat_request
+    if n == 1 and prompts is None:
+        return [parse(body, engine, served_model_name)]
+    if f.raw("kv_transfer_params") is not None:
+        param = "n" if n > 1 else "kv_transfer_params"
+        raise InvalidRequestError("kv_transfer_params go with a single prompt and n 1 (a P/D proxy splits a body "
+                                  "of several choices into requests of one)", param)
+    parsed = [parse({**body, "prompt": prompt} if prompts else body, engine, served_model_name)
+              for prompt in prompts or (None,)]
+    response_id, created = parsed[0].request_id, parsed[0].created
+    return [_sample(one, p * n + i, i, response_id, created) for p, one in enumerate(parsed) for i in range(n)]
+
+
+def _sample(parsed: ParsedRequest, index: int, sample: int, response_id: str, created: int) -> ParsedRequest:
+    """Sample `sample` of a parsed prompt as choice `index`: its own engine request id, and its seed + sample."""
+    request = parsed.engine_request
+    seed = request.sampling.seed
+    if seed is not None:
+        seed = sample_seed(seed, sample)
+    return replace(parsed, created=created, choice=Choice(index, sample, response_id), engine_request=replace(
+        request, request_id=f"{request.request_id}-{index}" if index else request.request_id,
+        sampling=replace(request.sampling, seed=seed)))

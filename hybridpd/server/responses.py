@@ -120,6 +120,7 @@ def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Toke
 
 
 _BUILDERS = {Endpoint.COMPLETIONS: _completion, Endpoint.CHAT: _chat}
+_OBJECTS = {Endpoint.COMPLETIONS: "text_completion", Endpoint.CHAT: "chat.completion"}
 
 
 def final_response(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -132,14 +133,25 @@ def final_response(parsed: ParsedRequest, final: FinalOutput, model: str, tokeni
     return body
 
 
-def batch_response(requests: Sequence[ParsedRequest], finals: Sequence[FinalOutput], model: str,
-                   tokenizer: Tokenizer) -> dict[str, Any]:
-    """The answer to several prompts: a choice per prompt, in order (each with its `prompt_token_ids` when asked),
-    under the first request's id, with the usage summed."""
-    choices = [{**final_response(parsed, final, model, tokenizer)["choices"][0], "index": index}
-               for index, (parsed, final) in enumerate(zip(requests, finals, strict=True))]
-    return {**header(requests[0], model, "text_completion"), "choices": choices, "usage": usage(*finals),
-            "kv_transfer_params": None}
+def choices_usage(requests: Sequence[ParsedRequest], outputs: Sequence[RequestOutput | FinalOutput]) -> dict[str, Any]:
+    """The usage of a body's several choices: each prompt counted once (its first sample's), every output token."""
+    prompts = [output for parsed, output in zip(requests, outputs, strict=True) if parsed.counts_prompt]
+    body = usage(*prompts)
+    completion = sum(output.num_output_tokens for output in outputs)
+    return {**body, "completion_tokens": completion, "total_tokens": body["prompt_tokens"] + completion}
+
+
+def choices_response(requests: Sequence[ParsedRequest], finals: Sequence[FinalOutput], model: str,
+                     tokenizer: Tokenizer) -> dict[str, Any]:
+    """The answer to a body of several choices (`n` > 1, several prompts): each choice at its index (with its
+    `prompt_token_ids` when asked), under the body's one id, the usage counting each prompt once."""
+    choices = [{**final_response(parsed, final, model, tokenizer)["choices"][0], "index": parsed.index}
+               for parsed, final in zip(requests, finals, strict=True)]
+    body = {**header(requests[0], model, _OBJECTS[requests[0].endpoint]), "choices": choices,
+            "usage": choices_usage(requests, finals)}
+    if requests[0].endpoint is Endpoint.CHAT and finals[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(finals[0].prompt_logprobs, tokenizer)
+    return {**body, "kv_transfer_params": None}
 
 
 def models_response(engine: EngineClient, model: str, created: int) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class ChunkBuilder:
             logprobs, self._text_offset = completion_logprobs(part.logprobs, self._tokenizer, self._text_offset,
                                                               part.token_ids)
         choice: dict[str, Any] = {
-            "index": 0, "text": part.text, "logprobs": logprobs,
+            "index": self._parsed.index, "text": part.text, "logprobs": logprobs,
             "finish_reason": finish_reason_value(output.finish_reason), "stop_reason": output.stop_reason,
         }
         if self._parsed.return_token_ids:
@@ -84,7 +84,7 @@ class ChunkBuilder:
 
     def _chat_choice(self, output: RequestOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self._parsed.index,
             "delta": {"content": output.new_text} if output.new_text or output.new_token_ids else {},
             "logprobs": chat_logprobs(output.logprobs, self._tokenizer) if self._parsed.wants_logprobs else None,
             "finish_reason": finish_reason_value(output.finish_reason),
@@ -102,7 +102,7 @@ class ChunkBuilder:
         chunks = []
         is_chat = self._parsed.endpoint is Endpoint.CHAT
         if is_chat and not self._started:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            role = {"index": self._parsed.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             chunks.append({**self._header, "choices": [role]})
         if output.new_text or output.finished or output.new_token_ids or (self._parsed.echo and not self._started):
             chunks.append(self._chunk(self._choice(output), output))
@@ -130,8 +130,8 @@ class ChunkBuilder:
         last = replace(first, new_token_ids=(), new_text=text, logprobs=())
         return [self._chunk(self._choice(last), last)]
 
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        return {**self._header, "choices": [], "usage": usage(output)}
+    def usage_chunk(self, body_usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._header, "choices": [], "usage": body_usage}
 
 
 async def stream_outputs(
@@ -160,16 +160,21 @@ async def stream_outputs(
                 break
             output = await rest.next()
         if parsed.include_usage:
-            await response.write(sse(builder.usage_chunk(output)))
+            await response.write(sse(builder.usage_chunk(usage(output))))
     except ConnectionResetError:
         return response  # the client went away: nothing more to say to it
     except Exception as exc:  # noqa: BLE001 - a failure after the status went out becomes an error event
-        cause = exc.error if isinstance(exc, RequestFailed) else exc
-        try:
-            await response.write(sse(http_error_for(cause).body()))
-        except ConnectionResetError:
-            return response
+        return await end_stream(response, exc)
+    return await end_stream(response, None)
+
+
+async def end_stream(response: web.StreamResponse, error: Exception | None) -> web.StreamResponse:
+    """The stream's end: the error event of a failure after the status went out, then [DONE] (to a client still
+    there)."""
     try:
+        if error is not None:
+            cause = error.error if isinstance(error, RequestFailed) else error
+            await response.write(sse(http_error_for(cause).body()))
         await response.write(DONE)
         await response.write_eof()
     except ConnectionResetError:

@@ -34,8 +34,16 @@ class Received:
 SSE_CHUNKS = (
     b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"Hel"}]}\n\n',
     b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"lo"}]}\n\n',
-    b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\ndata: [DONE]\n\n',
+    b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\n',
+    b'data: [DONE]\n\n',
 )
+USAGE_CHUNK = b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}\n\n'
+
+
+def decode_answer(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A decode node's whole answer: which node served it, and a choice naming the seed it drew with."""
+    return {"id": "cmpl-d", "node": port, "choices": [{"index": 0, "text": f"seed={body.get('seed')}"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
 REJECT_BODY = b'{"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error", "code": 400}}'
 
 
@@ -156,11 +164,12 @@ class FakeNode:
                 answer["kv_transfer_params"] = remote_params(self.port)
             return web.json_response(answer)
         if not body.get("stream"):
-            return web.Response(body=json.dumps({"id": "cmpl-d", "node": self.port}).encode(),
-                                content_type="application/json")
+            return web.json_response(decode_answer(self.port, body))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for index, chunk in enumerate(SSE_CHUNKS):
+        usage = (body.get("stream_options") or {}).get("include_usage") is True
+        chunks = SSE_CHUNKS[:-1] + ((USAGE_CHUNK,) if usage else ()) + SSE_CHUNKS[-1:]
+        for index, chunk in enumerate(chunks):
             await out.write(chunk)
             if self.behavior is Behavior.HANG_MID_STREAM and index == 0:
                 await self._hang()
