@@ -14,6 +14,7 @@ A request's path through the proxy:
   and prefills it itself: PREFILLING -> DECODING(colocated), counted in hybridpd_proxy_fallback_colocated_total.
   A client that goes away cancels the handler (`handler_cancellation=True`), which closes the
   upstream connection in flight, so the node aborts the request and frees its blocks.
+A body asking for `n` > 1 samples goes through as one such request per sample (proxy/samples.py), its answers merged.
 With `--routing cache_aware` the prompt is tokenized first (RECEIVED -> TOKENIZED) and each hop's node is chosen by
 proxy/cache_aware.py from the nodes' KV events (proxy/kv_feed.py); each hit it predicted is compared with the
 node's report (X-HybridPD-Cached-Tokens) in the metrics.

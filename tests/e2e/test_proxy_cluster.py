@@ -134,6 +134,38 @@ def test_a_stream_through_the_proxy_is_shaped_as_a_colocated_one(cluster, path, 
     assert shape(ours) == shape(local)
 
 
+def _texts_by_index(path: str, raw: bytes, stream: bool) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    choices = json.loads(raw)["choices"] if not stream else [choice for c in _chunks(raw) for choice in c["choices"]]
+    for choice in choices:
+        if "message" in choice:
+            piece = choice["message"]["content"]
+        else:
+            piece = (choice["delta"].get("content") or "") if "delta" in choice else choice["text"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_samples_through_the_proxy_equal_a_colocated_nodes(cluster, path, body, stream):
+    """`n` 3 sampled with a seed: split by the proxy into three P/D requests (seed + i), drawn by the node as three
+    requests of its own (seed + i): the same three texts at the same indices."""
+    _, info = cluster
+    body = {**body, "n": 3, "seed": 11, "temperature": 1.0, "stream": stream}
+    status, raw = _post(info.proxy_url + path, body)
+    assert status == 200, raw
+    local_status, local_raw = _post(info.decode[0].url + path, body)
+    assert local_status == 200, local_raw
+    ours, local = _texts_by_index(path, raw, stream), _texts_by_index(path, local_raw, stream)
+    assert sorted(ours) == [0, 1, 2] and ours == local
+    assert len(set(ours.values())) > 1   # three draws, not one repeated
+    if not stream:
+        usage, local_usage = json.loads(raw)["usage"], json.loads(local_raw)["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+            local_usage["prompt_tokens"], local_usage["completion_tokens"])
+
+
 def _kv_bytes_read(info: ClusterInfo) -> float:
     with urllib.request.urlopen(info.decode[0].metrics_url, timeout=10) as response:
         return counter_sum(response.read().decode(), KV_BYTES_READ_METRIC) or 0.0
