@@ -5,6 +5,8 @@ Byte tokenizer: ids 0..255 are the UTF-8 bytes; the checkpoint's `eos_token_id` 
 `bos_token_id` (default 257) are special; any id >= 256 decodes to nothing. `encode` adds no special tokens.
 Chat: the checkpoint's `chat_template` (tokenizer_config.json or chat_template.jinja) rendered with jinja2,
 else the plain template `"<role>: <content>\\n" ... + "assistant: "`.
+`describe()` is what vLLM's `/tokenizer_info` answers: tokenizer_config.json's fields, `tokenizer_class`, and the
+chat template in use.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (transformers' `convert_ids_to_tokens`)."""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 def message_text(message: Any) -> tuple[str, str]:
@@ -52,15 +59,16 @@ def message_text(message: Any) -> tuple[str, str]:
     return message["role"], content
 
 
-def plain_chat_template(messages: list[dict[str, Any]]) -> str:
+def plain_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     lines = [f"{role}: {content}\n" for role, content in map(message_text, messages)]
-    return "".join(lines) + "assistant: "
+    return "".join(lines) + ("assistant: " if add_generation_prompt else "")
 
 
 class ChatTemplate:
-    """A Hugging Face jinja2 chat template, rendered in a sandbox with `add_generation_prompt=True`."""
+    """A Hugging Face jinja2 chat template, rendered in a sandbox (with `add_generation_prompt` unless told not)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        self.source = source
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -75,14 +83,15 @@ class ChatTemplate:
     def _raise(message: str) -> None:
         raise InvalidRequestError(f"chat template: {message}", "messages")
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
         normalized = [{**m, "role": role, "content": content} for m, (role, content) in
                       zip(messages, map(message_text, messages))]
         try:
             return self._template.render(
-                messages=normalized, add_generation_prompt=True, tools=None, documents=None, **self._special
+                messages=normalized, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                **self._special
             )
         except TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
@@ -101,11 +110,19 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return plain_chat_template(messages)
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """A byte as its Latin-1 character; a special id as `<id>`."""
+        return [bytes([i]).decode("latin-1") if 0 <= i < BYTE_VOCAB else f"<{i}>" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return plain_chat_template(messages, add_generation_prompt)
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size, "eos_token": None,
+                "bos_token": None, "pad_token": None, "chat_template": None}
 
 
 class HFTokenizer:
@@ -114,7 +131,8 @@ class HFTokenizer:
     decodes_text = True
 
     def __init__(
-        self, path: Path, vocab_size: int, eos_token_id: int | None, chat_template: ChatTemplate | None
+        self, path: Path, vocab_size: int, eos_token_id: int | None, chat_template: ChatTemplate | None,
+        config: dict[str, Any] | None = None,
     ) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
@@ -122,20 +140,34 @@ class HFTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._chat = chat_template
+        self._config = config or {}   # tokenizer_config.json
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As `AutoTokenizer(dir)(text)`: the tokenizer.json post-processor adds its special tokens (a BOS, say) unless
         `add_special_tokens=False` (a rendered chat template already holds them, as transformers and vLLM do)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._chat.render(messages) if self._chat is not None else plain_chat_template(messages)
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._chat is None:
+            return plain_chat_template(messages, add_generation_prompt)
+        return self._chat.render(messages, add_generation_prompt)
+
+    def describe(self) -> dict[str, Any]:
+        """tokenizer_config.json with its special tokens as their text (transformers writes some as objects)."""
+        info = {key: _token_text(value) if key in SPECIAL_TOKEN_NAMES else value
+                for key, value in self._config.items() if key != "added_tokens_decoder"}
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        info["chat_template"] = self._chat.source if self._chat is not None else None
+        return info
 
 
 NO_TOKENIZER = "this node runs with --skip-tokenizer-init"
@@ -155,12 +187,18 @@ class TokenIdsOnly:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise InvalidRequestError(f"{NO_TOKENIZER}: send the prompt as token ids, not text", "prompt")
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        raise InvalidRequestError(f"{NO_TOKENIZER}: token strings need the tokenizer", "return_token_strs")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         raise InvalidRequestError(f"{NO_TOKENIZER}: chat messages need the tokenizer; use /v1/completions with token "
                                   "ids", "messages")
+
+    def describe(self) -> dict[str, Any]:
+        raise InvalidRequestError(f"{NO_TOKENIZER}: there is no tokenizer to describe")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -206,7 +244,7 @@ def load_tokenizer(model_dir: Path, vocab_size: int, *, skip_init: bool = False)
     eos_text = special["eos_token"]
     source = _template_source(model_dir, tok_config)
     chat = ChatTemplate(source, special) if source else None
-    tokenizer = HFTokenizer(tokenizer_file, vocab_size, eos, chat)
+    tokenizer = HFTokenizer(tokenizer_file, vocab_size, eos, chat, tok_config)
     if eos is None and eos_text:
         tokenizer.eos_token_id = tokenizer.token_to_id(eos_text)
     return tokenizer

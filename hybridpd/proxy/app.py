@@ -340,15 +340,18 @@ class Proxy:
             self._compare(choice, stream.cached_tokens)
             return stream
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """A call that needs no prefill and no decode (`/v1/models`, the tokenizer's endpoints), answered by a decode
+        node as it answers it."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         router = self.routers[Role.DECODE]
         try:
             upstream = router.pick()
         except NoUpstreamError as exc:
             return no_upstream(str(exc), request_id)
+        body = await request.read() if request.method == "POST" else None
         try:
-            status, data, content_type = await self.client.get(router, upstream, "/v1/models")
+            status, data, content_type = await self.client.call(router, upstream, request.method, request.path, body)
         except UpstreamError as exc:
             return upstream_failed(exc, request_id)
         return web.Response(status=status, body=data, headers={"Content-Type": content_type})
@@ -395,7 +398,10 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(periodic_context("KV event feeds", proxy.follow_nodes, _FEEDS_INTERVAL_S, FirstRun.AT_START))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
-    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/v1/models", proxy.forward)
+    app.router.add_post("/tokenize", proxy.forward)
+    app.router.add_post("/detokenize", proxy.forward)
+    app.router.add_get("/tokenizer_info", proxy.forward)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.prometheus)
     return app

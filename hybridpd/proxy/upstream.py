@@ -312,12 +312,16 @@ class UpstreamClient:
             await self._raise_for_status(upstream, response)
             yield DecodeStream(upstream, response, call, router.outliers)
 
-    async def get(self, router: Router, upstream: Upstream, path: str) -> tuple[int, bytes, str]:
-        """A GET (models); a 4xx comes back as it is, a 5xx or no answer raises UpstreamError."""
+    async def call(self, router: Router, upstream: Upstream, method: str, path: str,
+                   body: bytes | None = None) -> tuple[int, bytes, str]:
+        """A short call passed through (models, the tokenizer's endpoints): a 4xx comes back as it is, a 5xx or no
+        answer raises UpstreamError."""
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         async with self._call(router, upstream):
             try:
                 url = self._config.base_url(upstream) + path
-                async with self._session.get(url, timeout=self._health_timeout) as response:
+                async with self._session.request(method, url, data=body, headers=headers,
+                                                 timeout=self._health_timeout) as response:
                     if response.status >= 500:
                         await self._raise_for_status(upstream, response)
                     return response.status, await response.read(), response.headers.get(

@@ -33,7 +33,9 @@ from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import error_middleware
 from hybridpd.server.metrics import RequestTracker, ServerMetrics, metrics_middleware
 from hybridpd.server.choice_streams import stream_choices
-from hybridpd.server.protocol import Endpoint, ParsedRequest, parse_choices, parse_tokenize_request
+from hybridpd.server.protocol import (
+    Endpoint, ParsedRequest, parse_choices, parse_detokenize_request, parse_tokenize_request,
+)
 from hybridpd.server.responses import (
     FinalOutput, choices_response, final_response, models_response, tokenize_response,
 )
@@ -179,8 +181,17 @@ class Handlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        tokens = parse_tokenize_request(body, self._engine, self._config.served_model_name)
-        return web.json_response(tokenize_response(tokens, self._engine.max_model_len))
+        asked = parse_tokenize_request(body, self._engine, self._config.served_model_name)
+        strings = self._engine.tokenizer.token_strings(asked.tokens) if asked.token_strs else None
+        return web.json_response(tokenize_response(asked.tokens, strings, self._engine.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        tokens = parse_detokenize_request(body, self._engine, self._config.served_model_name)
+        return web.json_response({"prompt": self._engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self._engine.tokenizer.describe(), dumps=_dumps)
 
     async def health(self, request: web.Request) -> web.Response:
         if not self._admission.accepting:
@@ -260,8 +271,11 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
         web.post("/v1/chat/completions", h.chat_completions, expect_handler=expect_continue),
         web.get("/v1/models", h.models),
         web.post("/tokenize", h.tokenize),
+        web.post("/detokenize", h.detokenize),
         web.get("/health", h.health),
         web.get("/metrics", h.metrics),
     ])
+    if config.tokenizer_info_endpoint:   # off by default, as vLLM's: it shows the tokenizer's config and template
+        app.add_routes([web.get("/tokenizer_info", h.tokenizer_info)])
     app.add_routes(list(extra_routes))
     return app

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--health-port", type=int, default=None,
                       help="also answer GET /health in plain HTTP on this port (Kubernetes probes when --tls-ca "
                            "makes the main port require client certificates)")
+    http.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                      help="answer GET /tokenizer_info (vLLM's flag; off by default: it shows the tokenizer's config "
+                           "and chat template), what lm-evaluation-harness's remote tokenizer reads")
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -218,6 +221,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             cluster_token=cluster_token,
             trusted_peers=TrustedPeers.parse(args.kv_trusted_peers),
             tls=tls,
+            tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

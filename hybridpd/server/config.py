@@ -26,6 +26,7 @@ class ServerConfig:
     # The prefill nodes a remotely prefilled request may name in kv_transfer_params.remote_host.
     trusted_peers: TrustedPeers = field(default_factory=lambda: TrustedPeers.parse(LOOPBACK_ONLY))
     tls: TLSConfig | None = None    # HTTPS, mutual with a CA (hybridpd/tls.py)
+    tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint)
 
     @property
     def scheme(self) -> str:

@@ -8,7 +8,7 @@ refused by name, sampling_fields.py):
     output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
     return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
-    prompt_logprobs.
+    prompt_logprobs, add_generation_prompt.
 A body that asks for several choices (`n` > 1, or several prompts) becomes one engine request per choice
 (`parse_choices`): prompt p's sample i is choice p * n + i, its seed (when one is given) the body's + i, as vLLM
 draws them; kv_transfer_params go with one choice only.
@@ -170,9 +170,11 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
-def chat_prompt(messages: list[dict[str, str]], engine: EngineClient) -> tuple[int, ...]:
-    rendered = engine.tokenizer.apply_chat_template(messages)  # holds its special tokens already
-    ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=False))
+def chat_prompt(messages: list[dict[str, str]], engine: EngineClient, *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> tuple[int, ...]:
+    """The conversation rendered by the chat template (which holds its special tokens already) and encoded."""
+    rendered = engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
     return ids
@@ -252,20 +254,47 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
     max_tokens = f.optional_int("max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = f.optional_int("max_tokens", minimum=1)
-    prompt = chat_prompt(parse_messages(f.raw("messages")), engine)
+    prompt = chat_prompt(parse_messages(f.raw("messages")), engine,
+                         add_generation_prompt=f.bool("add_generation_prompt", True))
     return _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
                    logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
 
 
-def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class TokenizeRequest:
+    tokens: tuple[int, ...]
+    token_strs: bool   # the answer also names each token (`return_token_strs`)
+
+
+def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> TokenizeRequest:
+    """vLLM's `/tokenize`: a prompt string (special tokens added unless `add_special_tokens` is false) or chat
+    messages (rendered with the generation prompt unless `add_generation_prompt` is false; no special tokens beyond
+    the template's unless `add_special_tokens`)."""
     f = Fields(body)
     check_model(f, served_model_name)
+    token_strs = f.bool("return_token_strs", False)
     if f.raw("messages") is not None:
-        return chat_prompt(parse_messages(f.raw("messages")), engine)
+        if f.bool("continue_final_message", False):
+            raise InvalidRequestError("continue_final_message is not supported", "continue_final_message")
+        tokens = chat_prompt(parse_messages(f.raw("messages")), engine,
+                             add_generation_prompt=f.bool("add_generation_prompt", True),
+                             add_special_tokens=f.bool("add_special_tokens", False))
+        return TokenizeRequest(tokens, token_strs)
     prompt = f.optional_str("prompt")
     if prompt is None:
         raise InvalidRequestError("tokenize needs a prompt string or messages", "prompt")
-    return tuple(engine.tokenizer.encode(prompt))
+    add_special_tokens = f.bool("add_special_tokens", True)
+    return TokenizeRequest(tuple(engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), token_strs)
+
+
+def parse_detokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> tuple[int, ...]:
+    """vLLM's `/detokenize`: `tokens`, ids of the model's vocabulary (an empty list decodes to "")."""
+    f = Fields(body)
+    check_model(f, served_model_name)
+    tokens = f.raw("tokens")
+    if not isinstance(tokens, list):
+        raise InvalidRequestError("tokens must be a list of token ids", "tokens")
+    return _token_ids(tokens, engine.vocab_size, "tokens")
 
 
 def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient,

@@ -167,5 +167,6 @@ def models_response(engine: EngineClient, model: str, created: int) -> dict[str,
     }
 
 
-def tokenize_response(tokens: Sequence[int], max_model_len: int) -> dict[str, Any]:
-    return {"tokens": list(tokens), "count": len(tokens), "max_model_len": max_model_len}
+def tokenize_response(tokens: Sequence[int], token_strs: Sequence[str] | None, max_model_len: int) -> dict[str, Any]:
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": list(tokens),
+            "token_strs": None if token_strs is None else list(token_strs)}

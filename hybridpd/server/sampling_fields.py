@@ -45,6 +45,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "guided_regex": (lambda v, _: v is None, "structured outputs are not supported"),
     "guided_choice": (lambda v, _: v is None, "structured outputs are not supported"),
     "guided_grammar": (lambda v, _: v is None, "structured outputs are not supported"),
+    "continue_final_message": (lambda v, _: _unset(v), "continue_final_message is not supported"),
     "tools": (lambda v, body: _unset(v) or body.get("tool_choice") == "none",
               "tools are not supported (no tool-call parsing); send tool_choice \"none\" or no tools"),
 }

@@ -22,7 +22,7 @@ from tests.e2e.nodes import NodeProcess, make_tiny_checkpoint
 from tests.e2e.pd_calls import assert_drained, start_nodes, stop_all
 from tests.oracle.reference import load_reference, reference_logits
 
-NODE_ARGS = ("--kv-cache-memory", "64MiB", "--served-model-name", "tiny")
+NODE_ARGS = ("--kv-cache-memory", "64MiB", "--served-model-name", "tiny", "--enable-tokenizer-info-endpoint")
 PAIRS = [  # (context, continuation): the context ends without a space, the continuation starts with one
     ("The hybrid model reads the prompt once and then", " it writes the next tokens"),
     ("Prefill and decode run on different nodes, so", " the decode node"),
@@ -39,9 +39,11 @@ class Cluster:
     model_dir: Path
     reference: torch.nn.Module
 
-    def lm(self, batch_size: int = 1) -> LocalCompletionsAPI:
+    def lm(self, batch_size: int = 1, tokenizer_backend: str = "huggingface") -> LocalCompletionsAPI:
+        """lm-eval's client; its tokenizer the checkpoint's own (transformers) or, `remote`, the cluster's endpoints."""
+        tokenizer = str(self.model_dir) if tokenizer_backend == "huggingface" else None
         return LocalCompletionsAPI(base_url=f"{self.proxy.url}/v1/completions", model="tiny",
-                                   tokenizer=str(self.model_dir), tokenizer_backend="huggingface",
+                                   tokenizer=tokenizer, tokenizer_backend=tokenizer_backend,
                                    tokenized_requests=True, max_length=512, num_concurrent=1, max_retries=1,
                                    batch_size=batch_size)
 
@@ -102,4 +104,20 @@ def test_generate_until_through_pd_equals_transformers(cluster):
     ids = client.tok_encode(context)
     expected = client.tokenizer.decode(greedy_ids(cluster.reference, ids, 8)).split("\n\n")[0]
     assert text == expected
+    assert_drained(cluster.prefill, cluster.decode)
+
+
+def test_the_remote_tokenizer_through_the_proxy_equals_transformers(cluster):
+    """`tokenizer_backend=remote`: lm-eval tokenizes through the cluster's `/tokenizer_info`, `/tokenize` and
+    `/detokenize` (the proxy passes them to a node) instead of loading the tokenizer itself; every id, text, special
+    token and loglikelihood equals what it gets with transformers' tokenizer."""
+    local, remote = cluster.lm(), cluster.lm(tokenizer_backend="remote")
+    for text in ("The hybrid model reads the prompt", " café 日本語 🙂", "<|end_of_text|> x"):
+        ids = local.tok_encode(text)
+        assert remote.tok_encode(text) == ids
+        assert remote.tokenizer.decode(ids) == local.tokenizer.decode(ids)
+    assert (remote.eot_token_id, remote.eos_string) == (local.eot_token_id, local.eos_string)
+    assert remote.prefix_token_id == local.prefix_token_id
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(PAIRS)]
+    assert remote.loglikelihood(requests, disable_tqdm=True) == local.loglikelihood(requests, disable_tqdm=True)
     assert_drained(cluster.prefill, cluster.decode)

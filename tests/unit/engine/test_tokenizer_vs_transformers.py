@@ -76,3 +76,30 @@ def test_a_post_processor_that_adds_bos_is_honoured(tmp_path):
     messages = CONVERSATIONS[1]
     assert ours.encode(ours.apply_chat_template(messages), add_special_tokens=False) == theirs.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_strings_and_decoding_with_special_tokens_equal_transformers(pair, text):
+    """What `/tokenize` with return_token_strs and `/detokenize` answer, as vLLM answers them with transformers."""
+    ours, theirs = pair
+    ids = ours.encode(text)
+    assert ours.token_strings(ids) == theirs.convert_ids_to_tokens(ids)
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_template_without_the_generation_prompt_renders_as_transformers(pair, messages):
+    ours, theirs = pair
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False)
+
+
+def test_describe_names_what_transformers_loads(pair, tmp_path):
+    """`/tokenizer_info` of a tokenizer transformers saved: lm-evaluation-harness's remote tokenizer reads its special
+    tokens and chat template; vLLM names the class transformers loads."""
+    _, theirs = pair
+    theirs.save_pretrained(tmp_path)
+    info = load_tokenizer(tmp_path, theirs.vocab_size).describe()
+    assert info["tokenizer_class"] == type(theirs).__name__
+    assert (info["eos_token"], info["bos_token"]) == (theirs.eos_token, theirs.bos_token)
+    assert info["chat_template"] == theirs.chat_template

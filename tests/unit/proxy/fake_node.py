@@ -126,6 +126,8 @@ class FakeNode:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/detokenize", self._echo)
+        app.router.add_post("/tokenize", self._echo)
         app.router.add_get("/health", self._health)
         app.router.add_post("/kv_leases/release", self._release)
         self._runner = web.AppRunner(app, handler_cancellation=True)
@@ -189,6 +191,10 @@ class FakeNode:
     async def _release(self, request: web.Request) -> web.Response:
         self.releases.append(await request.json())
         return web.json_response({"status": "accepted"}, status=202)
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        """A tokenizer endpoint's stand-in: the body it got, and which node it is."""
+        return web.json_response({"got": await request.json(), "path": request.path, "node": self.port})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "node": self.port}]})

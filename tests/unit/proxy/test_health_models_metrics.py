@@ -44,6 +44,22 @@ async def test_models_come_from_a_decode_node(make_harness, decode, status):
         assert f"decode node 127.0.0.1:{h.decode_ports[0]}" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+async def test_the_tokenizer_endpoints_are_a_decode_nodes(make_harness, path):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    body = {"tokens": [1, 2], "prompt": "héllo"}
+    async with h.session.post(h.url + path, json=body) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"got": body, "path": path, "node": h.decode_ports[0]}
+    assert h.prefill[0].received == []
+
+
+async def test_a_decode_nodes_refusal_of_a_passed_call_is_passed_on(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    async with h.session.get(h.url + "/tokenizer_info") as resp:   # the fake node has no such endpoint: a 404
+        assert resp.status == 404
+
+
 async def test_metrics_count_requests_errors_and_latency_per_upstream(make_harness):
     h = await make_harness([None, Behavior.OK], [Behavior.OK])
     for _ in range(2):

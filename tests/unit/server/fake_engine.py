@@ -24,11 +24,19 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return text if skip_special_tokens else text + "".join(f"<{i}>" for i in ids if i >= 256)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [chr(i) if i < 256 else f"<{i}>" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt
+                                                                             else "")
+
+    def describe(self) -> dict:
+        return {"tokenizer_class": "FakeBytes", "eos_token": None, "chat_template": "<{{role}}>"}
 
 
 def fake_token(index: int) -> int:

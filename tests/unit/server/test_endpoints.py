@@ -114,19 +114,6 @@ async def test_models(client, engine):
     assert (model["id"], model["object"], model["max_model_len"]) == (MODEL, "model", engine.max_model_len)
 
 
-@pytest.mark.parametrize(
-    "body, tokens",
-    [
-        ({"prompt": "hi"}, [104, 105]),
-        ({"prompt": ""}, []),
-        ({"messages": [{"role": "user", "content": "x"}]}, list(b"<user>x\n<assistant>")),
-    ],
-)
-async def test_tokenize(client, engine, body, tokens):
-    out = await (await client.post("/tokenize", json=body)).json()
-    assert out == {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-
-
 @pytest.mark.parametrize("is_healthy, status", [(True, 200), (False, 503)])
 async def test_health(client, engine, is_healthy, status):
     engine.is_healthy = is_healthy

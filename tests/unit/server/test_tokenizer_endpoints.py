@@ -1,0 +1,70 @@
+"""vLLM's tokenizer endpoints: `/tokenize` (a prompt or chat messages; `add_special_tokens`, `add_generation_prompt`,
+`return_token_strs`), `/detokenize`, and `/tokenizer_info` when the node is started with it (what
+lm-evaluation-harness's remote tokenizer reads)."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from .conftest import MODEL, make_app
+from .fake_engine import FakeEngine
+
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("body, tokens, strs", [
+    ({"prompt": "hi"}, [104, 105], None),
+    ({"prompt": ""}, [], None),
+    ({"prompt": "hi", "return_token_strs": True, "model": MODEL}, [104, 105], ["h", "i"]),
+    ({"messages": USER}, list(b"<user>x\n<assistant>"), None),
+    ({"messages": USER, "add_generation_prompt": False}, list(b"<user>x\n"), None),
+])
+async def test_tokenize(client, engine, body, tokens, strs):
+    out = await (await client.post("/tokenize", json=body)).json()
+    assert out == {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len, "token_strs": strs}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
+    ({"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
+    ({"prompt": "x", "add_special_tokens": 1}, "add_special_tokens"),
+    ({"prompt": "x", "model": "other"}, "model"),
+])
+async def test_tokenize_refuses(client, body, param):
+    resp = await client.post("/tokenize", json=body)
+    assert resp.status in (400, 404) and (await resp.json())["error"]["param"] == param
+
+
+async def test_chat_completions_without_the_generation_prompt(client, engine):
+    resp = await client.post("/v1/chat/completions", json={"messages": USER, "add_generation_prompt": False,
+                                                          "max_tokens": 1})
+    assert resp.status == 200 and engine.requests[0].prompt_token_ids == tuple(b"<user>x\n")
+
+
+@pytest.mark.parametrize("tokens, prompt", [
+    ([104, 105], "hi"),
+    ([], ""),
+    ([104, 256], "h<256>"),   # special tokens are written out, as transformers' decode does by default
+])
+async def test_detokenize(client, tokens, prompt):
+    resp = await client.post("/detokenize", json={"tokens": tokens})
+    assert resp.status == 200 and await resp.json() == {"prompt": prompt}
+
+
+@pytest.mark.parametrize("body", [{}, {"tokens": "hi"}, {"tokens": [1, "2"]}, {"tokens": [260]}, {"tokens": [-1]},
+                                  {"tokens": [True]}])
+async def test_detokenize_refuses(client, body):
+    resp = await client.post("/detokenize", json=body)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tokens"
+
+
+async def test_tokenizer_info_only_when_enabled(client):
+    assert (await client.get("/tokenizer_info")).status == 404
+    enabled = TestClient(TestServer(make_app(FakeEngine(), tokenizer_info_endpoint=True)))
+    await enabled.start_server()
+    try:
+        resp = await enabled.get("/tokenizer_info")
+        assert resp.status == 200 and (await resp.json())["tokenizer_class"] == "FakeBytes"
+    finally:
+        await enabled.close()
