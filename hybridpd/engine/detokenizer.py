@@ -8,13 +8,15 @@ decode ends in U+FFFD) wait for the next token. A decoder whose text for the con
 O(length) per token: 8% of a decode step at 700 output tokens.
 
 Only the part of the text that is final is released: when stop strings are set, the last `len(longest stop) - 1`
-characters are held back until the next token decides them.
+characters are held back until the next token decides them (unless the stop string is to stay in the text:
+`include_stop_str_in_output`, as vLLM holds nothing back then).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.tokenizer import Tokenizer
 
 
@@ -22,11 +24,18 @@ from hybridpd.engine.tokenizer import Tokenizer
 class Detokenizer:
     tokenizer: Tokenizer
     stop: tuple[str, ...]
+    include_stop: bool = False          # a matched stop string stays in the text
+    skip_special_tokens: bool = True
     emitted: int = 0          # characters of the output text already released
     text: str = field(default="")
     context: int = 0          # output_ids[context:decoded] were the last ids added: the next ones decode after them
     decoded: int = 0          # output_ids[:decoded] are in `text`
     unmatched: int = 0        # text[:unmatched] was decoded while stop strings were not looked for (min_tokens)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, sampling: SamplingParams) -> Detokenizer:
+        return cls(tokenizer, sampling.stop, include_stop=sampling.include_stop_str_in_output,
+                   skip_special_tokens=sampling.skip_special_tokens)
 
     def step(self, output_ids: list[int], final: bool, match_stops: bool = True) -> tuple[str, str | None]:
         """Returns (new text to release, the stop string that matched or None); with `match_stops` false (the output
@@ -37,28 +46,31 @@ class Detokenizer:
             self.unmatched = len(self.text)
         if match is not None:
             at, stop = match
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(stop)] if self.include_stop else self.text[:at]
             return self._release(len(self.text)), stop
         end = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):
                 end -= 1
-            if self.stop:
+            if self.stop and not self.include_stop:
                 end -= max(len(s) for s in self.stop) - 1
         return self._release(max(end, self.emitted)), None
 
     def _decode_new(self, ids: list[int], final: bool) -> None:
         if len(ids) <= self.decoded:
             return
-        before = self.tokenizer.decode(ids[self.context : self.decoded]) if self.decoded > self.context else ""
-        after = self.tokenizer.decode(ids[self.context :])
+        before = self._decode(ids[self.context : self.decoded]) if self.decoded > self.context else ""
+        after = self._decode(ids[self.context :])
         if after.endswith("\ufffd") and not final:
             return  # the new ids end inside a UTF-8 sequence
         if after.startswith(before):
             self.text += after[len(before) :]
         else:
-            self.text = self.tokenizer.decode(ids)
+            self.text = self._decode(ids)
         self.context, self.decoded = self.decoded, len(ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _first_stop(self) -> tuple[int, str] | None:
         """The stop string that occurs first in the text not yet released (one token may add several: the earliest

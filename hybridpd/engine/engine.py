@@ -253,7 +253,7 @@ class LLMEngine:
             request, arrival_order=next(self._order), decode_skip_mamba_align=self.decode_skip_mamba_align,
             vocab_size=self.model_config.vocab_size,
         )
-        self._tracked[seq.request_id] = _Tracked(seq, Detokenizer(self.tokenizer, request.sampling.stop))
+        self._tracked[seq.request_id] = _Tracked(seq, Detokenizer.of(self.tokenizer, request.sampling))
         self.num_prompt_tokens_total += len(seq.prompt_token_ids)
         self.scheduler.add(seq)
         remote = seq.remote_prefill

@@ -32,6 +32,8 @@ class SamplingParams:
     # The logprob of every prompt token after the first (the model's, given the tokens before it) and the top ones
     # beside it; None = not asked. A request that asks computes its whole prompt (no prefix hit), as in vLLM.
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False   # a stop string that ends the output stays in its text
+    skip_special_tokens: bool = True           # special tokens write no text (False: their text is written out)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

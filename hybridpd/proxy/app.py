@@ -34,7 +34,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridpd.proxy.bodies import decode_body, prefill_body, sample_bodies, served_whole, wants_stream
-from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body
+from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body, truncated
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
@@ -187,6 +187,7 @@ class Proxy:
             if tokenize is None or not router.upstreams:
                 return None
             tokens = await self.client.tokenize(router.pick(), tokenize)
+        tokens = truncated(body, tokens) if tokens else tokens
         return PromptHashes(tokens, cache_salt(body)) if tokens else None
 
     def _choose(self, role: Role, prompt: PromptHashes | None, exclude: tuple[Upstream, ...] = ()) -> Choice:

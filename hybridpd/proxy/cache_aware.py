@@ -99,13 +99,26 @@ def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
     return None
 
 
+_TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
+
+
 def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize."""
     model = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
+    model |= {flag: body[flag] for flag in _TOKENIZE_FLAGS if isinstance(body.get(flag), bool)}
     if path == "/v1/chat/completions":
         return {**model, "messages": body["messages"]} if isinstance(body.get("messages"), list) else None
+    model.pop("add_generation_prompt", None)
     prompt = one_prompt(body.get("prompt"))
     return {**model, "prompt": prompt} if isinstance(prompt, str) and prompt else None
+
+
+def truncated(body: dict[str, Any], tokens: list[int]) -> list[int]:
+    """The prompt as the node will serve it: its last `truncate_prompt_tokens` (when a positive integer)."""
+    keep = body.get("truncate_prompt_tokens")
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
+        return tokens[-keep:]
+    return tokens
 
 
 def cache_salt(body: dict[str, Any]) -> bytes | None:

@@ -8,7 +8,7 @@ refused by name, sampling_fields.py):
     output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
     return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
-    prompt_logprobs, add_generation_prompt.
+    prompt_logprobs, add_generation_prompt, add_special_tokens (false), truncate_prompt_tokens.
 A body that asks for several choices (`n` > 1, or several prompts) becomes one engine request per choice
 (`parse_choices`): prompt p's sample i is choice p * n + i, its seed (when one is given) the body's + i, as vLLM
 draws them; kv_transfer_params go with one choice only.
@@ -117,11 +117,12 @@ def _token_ids(value: list[Any], vocab_size: int, param: str) -> tuple[int, ...]
     return tuple(value)
 
 
-def parse_prompt(value: Any, engine: EngineClient) -> tuple[int, ...]:
-    """A string, a list of token ids, or a list holding exactly one of those; never empty."""
+def parse_prompt(value: Any, engine: EngineClient, add_special_tokens: bool = True) -> tuple[int, ...]:
+    """A string (encoded with the tokenizer's special tokens unless told not), a list of token ids, or a list holding
+    exactly one of those; never empty."""
     value = one_prompt(value)
     if isinstance(value, str):
-        ids = tuple(engine.tokenizer.encode(value)) if value else ()
+        ids = tuple(engine.tokenizer.encode(value, add_special_tokens=add_special_tokens)) if value else ()
     elif isinstance(value, list):
         if any(isinstance(item, (str, list)) for item in value):
             raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of those "
@@ -180,6 +181,19 @@ def chat_prompt(messages: list[dict[str, str]], engine: EngineClient, *, add_gen
     return ids
 
 
+def _truncated(prompt: tuple[int, ...], f: Fields, max_model_len: int) -> tuple[int, ...]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: max_model_len's worth)."""
+    keep = f.optional_int("truncate_prompt_tokens", minimum=-1)
+    if keep is None:
+        return prompt
+    if keep == 0:
+        raise f.fail("truncate_prompt_tokens", "must be -1 or at least 1")
+    if keep > max_model_len:
+        raise f.fail("truncate_prompt_tokens", f"({keep}) is greater than max_model_len ({max_model_len}); request "
+                                               "a smaller truncation size")
+    return prompt[-(max_model_len if keep == -1 else keep):]
+
+
 def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
     if num_prompt + max_tokens > max_model_len:
         raise InvalidRequestError(
@@ -231,12 +245,14 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
     check_model(f, served_model_name)
     echoes = f.bool("echo", False)
     logprobs = f.optional_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
-    prompt = parse_prompt(f.raw("prompt"), engine)
+    given_prompt = parse_prompt(f.raw("prompt"), engine, f.bool("add_special_tokens", True))
+    prompt = _truncated(given_prompt, f, engine.max_model_len)
     max_tokens = f.optional_int("max_tokens", minimum=0 if echoes else 1)
     echo = None
     if echoes:
         given = one_prompt(f.raw("prompt"))
-        text = given if isinstance(given, str) else engine.tokenizer.decode(prompt)
+        whole = isinstance(given, str) and prompt == given_prompt
+        text = given if whole else engine.tokenizer.decode(prompt)
         echo = Echo(text, without_output=max_tokens == 0)
         if max_tokens == 0:
             max_tokens = 1
@@ -255,7 +271,9 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
     if max_tokens is None:
         max_tokens = f.optional_int("max_tokens", minimum=1)
     prompt = chat_prompt(parse_messages(f.raw("messages")), engine,
-                         add_generation_prompt=f.bool("add_generation_prompt", True))
+                         add_generation_prompt=f.bool("add_generation_prompt", True),
+                         add_special_tokens=f.bool("add_special_tokens", False))
+    prompt = _truncated(prompt, f, engine.max_model_len)
     return _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
                    logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
 

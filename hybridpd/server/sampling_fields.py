@@ -4,7 +4,7 @@ server does not, which are refused by name rather than ignored (an answer that s
 
 Read: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias (token id -> bias, clamped to [-100, 100] as vLLM does),
-allowed_token_ids, prompt_logprobs. Fields a request omits take the checkpoint's generation_config.json value where
+allowed_token_ids, prompt_logprobs, include_stop_str_in_output, skip_special_tokens. Fields a request omits take the checkpoint's generation_config.json value where
 vLLM takes one (temperature, top_p, top_k, min_p and the three penalties), else vLLM's default.
 
 A request prefilled here for a remote decode node (`kv_transfer_params.do_remote_decode`) comes with max_tokens set
@@ -37,7 +37,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
     "bad_words": (lambda v, _: _unset(v), "bad_words is not supported"),
-    "include_stop_str_in_output": (lambda v, _: _unset(v), "include_stop_str_in_output is not supported"),
     "response_format": (lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "response_format other than {\"type\": \"text\"} is not supported (no structured output)"),
     "structured_outputs": (lambda v, _: _unset(v), "structured outputs are not supported"),
@@ -140,4 +139,6 @@ def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, prompt_
         allowed_token_ids=_token_id_list(f, "allowed_token_ids", vocab_size, allow_empty=False),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
     )

@@ -124,7 +124,7 @@ class ChunkBuilder:
         text = ""
         if first.finish_reason is FinishReason.LENGTH:  # the head held back what a stream holds back mid-way
             sampling = self._parsed.engine_request.sampling
-            shown, _ = Detokenizer(self._tokenizer, sampling.stop).step(
+            shown, _ = Detokenizer.of(self._tokenizer, sampling).step(
                 list(first.new_token_ids), final=False, match_stops=len(first.new_token_ids) > sampling.min_tokens)
             text = first.new_text[len(shown):]
         last = replace(first, new_token_ids=(), new_text=text, logprobs=())

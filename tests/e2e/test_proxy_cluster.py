@@ -166,6 +166,23 @@ def test_seeded_samples_through_the_proxy_equal_a_colocated_nodes(cluster, path,
             local_usage["prompt_tokens"], local_usage["completion_tokens"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_kept_in_the_output_through_the_proxy(cluster, stream):
+    """`include_stop_str_in_output`: the output ends with the stop string, where the plain output has it, through P/D
+    as on one node (the prefill node's first token and the decode node's rest)."""
+    _, info = cluster
+    status, raw = _post(info.decode[0].url + "/v1/completions", COMPLETION)
+    plain = _text("/v1/completions", raw, False)
+    stop = plain[2:4]
+    assert status == 200 and stop.strip(), plain
+    body = {**COMPLETION, "stop": [stop], "include_stop_str_in_output": True, "stream": stream}
+    status, raw = _post(info.proxy_url + "/v1/completions", body)
+    local_status, local_raw = _post(info.decode[0].url + "/v1/completions", body)
+    assert status == local_status == 200, raw
+    text = _text("/v1/completions", raw, stream)
+    assert text == _text("/v1/completions", local_raw, stream) == plain[:plain.index(stop) + len(stop)]
+
+
 def _kv_bytes_read(info: ClusterInfo) -> float:
     with urllib.request.urlopen(info.decode[0].metrics_url, timeout=10) as response:
         return counter_sum(response.read().decode(), KV_BYTES_READ_METRIC) or 0.0

@@ -23,7 +23,7 @@ class PieceTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.pieces[i] for i in ids)
 
     def apply_chat_template(self, messages) -> str:
@@ -165,7 +165,7 @@ def test_a_decoder_that_rewrites_its_context_falls_back_to_decoding_everything()
     (what was released before cannot be taken back, as with any streaming detokenizer)."""
 
     class Rewriting(PieceTokenizer):
-        def decode(self, ids: Sequence[int]) -> str:
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
             return super().decode(ids).replace("bc", "Bc")
 
     tok = Rewriting(["a", "b", "c"])
@@ -197,3 +197,31 @@ def test_stop_strings_wait_for_min_tokens(ids, stop, min_tokens, expected_text, 
             break
     assert "".join(pieces) == expected_text
     assert matched == expected_stop
+
+
+@pytest.mark.parametrize("ids, stop", [
+    ([0, 1, 2, 3], (" world",)), ([0, 1, 2, 3], ("lo w",)), ([7], ("bc", "a")), ([9, 7], ("c", "b")),
+    ([0, 8, 1], ("\n\n",)), ([0, 1, 2], ("lo", "hello wo")), ([0, 1, 2, 3, 4], ("zz",)),
+])
+def test_a_stop_string_kept_in_the_output_ends_it_where_it_ends(ids, stop):
+    """`include_stop_str_in_output`: the same stop at the same place, its text kept, nothing held back meanwhile."""
+    plain, plain_stop = drive(Detokenizer(PieceTokenizer(PIECES), stop), ids)
+    kept = Detokenizer(PieceTokenizer(PIECES), stop, include_stop=True)
+    pieces, kept_stop = drive(kept, ids)
+    assert kept_stop == plain_stop and "".join(pieces) == "".join(plain) + (plain_stop or "")
+    whole = PieceTokenizer(PIECES).decode(ids)
+    for i in range(1, len(ids)):   # every step releases all it has up to the stop
+        fresh = Detokenizer(PieceTokenizer(PIECES), stop, include_stop=True)
+        released = "".join(fresh.step(ids[:j + 1], final=False)[0] for j in range(i))
+        assert whole.startswith(released) and (fresh.text == released)
+
+
+def test_special_tokens_written_out_when_not_skipped():
+    class Specials:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("<s>" if i == 0 else chr(96 + i) for i in ids if i or not skip_special_tokens)
+
+    pieces, _ = drive(Detokenizer(Specials(), (), skip_special_tokens=False), [1, 0, 2])
+    assert "".join(pieces) == "a<s>b"
+    pieces, _ = drive(Detokenizer(Specials(), ()), [1, 0, 2])
+    assert "".join(pieces) == "ab"

@@ -9,7 +9,7 @@ import pytest
 from hybridpd.engine.kv_cache.hashing import RequestBlockHashes
 from hybridpd.kv_events import wire
 from hybridpd.kv_events.wire import GroupInfo
-from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, tokenize_body
+from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, tokenize_body, truncated
 from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
@@ -135,11 +135,21 @@ def test_a_salted_prompt_does_not_hit_unsalted_blocks():
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, None,
      {"messages": [{"role": "user", "content": "x"}]}),
     ("/v1/chat/completions", {"messages": "nope"}, None, None),
+    ("/v1/completions", {"prompt": "hi", "add_special_tokens": False, "add_generation_prompt": False}, None,
+     {"prompt": "hi", "add_special_tokens": False}),
+    ("/v1/chat/completions", {"messages": [], "add_generation_prompt": False, "add_special_tokens": "x"}, None,
+     {"messages": [], "add_generation_prompt": False}),
 ])
 def test_how_a_prompt_is_found(path, body, ids, tokenize):
     assert token_ids_in_body(path, body) == ids
     if ids is None:
         assert tokenize_body(path, body) == tokenize
+
+
+@pytest.mark.parametrize("keep, expected", [(2, [3, 4]), (9, [1, 2, 3, 4]), (-1, [1, 2, 3, 4]), (None, [1, 2, 3, 4]),
+                                            (True, [1, 2, 3, 4]), ("2", [1, 2, 3, 4])])
+def test_a_truncated_prompt_is_predicted_as_served(keep, expected):
+    assert truncated({"truncate_prompt_tokens": keep}, [1, 2, 3, 4]) == expected
 
 
 def test_cache_salt_is_utf8():

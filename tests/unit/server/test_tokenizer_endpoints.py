@@ -68,3 +68,33 @@ async def test_tokenizer_info_only_when_enabled(client):
         assert resp.status == 200 and (await resp.json())["tokenizer_class"] == "FakeBytes"
     finally:
         await enabled.close()
+
+
+@pytest.mark.parametrize("path, body, prompt", [
+    ("/v1/completions", {"prompt": "abcdef", "truncate_prompt_tokens": 2}, b"ef"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "truncate_prompt_tokens": 5}, bytes([1, 2, 3])),
+    ("/v1/completions", {"prompt": [1, 2, 3], "truncate_prompt_tokens": -1}, bytes([1, 2, 3])),
+    ("/v1/chat/completions", {"messages": USER, "truncate_prompt_tokens": 4}, b"ant>"),
+])
+async def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine, path, body, prompt):
+    resp = await client.post(path, json=body | {"max_tokens": 1})
+    assert resp.status == 200 and engine.requests[0].prompt_token_ids == tuple(prompt)
+
+
+async def test_a_truncated_prompt_is_echoed_as_served(client):
+    resp = await client.post("/v1/completions", json={"prompt": "abcdef", "truncate_prompt_tokens": 2, "echo": True,
+                                                      "max_tokens": 0})
+    assert (await resp.json())["choices"][0]["text"] == "ef"
+
+
+@pytest.mark.parametrize("keep", [0, -2, 129, "3", 1.5])
+async def test_truncate_prompt_tokens_refused(client, engine, keep):
+    resp = await client.post("/v1/completions", json={"prompt": "abc", "truncate_prompt_tokens": keep})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "truncate_prompt_tokens"
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("field, value", [("include_stop_str_in_output", True), ("skip_special_tokens", False)])
+async def test_detokenizing_fields_reach_the_engine(client, engine, field, value):
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, field: value})
+    assert resp.status == 200 and getattr(engine.requests[0].sampling, field) is value
