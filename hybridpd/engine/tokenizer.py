@@ -12,7 +12,7 @@ chat template in use.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +21,9 @@ from hybridpd.errors import InvalidRequestError
 
 BYTE_VOCAB = 256
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# What a template is rendered with by us; a request's chat_template_kwargs may not set these.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents",
+                                         *SPECIAL_TOKEN_NAMES})
 
 
 class Tokenizer(Protocol):
@@ -35,7 +38,10 @@ class Tokenizer(Protocol):
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary writes it (transformers' `convert_ids_to_tokens`)."""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The conversation as the chat template renders it; `template_kwargs` are more variables for the template
+        (vLLM's `chat_template_kwargs`, such as a template's `thinking` switch)."""
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -83,15 +89,16 @@ class ChatTemplate:
     def _raise(message: str) -> None:
         raise InvalidRequestError(f"chat template: {message}", "messages")
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
         from jinja2 import TemplateError
 
         normalized = [{**m, "role": role, "content": content} for m, (role, content) in
                       zip(messages, map(message_text, messages))]
         try:
             return self._template.render(
-                messages=normalized, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-                **self._special
+                **(template_kwargs or {}), messages=normalized, add_generation_prompt=add_generation_prompt,
+                tools=None, documents=None, **self._special
             )
         except TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
@@ -117,7 +124,8 @@ class ByteTokenizer:
         """A byte as its Latin-1 character; a special id as `<id>`."""
         return [bytes([i]).decode("latin-1") if 0 <= i < BYTE_VOCAB else f"<{i}>" for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         return plain_chat_template(messages, add_generation_prompt)
 
     def describe(self) -> dict[str, Any]:
@@ -156,10 +164,11 @@ class HFTokenizer:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         if self._chat is None:
             return plain_chat_template(messages, add_generation_prompt)
-        return self._chat.render(messages, add_generation_prompt)
+        return self._chat.render(messages, add_generation_prompt, template_kwargs)
 
     def describe(self) -> dict[str, Any]:
         """tokenizer_config.json with its special tokens as their text (transformers writes some as objects)."""
@@ -193,7 +202,8 @@ class TokenIdsOnly:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         raise InvalidRequestError(f"{NO_TOKENIZER}: token strings need the tokenizer", "return_token_strs")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         raise InvalidRequestError(f"{NO_TOKENIZER}: chat messages need the tokenizer; use /v1/completions with token "
                                   "ids", "messages")
 

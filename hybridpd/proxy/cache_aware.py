@@ -99,7 +99,7 @@ def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-_TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
+_TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")   # booleans that change the prompt's tokens
 
 
 def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -107,6 +107,8 @@ def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     model = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
     model |= {flag: body[flag] for flag in _TOKENIZE_FLAGS if isinstance(body.get(flag), bool)}
     if path == "/v1/chat/completions":
+        if isinstance(body.get("chat_template_kwargs"), dict):
+            model["chat_template_kwargs"] = body["chat_template_kwargs"]
         return {**model, "messages": body["messages"]} if isinstance(body.get("messages"), list) else None
     model.pop("add_generation_prompt", None)
     prompt = one_prompt(body.get("prompt"))

@@ -8,7 +8,7 @@ refused by name, sampling_fields.py):
     output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
     return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
-    prompt_logprobs, add_generation_prompt, add_special_tokens (false), truncate_prompt_tokens.
+    prompt_logprobs, add_generation_prompt, chat_template_kwargs, add_special_tokens (false), truncate_prompt_tokens.
 A body that asks for several choices (`n` > 1, or several prompts) becomes one engine request per choice
 (`parse_choices`): prompt p's sample i is choice p * n + i, its seed (when one is given) the body's + i, as vLLM
 draws them; kv_transfer_params go with one choice only.
@@ -26,6 +26,7 @@ from typing import Any
 from hybridpd.completion_prompts import one_prompt, several_prompts
 from hybridpd.engine.transfer_params import RemoteDecodeParams, parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
+from hybridpd.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from hybridpd.errors import InvalidRequestError
 from hybridpd.samples import MAX_N, sample_seed
 from hybridpd.server.engine_client import EngineClient
@@ -171,10 +172,23 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
-def chat_prompt(messages: list[dict[str, str]], engine: EngineClient, *, add_generation_prompt: bool = True,
+def template_kwargs(f: Fields) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs`: more variables for the chat template, none of those it is rendered with."""
+    kwargs = f.optional_object("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    taken = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.obj.keys())
+    if taken:
+        raise f.fail("chat_template_kwargs", f"may not set {', '.join(taken)}")
+    return kwargs.obj
+
+
+def chat_prompt(messages: list[dict[str, str]], engine: EngineClient, f: Fields, *,
                 add_special_tokens: bool = False) -> tuple[int, ...]:
-    """The conversation rendered by the chat template (which holds its special tokens already) and encoded."""
-    rendered = engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    """The conversation rendered by the chat template (which holds its special tokens already; with the generation
+    prompt unless `add_generation_prompt` is false; `chat_template_kwargs` beside) and encoded."""
+    rendered = engine.tokenizer.apply_chat_template(messages, f.bool("add_generation_prompt", True),
+                                                    template_kwargs(f))
     ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
@@ -270,8 +284,7 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
     max_tokens = f.optional_int("max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = f.optional_int("max_tokens", minimum=1)
-    prompt = chat_prompt(parse_messages(f.raw("messages")), engine,
-                         add_generation_prompt=f.bool("add_generation_prompt", True),
+    prompt = chat_prompt(parse_messages(f.raw("messages")), engine, f,
                          add_special_tokens=f.bool("add_special_tokens", False))
     prompt = _truncated(prompt, f, engine.max_model_len)
     return _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
@@ -294,8 +307,7 @@ def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_mo
     if f.raw("messages") is not None:
         if f.bool("continue_final_message", False):
             raise InvalidRequestError("continue_final_message is not supported", "continue_final_message")
-        tokens = chat_prompt(parse_messages(f.raw("messages")), engine,
-                             add_generation_prompt=f.bool("add_generation_prompt", True),
+        tokens = chat_prompt(parse_messages(f.raw("messages")), engine, f,
                              add_special_tokens=f.bool("add_special_tokens", False))
         return TokenizeRequest(tokens, token_strs)
     prompt = f.optional_str("prompt")

@@ -103,3 +103,15 @@ def test_describe_names_what_transformers_loads(pair, tmp_path):
     assert info["tokenizer_class"] == type(theirs).__name__
     assert (info["eos_token"], info["bos_token"]) == (theirs.eos_token, theirs.bos_token)
     assert info["chat_template"] == theirs.chat_template
+
+
+def test_template_kwargs_render_as_transformers_passes_them(tmp_path):
+    """vLLM's `chat_template_kwargs` reach the template as transformers' `apply_chat_template(**kwargs)` passes them."""
+    write_tokenizer(tmp_path, 320, 4096)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if thinking %}<think>{{ budget }}{% endif %}{% endif %}")
+    ours, theirs = load_tokenizer(tmp_path, 320), AutoTokenizer.from_pretrained(tmp_path)
+    for kwargs in ({}, {"thinking": True, "budget": 12}, {"thinking": False}):
+        assert ours.apply_chat_template(CONVERSATIONS[0], template_kwargs=kwargs) == theirs.apply_chat_template(
+            CONVERSATIONS[0], tokenize=False, add_generation_prompt=True, **kwargs)

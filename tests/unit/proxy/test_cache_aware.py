@@ -139,6 +139,8 @@ def test_a_salted_prompt_does_not_hit_unsalted_blocks():
      {"prompt": "hi", "add_special_tokens": False}),
     ("/v1/chat/completions", {"messages": [], "add_generation_prompt": False, "add_special_tokens": "x"}, None,
      {"messages": [], "add_generation_prompt": False}),
+    ("/v1/chat/completions", {"messages": [], "chat_template_kwargs": {"thinking": True}}, None,
+     {"messages": [], "chat_template_kwargs": {"thinking": True}}),
 ])
 def test_how_a_prompt_is_found(path, body, ids, tokenize):
     assert token_ids_in_body(path, body) == ids

@@ -31,9 +31,12 @@ class ByteTokenizer:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [chr(i) if i < 256 else f"<{i}>" for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt
-                                                                             else "")
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_kwargs: dict | None = None) -> str:
+        """`<role>content` lines, then `<assistant>`; a template kwarg `thinking` adds `<think>` after it."""
+        prompt = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        prompt += "<assistant>" if add_generation_prompt else ""
+        return prompt + ("<think>" if (template_kwargs or {}).get("thinking") else "")
 
     def describe(self) -> dict:
         return {"tokenizer_class": "FakeBytes", "eos_token": None, "chat_template": "<{{role}}>"}

@@ -98,3 +98,18 @@ async def test_truncate_prompt_tokens_refused(client, engine, keep):
 async def test_detokenizing_fields_reach_the_engine(client, engine, field, value):
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, field: value})
     assert resp.status == 200 and getattr(engine.requests[0].sampling, field) is value
+
+
+async def test_chat_template_kwargs_reach_the_template(client, engine):
+    body = {"messages": USER, "chat_template_kwargs": {"thinking": True}}
+    out = await (await client.post("/tokenize", json=body)).json()
+    assert out["tokens"] == list(b"<user>x\n<assistant><think>")
+    resp = await client.post("/v1/chat/completions", json=body | {"max_tokens": 1})
+    assert resp.status == 200 and engine.requests[0].prompt_token_ids == tuple(b"<user>x\n<assistant><think>")
+
+
+@pytest.mark.parametrize("kwargs", [[1], "thinking", {"messages": []}, {"bos_token": "x"}])
+async def test_chat_template_kwargs_refused(client, engine, kwargs):
+    resp = await client.post("/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": kwargs})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "chat_template_kwargs"
+    assert engine.requests == []
