@@ -7,7 +7,7 @@ JSON has no -Infinity.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridpd.engine.request import TokenLogprob
@@ -20,13 +20,19 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MASKED_LOGPROB
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """The token's text; without a tokenizer (`--skip-tokenizer-init`) vLLM's placeholder `token_id:<id>`."""
-    return tokenizer.decode([token_id]) if tokenizer.decodes_text else f"token_id:{token_id}"
+TokenNames = Callable[[int], str]   # how a logprob entry names its token
+
+
+def token_names(tokenizer: Tokenizer, as_ids: bool = False) -> TokenNames:
+    """Each token's text; vLLM's placeholder `token_id:<id>` when asked (`return_tokens_as_token_ids`) or without a
+    tokenizer (`--skip-tokenizer-init`)."""
+    if as_ids or not tokenizer.decodes_text:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id])
 
 
 def completion_logprobs(
-    logprobs: Sequence[TokenLogprob | None], tokenizer: Tokenizer, text_offset: int, token_ids: Sequence[int] = ()
+    logprobs: Sequence[TokenLogprob | None], name: TokenNames, text_offset: int, token_ids: Sequence[int] = ()
 ) -> tuple[dict[str, Any], int]:
     """`{"text_offset", "token_logprobs", "tokens", "top_logprobs"}` for these tokens, and the offset after them. A
     None entry (an echoed prompt's first token, which nothing predicts) is the token `token_ids` names at its index,
@@ -38,12 +44,12 @@ def completion_logprobs(
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for index, entry in enumerate(logprobs):
         if entry is None:
-            text = _token_text(tokenizer, token_ids[index])
+            text = name(token_ids[index])
             token_logprobs.append(None)
             top_logprobs.append(None)
         else:
-            text = _token_text(tokenizer, entry.token_id)
-            top = {_token_text(tokenizer, token_id): _finite(lp) for token_id, lp in entry.top}
+            text = name(entry.token_id)
+            top = {name(token_id): _finite(lp) for token_id, lp in entry.top}
             top.setdefault(text, _finite(entry.logprob))
             token_logprobs.append(_finite(entry.logprob))
             top_logprobs.append(top)
@@ -54,7 +60,7 @@ def completion_logprobs(
     return body, text_offset
 
 
-def prompt_logprobs_body(entries: Sequence[TokenLogprob | None], tokenizer: Tokenizer) -> list[dict[str, Any] | None]:
+def prompt_logprobs_body(entries: Sequence[TokenLogprob | None], name: TokenNames) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, null (the first) or {token id: {"logprob", "rank",
     "decoded_token"}}, the prompt's own token first, then the likeliest ones (ranks 1, 2, ...)."""
     body: list[dict[str, Any] | None] = []
@@ -63,26 +69,26 @@ def prompt_logprobs_body(entries: Sequence[TokenLogprob | None], tokenizer: Toke
             body.append(None)
             continue
         step = {str(entry.token_id): {"logprob": _finite(entry.logprob), "rank": entry.rank,
-                                      "decoded_token": _token_text(tokenizer, entry.token_id)}}
+                                      "decoded_token": name(entry.token_id)}}
         for rank, (token_id, logprob) in enumerate(entry.top, start=1):
             step.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": rank,
-                                            "decoded_token": _token_text(tokenizer, token_id)})
+                                            "decoded_token": name(token_id)})
         body.append(step)
     return body
 
 
-def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
-    text = _token_text(tokenizer, token_id)
+def _chat_token(name: TokenNames, token_id: int, logprob: float) -> dict[str, Any]:
+    text = name(token_id)
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(logprobs: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
+def chat_logprobs(logprobs: Sequence[TokenLogprob], name: TokenNames) -> dict[str, Any]:
     """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}`."""
     return {
         "content": [
             {
-                **_chat_token(tokenizer, entry.token_id, entry.logprob),
-                "top_logprobs": [_chat_token(tokenizer, token_id, lp) for token_id, lp in entry.top],
+                **_chat_token(name, entry.token_id, entry.logprob),
+                "top_logprobs": [_chat_token(name, token_id, lp) for token_id, lp in entry.top],
             }
             for entry in logprobs
         ]

@@ -69,6 +69,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    tokens_as_ids: bool = False    # logprobs name tokens `token_id:<id>` (vLLM's return_tokens_as_token_ids)
     stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
     echo: Echo | None = None
     choice: Choice | None = None   # one of several choices of one body
@@ -249,6 +250,7 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
         stream=stream,
         include_usage=options is not None and options.bool("include_usage", False),
         return_token_ids=f.bool("return_token_ids", False),
+        tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
         stream_head=parse_stream_head(kv_transfer_params, stream=stream),
         echo=echo,
     )

@@ -9,7 +9,7 @@ from typing import Any
 from hybridpd.engine.request import FinishReason, RequestOutput, TokenLogprob
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.server.engine_client import EngineClient
-from hybridpd.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_body
+from hybridpd.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_body, token_names
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 
 
@@ -90,13 +90,14 @@ def completion_part(parsed: ParsedRequest, text: str, logprobs: tuple[TokenLogpr
 
 def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
     part = completion_part(parsed, final.text, final.logprobs, final.token_ids, final.prompt_logprobs, first=True)
-    logprobs = completion_logprobs(part.logprobs, tokenizer, 0, part.token_ids)[0] if parsed.wants_logprobs else None
+    name = token_names(tokenizer, parsed.tokens_as_ids)
+    logprobs = completion_logprobs(part.logprobs, name, 0, part.token_ids)[0] if parsed.wants_logprobs else None
     choice: dict[str, Any] = {
         "index": 0, "text": part.text, "logprobs": logprobs,
         "finish_reason": finish_reason_value(final.finish_reason), "stop_reason": final.stop_reason,
     }
     if final.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, tokenizer)
+        choice["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, name)
     if parsed.return_token_ids:
         choice["prompt_token_ids"] = list(parsed.engine_request.prompt_token_ids)
         choice["token_ids"] = list(final.token_ids)
@@ -104,10 +105,11 @@ def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer
 
 
 def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    name = token_names(tokenizer, parsed.tokens_as_ids)
     choice: dict[str, Any] = {
         "index": 0,
         "message": {"role": "assistant", "content": final.text},
-        "logprobs": chat_logprobs(final.logprobs, tokenizer) if parsed.wants_logprobs else None,
+        "logprobs": chat_logprobs(final.logprobs, name) if parsed.wants_logprobs else None,
         "finish_reason": finish_reason_value(final.finish_reason),
         "stop_reason": final.stop_reason,
     }
@@ -115,7 +117,7 @@ def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Toke
         choice["token_ids"] = list(final.token_ids)
     body = {**header(parsed, model, "chat.completion"), "choices": [choice]}
     if final.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, tokenizer)
+        body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, name)
     return body
 
 
@@ -150,7 +152,8 @@ def choices_response(requests: Sequence[ParsedRequest], finals: Sequence[FinalOu
     body = {**header(requests[0], model, _OBJECTS[requests[0].endpoint]), "choices": choices,
             "usage": choices_usage(requests, finals)}
     if requests[0].endpoint is Endpoint.CHAT and finals[0].prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_body(finals[0].prompt_logprobs, tokenizer)
+        body["prompt_logprobs"] = prompt_logprobs_body(finals[0].prompt_logprobs,
+                                                       token_names(tokenizer, requests[0].tokens_as_ids))
     return {**body, "kv_transfer_params": None}
 
 

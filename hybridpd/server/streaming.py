@@ -19,7 +19,7 @@ from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.request import FinishReason, RequestOutput
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.server.errors import http_error_for
-from hybridpd.server.logprobs import chat_logprobs, completion_logprobs
+from hybridpd.server.logprobs import chat_logprobs, completion_logprobs, token_names
 from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
@@ -54,6 +54,7 @@ class ChunkBuilder:
     def __init__(self, parsed: ParsedRequest, model: str, tokenizer: Tokenizer) -> None:
         self._parsed = parsed
         self._tokenizer = tokenizer
+        self._name = token_names(tokenizer, parsed.tokens_as_ids)
         self._object = "text_completion" if parsed.endpoint is Endpoint.COMPLETIONS else "chat.completion.chunk"
         self._header = header(parsed, model, self._object)
         self._text_offset = 0
@@ -70,7 +71,7 @@ class ChunkBuilder:
                                output.prompt_logprobs, first=not self._started)
         logprobs = None
         if self._parsed.wants_logprobs:
-            logprobs, self._text_offset = completion_logprobs(part.logprobs, self._tokenizer, self._text_offset,
+            logprobs, self._text_offset = completion_logprobs(part.logprobs, self._name, self._text_offset,
                                                               part.token_ids)
         choice: dict[str, Any] = {
             "index": self._parsed.index, "text": part.text, "logprobs": logprobs,
@@ -86,7 +87,7 @@ class ChunkBuilder:
         choice: dict[str, Any] = {
             "index": self._parsed.index,
             "delta": {"content": output.new_text} if output.new_text or output.new_token_ids else {},
-            "logprobs": chat_logprobs(output.logprobs, self._tokenizer) if self._parsed.wants_logprobs else None,
+            "logprobs": chat_logprobs(output.logprobs, self._name) if self._parsed.wants_logprobs else None,
             "finish_reason": finish_reason_value(output.finish_reason),
         }
         if self._parsed.return_token_ids:

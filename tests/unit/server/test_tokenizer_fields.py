@@ -1,13 +1,15 @@
 """vLLM's tokenizer endpoints: `/tokenize` (a prompt or chat messages; `add_special_tokens`, `add_generation_prompt`,
 `return_token_strs`), `/detokenize`, and `/tokenizer_info` when the node is started with it (what
-lm-evaluation-harness's remote tokenizer reads)."""
+lm-evaluation-harness's remote tokenizer reads); and the request fields that steer tokenization and the text
+(`truncate_prompt_tokens`, `chat_template_kwargs`, `include_stop_str_in_output`, `skip_special_tokens`,
+`return_tokens_as_token_ids`)."""
 
 from __future__ import annotations
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from .conftest import MODEL, make_app
+from .conftest import MODEL, make_app, parse_sse
 from .fake_engine import FakeEngine
 
 USER = [{"role": "user", "content": "x"}]
@@ -113,3 +115,24 @@ async def test_chat_template_kwargs_refused(client, engine, kwargs):
     resp = await client.post("/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": kwargs})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "chat_template_kwargs"
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(client, stream):
+    body = {"prompt": "x", "max_tokens": 2, "logprobs": 1, "echo": True, "return_tokens_as_token_ids": True,
+            "stream": stream}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    if stream:
+        chunks = parse_sse(await resp.text())[:-1]
+        tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    else:
+        tokens = (await resp.json())["choices"][0]["logprobs"]["tokens"]
+    assert tokens == [f"token_id:{ord('x')}", "token_id:97", "token_id:98"]
+
+
+async def test_return_tokens_as_token_ids_in_chat(client):
+    body = {"messages": USER, "max_tokens": 1, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    content = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "token_id:97" and content[0]["bytes"] == list(b"token_id:97")
+    assert content[0]["top_logprobs"][0]["token"] == "token_id:97"
