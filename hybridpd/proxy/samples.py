@@ -93,13 +93,18 @@ def _merged_answer(answers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _merged_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The prompt counted once (the first sample's), every sample's completion tokens."""
-    if any(not isinstance(u, dict) for u in usages):
+    """The prompt counted once (the first sample's), every sample's completion tokens; None unless every sample
+    reported its usage."""
+    if any(not isinstance(u, dict) or not _counts(u) for u in usages):
         return None
     first = usages[0]
     assert first is not None
-    completion = sum(int(u["completion_tokens"]) for u in usages if u is not None)
-    return {**first, "completion_tokens": completion, "total_tokens": int(first["prompt_tokens"]) + completion}
+    completion = sum(u["completion_tokens"] for u in usages if u is not None)
+    return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion}
+
+
+def _counts(usage: dict[str, Any]) -> bool:
+    return all(isinstance(usage.get(key), int) for key in ("prompt_tokens", "completion_tokens"))
 
 
 class _SampleStreams:
