@@ -1,8 +1,10 @@
 """What a request's sampling parameters do to its logits before a token is drawn, in vLLM's order: allowed_token_ids,
-min_tokens' masks, logit_bias, then the repetition, frequency and presence penalties. (min_p, top-k and top-p come after the
+bad_words, min_tokens' masks, logit_bias, then the repetition, frequency and presence penalties. (min_p, top-k and top-p come after the
 temperature, in sampling.py; logprobs are of the logits before all of this, as vLLM's default `raw_logprobs`.)
 
 - allowed_token_ids: every other token masked (-inf);
+- bad_words: a word's last token masked where the output ends with the word's other tokens (always, for a word of one
+  token), so that no word in the list is ever written as those tokens;
 - min_tokens: until the output holds that many tokens, the stop token ids and, unless ignore_eos, the EOS ids are
   masked (-inf);
 - logit_bias: each listed token's bias added to its logit;
@@ -54,6 +56,9 @@ def process_rows_(out: torch.Tensor, params: list[SamplingParams], histories: li
             kept = out[r, allowed]
             out[r].fill_(float("-inf"))
             out[r, allowed] = kept
+    banned = [(r, token) for r, (p, h) in enumerate(zip(params, histories)) for token in _bad_word_ends(p, h.output)]
+    if banned:
+        out[tuple(torch.tensor(banned, dtype=torch.int64).T)] = float("-inf")
     masked = [(r, i) for r, (p, h) in enumerate(zip(params, histories)) if len(h.output) < p.min_tokens
               for i in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids) if 0 <= i < vocab]
     if masked:
@@ -66,6 +71,16 @@ def process_rows_(out: torch.Tensor, params: list[SamplingParams], histories: li
     if penalized:
         _penalize_(out, penalized, [params[r] for r in penalized], [histories[r] for r in penalized])
     return out
+
+
+def _bad_word_ends(params: SamplingParams, output: Sequence[int]) -> set[int]:
+    """The tokens that would end a bad word after `output`."""
+    ends = set()
+    for word in params.bad_words_token_ids:
+        before = len(word) - 1
+        if before == 0 or (len(output) >= before and tuple(output[len(output) - before:]) == word[:-1]):
+            ends.add(word[-1])
+    return ends
 
 
 def _penalize_(out: torch.Tensor, rows: list[int], params: list[SamplingParams],

@@ -32,6 +32,9 @@ class SamplingParams:
     # The logprob of every prompt token after the first (the model's, given the tokens before it) and the top ones
     # beside it; None = not asked. A request that asks computes its whole prompt (no prefix hit), as in vLLM.
     prompt_logprobs: int | None = None
+    # vLLM's bad_words as token sequences (each word with and without a leading space): a sequence's last token is
+    # masked wherever the output ends with the tokens before it (a one-token word: always)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False   # a stop string that ends the output stays in its text
     skip_special_tokens: bool = True           # special tokens write no text (False: their text is written out)
 
@@ -79,6 +82,6 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before sampling (allowed_token_ids, min_tokens' masks, logit_bias,
-        penalties)."""
+        penalties, bad words)."""
         return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))

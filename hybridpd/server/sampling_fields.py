@@ -4,7 +4,7 @@ server does not, which are refused by name rather than ignored (an answer that s
 
 Read: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias (token id -> bias, clamped to [-100, 100] as vLLM does),
-allowed_token_ids, prompt_logprobs, include_stop_str_in_output, skip_special_tokens. Fields a request omits take the checkpoint's generation_config.json value where
+allowed_token_ids, prompt_logprobs, bad_words, include_stop_str_in_output, skip_special_tokens. Fields a request omits take the checkpoint's generation_config.json value where
 vLLM takes one (temperature, top_p, top_k, min_p and the three penalties), else vLLM's default.
 
 A request prefilled here for a remote decode node (`kv_transfer_params.do_remote_decode`) comes with max_tokens set
@@ -36,7 +36,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "best_of": (lambda v, _: v is None or v == 1, "best_of > 1 is not supported"),
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
-    "bad_words": (lambda v, _: _unset(v), "bad_words is not supported"),
     "response_format": (lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "response_format other than {\"type\": \"text\"} is not supported (no structured output)"),
     "structured_outputs": (lambda v, _: _unset(v), "structured outputs are not supported"),
@@ -111,6 +110,25 @@ def prompt_logprobs_field(f: Fields, stream: bool) -> int | None:
     return value
 
 
+def _bad_words(value: Any, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it reads at the start of the text and, when that is other
+    tokens of the same count, after a space (a word inside the text)."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
+        raise InvalidRequestError("bad_words must be a list of non-empty strings", "bad_words")
+    if not tokenizer.decodes_text:
+        raise InvalidRequestError(f"{NO_TOKENIZER}: bad_words need the tokenizer", "bad_words")
+    sequences: list[tuple[int, ...]] = []
+    for word in value:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(dict.fromkeys(sequences))
+
+
 def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                     engine: EngineClient, remote_decode: bool) -> SamplingParams:
     defaults, vocab_size = engine.generation_defaults, engine.vocab_size
@@ -139,6 +157,7 @@ def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, prompt_
         allowed_token_ids=_token_id_list(f, "allowed_token_ids", vocab_size, allow_empty=False),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        bad_words_token_ids=_bad_words(f.raw("bad_words"), engine.tokenizer),
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
     )

@@ -183,6 +183,37 @@ def test_a_stop_string_kept_in_the_output_through_the_proxy(cluster, stream):
     assert text == _text("/v1/completions", local_raw, stream) == plain[:plain.index(stop) + len(stop)]
 
 
+def _one_token_word(url: str, token_ids: list[int]) -> tuple[str, int] | None:
+    """An output token that is a word of ASCII letters on its own: the text that encodes to it alone."""
+    for token in token_ids:
+        _, raw = _post(url + "/detokenize", {"tokens": [token]})
+        word = json.loads(raw)["prompt"].strip()
+        if word.isascii() and word.isalpha():
+            _, raw = _post(url + "/tokenize", {"prompt": word, "add_special_tokens": False})
+            if json.loads(raw)["tokens"] == [token]:
+                return word, token
+    return None
+
+
+def test_bad_words_through_the_proxy_equal_a_colocated_nodes(cluster):
+    """A one-token word of the plain greedy output, banned: the output no longer holds that token, and P/D (the
+    prefill node's first token, the decode node's rest) bans it as one node does."""
+    _, info = cluster
+    node = info.decode[0].url
+    _, raw = _post(node + "/v1/completions", {**COMPLETION, "max_tokens": 16, "return_token_ids": True})
+    plain = json.loads(raw)["choices"][0]["token_ids"]
+    found = _one_token_word(node, plain)
+    assert found is not None, plain
+    word, token = found
+    body = {**COMPLETION, "max_tokens": 16, "bad_words": [word], "return_token_ids": True}
+    status, raw = _post(info.proxy_url + "/v1/completions", body)
+    local_status, local_raw = _post(node + "/v1/completions", body)
+    assert status == local_status == 200, raw
+    banned = json.loads(raw)["choices"][0]["token_ids"]
+    assert banned == json.loads(local_raw)["choices"][0]["token_ids"] != plain
+    assert token not in banned
+
+
 def _kv_bytes_read(info: ClusterInfo) -> float:
     with urllib.request.urlopen(info.decode[0].metrics_url, timeout=10) as response:
         return counter_sum(response.read().decode(), KV_BYTES_READ_METRIC) or 0.0

@@ -30,6 +30,9 @@ def reference(logits: list[float], params: SamplingParams, prompt: list[int], ou
     for token in range(len(out)):
         if params.allowed_token_ids is not None and token not in params.allowed_token_ids:
             out[token] = -INF
+        for word in params.bad_words_token_ids:   # the output followed by this token would end with the word
+            if word[-1] == token and (output + [token])[-len(word):] == list(word):
+                out[token] = -INF
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
         if len(output) < params.min_tokens and token in stops:
             out[token] = -INF
@@ -71,6 +74,10 @@ BASE = [2.0, -1.0, 0.5, 0.0, 3.0, -2.5, 1.0, 0.25, -0.5, 4.0, 1.5, 2.5]
     (SamplingParams(min_tokens=2, stop_token_ids=(3,), ignore_eos=True), [], [], {11: 2.5, 3: -INF}),
     # allowed_token_ids masks the rest
     (SamplingParams(allowed_token_ids=(1, 4)), [], [], {1: -1.0, 4: 3.0, 0: -INF, 9: -INF}),
+    # bad words: one token always; more only after the others, in the output (the prompt does not count)
+    (SamplingParams(bad_words_token_ids=((9,), (1, 2, 4))), [1, 2], [], {9: -INF, 4: 3.0}),
+    (SamplingParams(bad_words_token_ids=((9,), (1, 2, 4))), [], [7, 1, 2], {9: -INF, 4: -INF, 2: 0.5}),
+    (SamplingParams(bad_words_token_ids=((1, 2, 4),)), [], [2, 1], {4: 3.0}),
 ])
 def test_each_processor_on_a_tiny_vocabulary(params, prompt, output, expected):
     got = process_logits(torch.tensor(BASE), params, TokenHistory(prompt, output), EOS)
@@ -196,3 +203,19 @@ def test_rows_processed_together_equal_each_alone(rows, seed):
     together = process_rows(logits, params, histories, EOS)
     for r in range(len(rows)):
         assert torch.equal(together[r], process_logits(logits[r], params[r], histories[r], EOS))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), min_size=1, max_size=3),
+       st.lists(st.lists(st.floats(-5, 5), min_size=VOCAB, max_size=VOCAB), min_size=12, max_size=12))
+def test_greedy_output_never_holds_a_bad_word(words, steps):
+    """Whatever the logits, a greedy output never holds a bad word's tokens, checked against the output itself (a
+    word whose every ending is masked leaves the other tokens)."""
+    params = SamplingParams(bad_words_token_ids=tuple(tuple(w) for w in words))
+    output: list[int] = []
+    for logits in steps:
+        row = process_logits(torch.tensor(logits), params, TokenHistory([], output), EOS)
+        check(logits, params, [], output)
+        output.append(int(row.argmax()))
+    for word in params.bad_words_token_ids:
+        assert all(output[i:i + len(word)] != list(word) for i in range(len(output))), (word, output)

@@ -136,3 +136,12 @@ async def test_return_tokens_as_token_ids_in_chat(client):
     content = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "token_id:97" and content[0]["bytes"] == list(b"token_id:97")
     assert content[0]["top_logprobs"][0]["token"] == "token_id:97"
+
+
+@pytest.mark.parametrize("words, sequences", [
+    (["no"], ((110, 111),)),                       # " no" is three bytes here: not the same count, left out
+    (["  ab", "ab"], ((97, 98),)),                  # a word's leading spaces go; one sequence once
+])
+async def test_bad_words_reach_the_engine_as_token_sequences(client, engine, words, sequences):
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "bad_words": words})
+    assert resp.status == 200 and engine.requests[0].sampling.bad_words_token_ids == sequences
