@@ -19,7 +19,9 @@ from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import ParsedRequest
 from hybridpd.server.responses import choices_usage
-from hybridpd.server.streaming import SSE_HEADERS, ChunkBuilder, RequestFailed, end_stream, failure, sse
+from hybridpd.server.streaming import (
+    SSE_HEADERS, ChunkBuilder, RequestFailed, end_stream, failure, sse, write_output,
+)
 
 Arrival = tuple[int, RequestOutput | Exception]   # a choice's position and its next output, or why it has none
 
@@ -67,14 +69,9 @@ async def _stream(request: web.Request, requests: Sequence[ParsedRequest], arriv
     last: list[RequestOutput | None] = [None] * len(requests)
     try:
         while True:
-            error = _error(item)
-            if isinstance(item, RequestOutput):
-                trackers[position].observe(item)
-            if error is not None:
-                raise RequestFailed(error)
-            assert isinstance(item, RequestOutput)
-            for chunk in builders[position].chunks(item):
-                await response.write(sse(chunk))
+            if isinstance(item, Exception):
+                raise RequestFailed(item)
+            await write_output(response, builders[position], trackers[position], item)
             if item.finished:
                 last[position] = item
                 if all(output is not None for output in last):

@@ -151,12 +151,7 @@ async def stream_outputs(
     output = first
     try:
         while True:
-            tracker.observe(output)
-            error = failure(output)
-            if error is not None:
-                raise RequestFailed(error)
-            for chunk in builder.chunks(output):
-                await response.write(sse(chunk))
+            await write_output(response, builder, tracker, output)
             if output.finished:
                 break
             output = await rest.next()
@@ -167,6 +162,17 @@ async def stream_outputs(
     except Exception as exc:  # noqa: BLE001 - a failure after the status went out becomes an error event
         return await end_stream(response, exc)
     return await end_stream(response, None)
+
+
+async def write_output(response: web.StreamResponse, builder: ChunkBuilder, tracker: RequestTracker,
+                       output: RequestOutput) -> None:
+    """One output's chunks onto the stream; a failed output raises RequestFailed."""
+    tracker.observe(output)
+    error = failure(output)
+    if error is not None:
+        raise RequestFailed(error)
+    for chunk in builder.chunks(output):
+        await response.write(sse(chunk))
 
 
 async def end_stream(response: web.StreamResponse, error: Exception | None) -> web.StreamResponse:
