@@ -99,20 +99,20 @@ def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-_TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")   # booleans that change the prompt's tokens
+# The fields a `/tokenize` call carries over from the request (each when of its type): what changes the prompt's tokens.
+_COMPLETION_TOKENIZE = {"model": str, "add_special_tokens": bool}
+_CHAT_TOKENIZE = {**_COMPLETION_TOKENIZE, "add_generation_prompt": bool, "chat_template_kwargs": dict}
 
 
 def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize."""
-    model = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
-    model |= {flag: body[flag] for flag in _TOKENIZE_FLAGS if isinstance(body.get(flag), bool)}
-    if path == "/v1/chat/completions":
-        if isinstance(body.get("chat_template_kwargs"), dict):
-            model["chat_template_kwargs"] = body["chat_template_kwargs"]
-        return {**model, "messages": body["messages"]} if isinstance(body.get("messages"), list) else None
-    model.pop("add_generation_prompt", None)
+    chat = path == "/v1/chat/completions"
+    kinds = _CHAT_TOKENIZE if chat else _COMPLETION_TOKENIZE
+    carried = {key: body[key] for key, kind in kinds.items() if isinstance(body.get(key), kind)}
+    if chat:
+        return {**carried, "messages": body["messages"]} if isinstance(body.get("messages"), list) else None
     prompt = one_prompt(body.get("prompt"))
-    return {**model, "prompt": prompt} if isinstance(prompt, str) and prompt else None
+    return {**carried, "prompt": prompt} if isinstance(prompt, str) and prompt else None
 
 
 def truncated(body: dict[str, Any], tokens: list[int]) -> list[int]:
