@@ -16,6 +16,7 @@ import torch
 from hybridpd.config import EngineConfig, MambaCacheMode
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.detokenizer import Detokenizer
+from hybridpd.engine.grammar import Grammar, GrammarCompiler
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Medium
 from hybridpd.engine.kv_cache.capacity import capacity_report
@@ -95,6 +96,7 @@ class LLMEngine:
                                                    skip_init=config.skip_tokenizer_init)
         self.generation_defaults = GenerationDefaults.from_model_dir(config.model_dir)
         self.eos_token_ids = stop_token_ids(self.model_config, self.generation_defaults, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         has_mamba = self.model_config.has_mamba
         self.mamba_interval = mamba_interval(config, self.model_config) if has_mamba else config.cache.block_size
@@ -251,7 +253,7 @@ class LLMEngine:
             request = replace(request, kv_transfer=None)
         seq = Sequence.from_request(
             request, arrival_order=next(self._order), decode_skip_mamba_align=self.decode_skip_mamba_align,
-            vocab_size=self.model_config.vocab_size,
+            vocab_size=self.model_config.vocab_size, grammar=self._grammar(request),
         )
         self._tracked[seq.request_id] = _Tracked(seq, Detokenizer.of(self.tokenizer, request.sampling))
         self.num_prompt_tokens_total += len(seq.prompt_token_ids)
@@ -266,6 +268,20 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, remote.first_token_logprob)
+
+    def _grammar(self, request: EngineRequest) -> Grammar | None:
+        """A constrained request's matcher, past the first token when another node drew it (under the same
+        constraint: a token the constraint does not allow is refused, never followed by masks that cannot match)."""
+        constraint = request.sampling.constraint
+        if constraint is None:
+            return None
+        grammar = self.grammars.start(constraint)
+        remote = request.kv_transfer
+        if isinstance(remote, RemotePrefillParams) and not grammar.accept(remote.first_token_id):
+            raise InvalidRequestError(
+                f"kv_transfer_params.first_token_id {remote.first_token_id} does not match the request's "
+                f"{constraint.field}: its prefill node drew it without the constraint", "kv_transfer_params")
+        return grammar
 
     def request_ids(self) -> list[str]:
         """Every request the engine holds (waiting, loading, running)."""

@@ -100,7 +100,7 @@ class ModelRunner:
         histories = [TokenHistory(s.seq.prompt_tensor, s.seq.output_token_ids) if s.seq.sampling.shapes_logits
                      else None for s in samplers]
         tokens = sample(logits, [s.seq.sampling for s in samplers], [s.seq.generator for s in samplers], histories,
-                        self.eos_token_ids)
+                        self.eos_token_ids, [s.seq.grammar for s in samplers])
         return RunnerOutput({s.seq.request_id: t for s, t in zip(samplers, tokens)}, prompt_logprobs)
 
     def _score_prompts(self, hidden: torch.Tensor,

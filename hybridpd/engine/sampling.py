@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridpd.engine.grammar import Grammar, mask_rows_
 from hybridpd.engine.logits_processors import TokenHistory, min_p_filter, process_rows_
 from hybridpd.engine.request import TokenLogprob
 from hybridpd.engine.sampling_params import SamplingParams
@@ -85,11 +86,18 @@ def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            histories: list[TokenHistory | None] | None = None,
-           eos_token_ids: frozenset[int] = frozenset()) -> list[SampledToken]:
+           eos_token_ids: frozenset[int] = frozenset(),
+           grammars: list[Grammar | None] | None = None) -> list[SampledToken]:
     """Rows of `logits` [S, vocab] in the order of `params`; `histories` holds the tokens of each row whose parameters
-    shape its logits (None for the others). Those rows are processed first, together (logits_processors.py); then
-    greedy rows without logprobs share one argmax, random rows without logprobs, min-p, top-k or top-p share one
-    softmax and one race (each with its own generator's noise). Logprobs are of the rows as the model gave them."""
+    shape its logits (None for the others), `grammars` each constrained row's matcher. Constrained rows are masked
+    first (grammar.py), then the rows whose parameters shape them are processed, together (logits_processors.py);
+    then greedy rows without logprobs share one argmax, random rows without logprobs, min-p, top-k or top-p share one
+    softmax and one race (each with its own generator's noise). Logprobs are of the rows as the model gave them,
+    masked by their grammar (as vLLM's, whose bitmask comes before its sampler)."""
+    constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
+    if constrained:
+        logits = logits.to(torch.float32, copy=True).contiguous()
+        mask_rows_(logits, constrained, [grammars[i] for i in constrained])  # type: ignore[index,misc]
     raw = logits
     shaped = [i for i, p in enumerate(params) if p.shapes_logits]
     if shaped:

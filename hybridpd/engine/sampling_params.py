@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridpd.engine.output_constraint import OutputConstraint
 from hybridpd.errors import InvalidRequestError
 
 
@@ -37,6 +38,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False   # a stop string that ends the output stays in its text
     skip_special_tokens: bool = True           # special tokens write no text (False: their text is written out)
+    constraint: OutputConstraint | None = None  # what the output must match (structured outputs), None = anything
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

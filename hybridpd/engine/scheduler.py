@@ -376,7 +376,7 @@ class Scheduler:
             self.kv.commit(seq, seq.num_computed_tokens)
             token = sampled.get(seq.request_id)
             if token is not None:
-                seq.all_token_ids.append(token)
+                seq.append_output(token)
                 self._check_length_and_eos(seq)
                 touched.append(seq)
         return touched

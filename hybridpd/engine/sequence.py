@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridpd.engine.grammar import Grammar
 from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestStatus, TokenLogprob
 from hybridpd.engine.sampling import skip_draw
@@ -42,10 +43,13 @@ class Sequence:
     # carries them (`prompt_logprobs_sent`).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    grammar: Grammar | None = None            # where its output stands in its constraint (structured outputs): it
+                                              # has taken every output token, a remote first token included
 
     @classmethod
     def from_request(
-        cls, request: EngineRequest, *, arrival_order: int, decode_skip_mamba_align: bool, vocab_size: int
+        cls, request: EngineRequest, *, arrival_order: int, decode_skip_mamba_align: bool, vocab_size: int,
+        grammar: Grammar | None = None,
     ) -> Sequence:
         seed = request.sampling.seed
         remote_prefill = request.kv_transfer if isinstance(request.kv_transfer, RemotePrefillParams) else None
@@ -73,6 +77,7 @@ class Sequence:
             arrival_order=arrival_order,
             all_token_ids=all_token_ids,
             trace_context=request.trace_context,
+            grammar=grammar,
         )
 
     @property
@@ -102,6 +107,12 @@ class Sequence:
         """The logprobs of prompt positions `first_target`, `first_target + 1`, ... (a recomputed prompt overwrites
         what its first computation left)."""
         self.prompt_logprobs[first_target - 1 :] = entries
+
+    def append_output(self, token: int) -> None:
+        """The token it just drew (its grammar, if any, follows)."""
+        self.all_token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     @property
     def is_finished(self) -> bool:

@@ -1,11 +1,13 @@
 """A request body's sampling fields -> `SamplingParams`, as vLLM reads them; and the fields vLLM honours that this
-server does not, which are refused by name rather than ignored (an answer that silently drops `response_format` or
-`best_of` is not the answer asked for).
+server does not, which are refused by name rather than ignored (an answer that silently drops `best_of` or `tools`
+is not the answer asked for).
 
 Read: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias (token id -> bias, clamped to [-100, 100] as vLLM does),
-allowed_token_ids, prompt_logprobs, bad_words, include_stop_str_in_output, skip_special_tokens. Fields a request omits take the checkpoint's generation_config.json value where
-vLLM takes one (temperature, top_p, top_k, min_p and the three penalties), else vLLM's default.
+allowed_token_ids, prompt_logprobs, bad_words, include_stop_str_in_output, skip_special_tokens, and the structured
+output fields (`structured_outputs`, `response_format`: structured_fields.py). Fields a request omits take the
+checkpoint's generation_config.json value where vLLM takes one (temperature, top_p, top_k, min_p and the three
+penalties), else vLLM's default.
 
 A request prefilled here for a remote decode node (`kv_transfer_params.do_remote_decode`) comes with max_tokens set
 to 1 by the proxy, vLLM's toy proxy included; its min_tokens is cut to that one token, so that its first token is
@@ -22,6 +24,7 @@ from hybridpd.engine.tokenizer import NO_TOKENIZER, Tokenizer
 from hybridpd.errors import InvalidRequestError
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.fields import Fields
+from hybridpd.server.structured_fields import output_constraint
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0
@@ -36,13 +39,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "best_of": (lambda v, _: v is None or v == 1, "best_of > 1 is not supported"),
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
-    "response_format": (lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "response_format other than {\"type\": \"text\"} is not supported (no structured output)"),
-    "structured_outputs": (lambda v, _: _unset(v), "structured outputs are not supported"),
-    "guided_json": (lambda v, _: v is None, "structured outputs are not supported"),
-    "guided_regex": (lambda v, _: v is None, "structured outputs are not supported"),
-    "guided_choice": (lambda v, _: v is None, "structured outputs are not supported"),
-    "guided_grammar": (lambda v, _: v is None, "structured outputs are not supported"),
     "continue_final_message": (lambda v, _: _unset(v), "continue_final_message is not supported"),
     "tools": (lambda v, body: _unset(v) or body.get("tool_choice") == "none",
               "tools are not supported (no tool-call parsing); send tool_choice \"none\" or no tools"),
@@ -160,4 +156,5 @@ def sampling_params(f: Fields, *, max_tokens: int, logprobs: int | None, prompt_
         bad_words_token_ids=_bad_words(f.raw("bad_words"), engine.tokenizer),
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
+        constraint=output_constraint(f, engine.tokenizer),
     )
