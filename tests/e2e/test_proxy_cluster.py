@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import urllib.error
 import urllib.request
@@ -181,6 +182,44 @@ def test_a_stop_string_kept_in_the_output_through_the_proxy(cluster, stream):
     assert status == local_status == 200, raw
     text = _text("/v1/completions", raw, stream)
     assert text == _text("/v1/completions", local_raw, stream) == plain[:plain.index(stop) + len(stop)]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "ok": {"type": "boolean"}},
+          "required": ["name", "n", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "ignore_eos": False, "max_completion_tokens": 80,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+                              "structured_outputs": {"disable_any_whitespace": True}}),
+    ("/v1/completions", {**COMPLETION, "ignore_eos": False, "max_tokens": 20,
+                         "structured_outputs": {"choice": ["prefill", "decode", "both"]}}),
+    ("/v1/completions", {**COMPLETION, "ignore_eos": False, "max_tokens": 20, "temperature": 1.0, "seed": 5, "n": 2,
+                         "structured_outputs": {"regex": "(ab|cd)[0-9]{2}"}}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_outputs_through_the_proxy_equal_a_colocated_nodes(cluster, path, body, stream):
+    """The prefill node draws the first token under the constraint, the decode node's matcher takes it and goes on:
+    the same outputs as one node's, and every one matches the constraint."""
+    _, info = cluster
+    body = {**body, "stream": stream}
+    read_before = _kv_bytes_read(info)
+    status, raw = _post(info.proxy_url + path, body)
+    assert _kv_bytes_read(info) > read_before   # split: the decode node pulled the prompt's KV
+    local_status, local_raw = _post(info.decode[0].url + path, body)
+    assert status == local_status == 200, raw
+    ours, local = _texts_by_index(path, raw, stream), _texts_by_index(path, local_raw, stream)
+    assert ours == local and len(ours) == body.get("n", 1)
+    for text in ours.values():
+        if "response_format" in body:
+            value = json.loads(text)
+            assert set(value) == {"name", "n", "ok"} and 0 <= value["n"] <= 99 and len(value["name"]) <= 6
+        elif "choice" in body["structured_outputs"]:
+            assert text in ("prefill", "decode", "both")
+        else:
+            assert re.fullmatch("(ab|cd)[0-9]{2}", text), text
 
 
 def _one_token_word(url: str, token_ids: list[int]) -> tuple[str, int] | None:
