@@ -114,7 +114,7 @@ VALID_FIELDS = {
 }
 FIELD_NAMES = sorted({*VALID_FIELDS, "prompt", "messages", "logprobs", "max_completion_tokens", "n", "echo",
                       "kv_transfer_params", "top_logprobs", "user", "presence_penalty", "stream_options",
-                      "prompt_logprobs"})
+                      "prompt_logprobs", "structured_outputs", "response_format"})
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                            "content": st.text(max_size=12)}), min_size=1, max_size=3)
 ODD_MESSAGES = st.lists(st.fixed_dictionaries({}, optional={"role": ANY_JSON, "content": ANY_JSON}), max_size=3)
