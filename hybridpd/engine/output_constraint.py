@@ -3,7 +3,7 @@ expression, one of a list of strings, or a grammar (Lark, or llama.cpp's GBNF), 
 vLLM's `guidance` backend compiles it (JSON with flexible whitespace unless `disable_any_whitespace`).
 
 A constraint is data (it crosses to the engine process with the request); the matcher that follows a request's
-tokens through it is the engine's (grammar.py). `grammar()` raises `InvalidRequestError` for a constraint that does
+tokens through it is the engine's (grammar.py). `check()` raises `InvalidRequestError` for a constraint that does
 not compile (a schema of an unknown type, a regex that does not parse), so a bad one is a 400, never a failed step.
 """
 
@@ -34,18 +34,20 @@ class OutputConstraint:
     disable_any_whitespace: bool = False   # JSON only: no whitespace between tokens the schema does not need
     field: str = "structured_outputs"      # the request field it came from (named in errors)
 
-    def grammar(self) -> str:
-        """The llguidance grammar of this constraint, checked to compile."""
-        try:
-            grammar = self._compile()
-        except ValueError as exc:
-            raise InvalidRequestError(f"{self.kind.value}: {_message(str(exc))}", self.field) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    def check(self) -> None:
+        """That the grammar compiles (where the request is parsed: a bad one never reaches the engine)."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar())
         if is_error:
             raise InvalidRequestError(f"{self.kind.value}: {_message(messages[0])}", self.field)
-        return grammar
 
-    def _compile(self) -> str:
+    def grammar(self) -> str:
+        """The llguidance grammar of this constraint (what a matcher is built from; `check()` says it compiles)."""
+        try:
+            return self._grammar()
+        except ValueError as exc:
+            raise InvalidRequestError(f"{self.kind.value}: {_message(str(exc))}", self.field) from None
+
+    def _grammar(self) -> str:
         whitespace = {"whitespace_flexible": not self.disable_any_whitespace}
         if self.kind is ConstraintKind.JSON:
             return llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=whitespace)

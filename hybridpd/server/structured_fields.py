@@ -36,7 +36,7 @@ def output_constraint(f: Fields, tokenizer: Tokenizer) -> OutputConstraint | Non
         return None
     if not tokenizer.decodes_text:
         raise InvalidRequestError(f"{NO_TOKENIZER}: structured outputs need the tokenizer", constraint.field)
-    constraint.grammar()   # compiles, or a 400 naming the field
+    constraint.check()   # compiles, or a 400 naming the field
     return constraint
 
 

@@ -76,3 +76,10 @@ def test_rows_are_masked_each_by_its_own_grammar_and_others_left_alone():
 def test_a_node_without_a_tokenizer_has_no_grammars():
     with pytest.raises(InvalidRequestError):
         GrammarCompiler(TokenIdsOnly(VOCAB), VOCAB).start(OutputConstraint(ConstraintKind.JSON_OBJECT, ""))
+
+
+def test_a_constraint_that_does_not_compile_is_refused_where_the_matcher_is_built():
+    """The server checks it first; an engine handed one directly refuses it the same way."""
+    with pytest.raises(InvalidRequestError) as caught:
+        compiler().start(OutputConstraint(ConstraintKind.REGEX, "[a-"))
+    assert caught.value.param == "structured_outputs"
