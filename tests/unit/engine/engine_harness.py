@@ -62,6 +62,17 @@ def run(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     raise AssertionError("the engine made no progress")
 
 
+def decode_remotely(engine: LLMEngine, loader, request: EngineRequest) -> list[RequestOutput]:
+    """`request` (with RemotePrefillParams) on a decode node set up with `loader` (sched_harness.FakeLoader), its pull
+    completing at once -> its outputs: the first (the prefill node's token, returned by add_request), then the
+    rest."""
+    first = engine.add_request(request)
+    assert first is not None and not first.finished
+    assert engine.step() == [] and [rid for rid, _, _ in loader.started] == [request.request_id]  # admitted: pulls
+    engine.complete_load(request.request_id)
+    return [first, *run(engine)[request.request_id]]
+
+
 def token_ids(outputs: list[RequestOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 

@@ -10,7 +10,8 @@ from hybridpd.engine.request import EngineRequest, FinishReason
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.transfer_params import RemoteDecodeParams
 
-from .engine_harness import all_free, greedy, make_engine, remote_params_for, run, text, text_prompt, token_ids
+from .engine_harness import (all_free, decode_remotely, greedy, make_engine, remote_params_for, run, text,
+                             text_prompt, token_ids)
 from .sched_harness import FakeLoader
 
 PROMPT = text_prompt("The quick brown fox jumps over")
@@ -110,11 +111,7 @@ def test_a_decode_node_counts_the_first_token_toward_min_tokens(tiny_dir):
                             sampling=SamplingParams(max_tokens=6, temperature=0.0, min_tokens=2,
                                                     logit_bias=((eos, 100.0),)),
                             kv_transfer=remote_params_for(engine, 20, first_token_id=5))
-    first = engine.add_request(request)
-    assert not first.finished
-    assert engine.step() == [] and [rid for rid, _, _ in loader.started] == ["d"]   # admitted: its pull starts
-    engine.complete_load("d")
-    outputs = [first, *run(engine)["d"]]
+    outputs = decode_remotely(engine, loader, request)
     ids = token_ids(outputs)
     assert ids[0] == 5 and ids[1] != eos and ids[2] == eos and len(ids) == 3
     assert outputs[-1].finish_reason is FinishReason.STOP

@@ -18,8 +18,8 @@ from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.transfer_params import RemoteDecodeParams
 from hybridpd.errors import InvalidRequestError
 
-from .engine_harness import (all_free, greedy, make_engine, make_recording_engine, remote_params_for, run, text,
-                             text_prompt, token_ids)
+from .engine_harness import (all_free, decode_remotely, greedy, make_engine, make_recording_engine, remote_params_for,
+                             run, text, text_prompt, token_ids)
 from .sched_harness import FakeLoader
 
 PROMPT = text_prompt("The quick brown fox jumps over")
@@ -156,11 +156,7 @@ def test_a_decode_node_follows_on_from_the_first_token(tiny_dir):
     request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
                             sampling=SamplingParams(max_tokens=20, temperature=0.0, constraint=choice(CHOICES)),
                             kv_transfer=remote_params_for(engine, 20, first_token_id=first))
-    head = engine.add_request(request)
-    assert not head.finished
-    assert engine.step() == []
-    engine.complete_load("d")
-    outputs = [head, *run(engine)["d"]]
+    outputs = decode_remotely(engine, loader, request)
     assert text(outputs) == "cherry tart" and outputs[-1].finish_reason is FinishReason.STOP
     assert all_free(engine)
 
