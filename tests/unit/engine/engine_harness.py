@@ -13,6 +13,8 @@ from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import SchedulerPlan
 
+from .sched_harness import FakeLoader
+
 MAX_STEPS = 500
 
 
@@ -62,8 +64,15 @@ def run(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     raise AssertionError("the engine made no progress")
 
 
-def decode_remotely(engine: LLMEngine, loader, request: EngineRequest) -> list[RequestOutput]:
-    """`request` (with RemotePrefillParams) on a decode node set up with `loader` (sched_harness.FakeLoader), its pull
+def decode_node(model_dir: Path) -> tuple[LLMEngine, FakeLoader]:
+    """An engine set up as a P/D decode node (skip_mamba_align on) whose pulls a FakeLoader takes -> (engine, loader)."""
+    engine, loader = make_engine(model_dir), FakeLoader()
+    engine.set_remote(loader, hold_handler=lambda seq, logprob: None, decode_skip_mamba_align=True)
+    return engine, loader
+
+
+def decode_remotely(engine: LLMEngine, loader: FakeLoader, request: EngineRequest) -> list[RequestOutput]:
+    """`request` (with RemotePrefillParams) on a decode node set up with `loader` (`decode_node`), its pull
     completing at once -> its outputs: the first (the prefill node's token, returned by add_request), then the
     rest."""
     first = engine.add_request(request)

@@ -10,8 +10,8 @@ from hybridpd.engine.request import EngineRequest, FinishReason
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.transfer_params import RemoteDecodeParams
 
-from .engine_harness import (all_free, decode_remotely, greedy, make_engine, remote_params_for, run, text,
-                             text_prompt, token_ids)
+from .engine_harness import (all_free, decode_node, decode_remotely, greedy, make_engine, remote_params_for, run,
+                             text, text_prompt, token_ids)
 from .sched_harness import FakeLoader
 
 PROMPT = text_prompt("The quick brown fox jumps over")
@@ -87,9 +87,7 @@ def test_a_prefill_node_draws_its_first_token_under_min_tokens(tiny_dir):
 
 
 def test_a_decode_node_ends_at_once_when_the_first_token_is_a_stop_token(tiny_dir):
-    engine = make_engine(tiny_dir)
-    loader = FakeLoader()
-    engine.set_remote(loader, hold_handler=lambda seq, logprob: None, decode_skip_mamba_align=True)
+    engine, loader = decode_node(tiny_dir)
     request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
                             sampling=SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(7,)),
                             kv_transfer=remote_params_for(engine, 20, first_token_id=7))
@@ -103,9 +101,7 @@ def test_a_decode_node_ends_at_once_when_the_first_token_is_a_stop_token(tiny_di
 def test_a_decode_node_counts_the_first_token_toward_min_tokens(tiny_dir):
     """A remotely prefilled request starts with one output token: with min_tokens 2, the next token may not stop it,
     the one after may."""
-    engine = make_engine(tiny_dir)
-    loader = FakeLoader()
-    engine.set_remote(loader, hold_handler=lambda seq, logprob: None, decode_skip_mamba_align=True)
+    engine, loader = decode_node(tiny_dir)
     eos = min(engine.eos_token_ids)
     request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
                             sampling=SamplingParams(max_tokens=6, temperature=0.0, min_tokens=2,

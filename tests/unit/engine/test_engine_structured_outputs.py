@@ -18,8 +18,8 @@ from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.transfer_params import RemoteDecodeParams
 from hybridpd.errors import InvalidRequestError
 
-from .engine_harness import (all_free, decode_remotely, greedy, make_engine, make_recording_engine, remote_params_for,
-                             run, text, text_prompt, token_ids)
+from .engine_harness import (all_free, decode_node, decode_remotely, greedy, make_engine, make_recording_engine,
+                             remote_params_for, run, text, text_prompt, token_ids)
 from .sched_harness import FakeLoader
 
 PROMPT = text_prompt("The quick brown fox jumps over")
@@ -149,9 +149,7 @@ def test_a_prefill_node_draws_its_first_token_under_the_constraint(tiny_dir):
 
 def test_a_decode_node_follows_on_from_the_first_token(tiny_dir):
     """The prefill node drew 'c' of the choices: this node's outputs go on within 'cherry tart'."""
-    engine = make_engine(tiny_dir)
-    loader = FakeLoader()
-    engine.set_remote(loader, hold_handler=lambda seq, logprob: None, decode_skip_mamba_align=True)
+    engine, loader = decode_node(tiny_dir)
     first = engine.tokenizer.encode("c", add_special_tokens=False)[0]
     request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
                             sampling=SamplingParams(max_tokens=20, temperature=0.0, constraint=choice(CHOICES)),
@@ -162,8 +160,7 @@ def test_a_decode_node_follows_on_from_the_first_token(tiny_dir):
 
 
 def test_a_first_token_the_constraint_does_not_allow_is_refused(tiny_dir):
-    engine = make_engine(tiny_dir)
-    engine.set_remote(FakeLoader(), hold_handler=lambda seq, logprob: None, decode_skip_mamba_align=True)
+    engine, _ = decode_node(tiny_dir)
     first = engine.tokenizer.encode("z", add_special_tokens=False)[0]
     request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
                             sampling=SamplingParams(max_tokens=4, temperature=0.0, constraint=choice(CHOICES)),
