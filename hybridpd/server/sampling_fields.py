@@ -40,6 +40,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
     "continue_final_message": (lambda v, _: _unset(v), "continue_final_message is not supported"),
+    **{f"guided_{kind}": (lambda v, _: v is None, f"guided_{kind} is not read; send structured_outputs.{kind} (vLLM's "
+                                                  "spelling)")
+       for kind in ("json", "regex", "choice", "grammar")},
     "tools": (lambda v, body: _unset(v) or body.get("tool_choice") == "none",
               "tools are not supported (no tool-call parsing); send tool_choice \"none\" or no tools"),
 }

@@ -8,8 +8,8 @@
 
 The constraint is compiled here once (a schema or regex that does not compile is a 400 naming the field, before the
 request reaches the engine). Not served, and refused by name: `structural_tag`, `whitespace_pattern`,
-`disable_additional_properties` (vLLM's, set by its server's flags), and the `guided_*` fields vLLM read before it
-spelled them `structured_outputs`.
+`disable_additional_properties` (vLLM's, set by its server's flags); the `guided_*` fields vLLM read before it
+spelled them `structured_outputs` are refused with the other fields we do not read (sampling_fields.UNSUPPORTED).
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ from hybridpd.server.fields import Fields
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 NOT_SERVED = ("structural_tag", "whitespace_pattern")
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def output_constraint(f: Fields, tokenizer: Tokenizer) -> OutputConstraint | None:
-    for old, new in GUIDED.items():
-        if f.raw(old) is not None:
-            raise InvalidRequestError(f"{old} is not read; send structured_outputs.{new} (vLLM's spelling)", old)
     constraint = _from_response_format(f) or _from_structured_outputs(f)
     if constraint is None:
         return None
