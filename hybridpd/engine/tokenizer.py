@@ -39,9 +39,11 @@ class Tokenizer(Protocol):
         """Each id's token as the vocabulary writes it (transformers' `convert_ids_to_tokens`)."""
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the chat template renders it; `template_kwargs` are more variables for the template
-        (vLLM's `chat_template_kwargs`, such as a template's `thinking` switch)."""
+        (vLLM's `chat_template_kwargs`, such as a template's `thinking` switch); `tools` the tools it may show the
+        model (OpenAI's `{"type": "function", "function": {...}}` objects, as transformers passes them)."""
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -65,8 +67,15 @@ def message_text(message: Any) -> tuple[str, str]:
     return message["role"], content
 
 
-def plain_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    lines = [f"{role}: {content}\n" for role, content in map(message_text, messages)]
+def plain_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> str:
+    """`role: content` lines, for a tokenizer without a chat template; tools, when given, on a first `tools:` line
+    (their JSON), an assistant's calls after its content as `<tool_call>` JSON (the `granite4` parser's format)."""
+    lines = [f"tools: {json.dumps(tools, ensure_ascii=False)}\n"] if tools else []
+    for message, (role, content) in zip(messages, map(message_text, messages)):
+        calls = "".join(f"<tool_call>{json.dumps(call['function'], ensure_ascii=False)}</tool_call>"
+                        for call in message.get("tool_calls") or ())
+        lines.append(f"{role}: {content}{calls}\n")
     return "".join(lines) + ("assistant: " if add_generation_prompt else "")
 
 
@@ -90,7 +99,7 @@ class ChatTemplate:
         raise InvalidRequestError(f"chat template: {message}", "messages")
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               template_kwargs: Mapping[str, Any] | None = None) -> str:
+               template_kwargs: Mapping[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
         normalized = [{**m, "role": role, "content": content} for m, (role, content) in
@@ -98,7 +107,7 @@ class ChatTemplate:
         try:
             return self._template.render(
                 **(template_kwargs or {}), messages=normalized, add_generation_prompt=add_generation_prompt,
-                tools=None, documents=None, **self._special
+                tools=tools, documents=None, **self._special
             )
         except TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
@@ -125,8 +134,9 @@ class ByteTokenizer:
         return [bytes([i]).decode("latin-1") if 0 <= i < BYTE_VOCAB else f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
-        return plain_chat_template(messages, add_generation_prompt)
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return plain_chat_template(messages, add_generation_prompt, tools)
 
     def describe(self) -> dict[str, Any]:
         return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size, "eos_token": None,
@@ -169,10 +179,11 @@ class HFTokenizer:
         return [self._tok.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self._chat is None:
-            return plain_chat_template(messages, add_generation_prompt)
-        return self._chat.render(messages, add_generation_prompt, template_kwargs)
+            return plain_chat_template(messages, add_generation_prompt, tools)
+        return self._chat.render(messages, add_generation_prompt, template_kwargs, tools)
 
     def describe(self) -> dict[str, Any]:
         """tokenizer_config.json with its special tokens as their text (transformers writes some as objects)."""
@@ -207,7 +218,8 @@ class TokenIdsOnly:
         raise InvalidRequestError(f"{NO_TOKENIZER}: token strings need the tokenizer", "return_token_strs")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         raise InvalidRequestError(f"{NO_TOKENIZER}: chat messages need the tokenizer; use /v1/completions with token "
                                   "ids", "messages")
 

@@ -75,6 +75,8 @@ def wants_stream(body: dict[str, Any]) -> bool:
 
 def streams_head(body: dict[str, Any]) -> bool:
     """Whether the client's stream begins with the prefill node's (proxy/prefill_stream.py): when it streams, unless
-    it asks for one token only (that token's chunk is also the last, which only the decode node can tell)."""
+    it asks for one token only (that token's chunk is also the last, which only the decode node can tell) or may call
+    tools (the decode node reads the calls from the whole text, the first token's included)."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return wants_stream(body) and not (isinstance(limit, int) and limit == 1)
+    calls_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+    return wants_stream(body) and not (isinstance(limit, int) and limit == 1) and not calls_tools

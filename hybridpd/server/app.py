@@ -103,7 +103,8 @@ class Handlers:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
-            requests = parse_choices(body, endpoint, self._engine, self._config.served_model_name)
+            requests = parse_choices(body, endpoint, self._engine, self._config.served_model_name,
+                                     self._config.tool_parsing)
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
             parsed = requests[0]

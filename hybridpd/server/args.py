@@ -34,6 +34,7 @@ from hybridpd.engine.model.config_fields import checkpoint_dtype
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.server.config import ServerConfig
+from hybridpd.server.tool_fields import TOOL_CALL_PARSERS, ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
@@ -92,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                       help="answer GET /tokenizer_info (vLLM's flag; off by default: it shows the tokenizer's config "
                            "and chat template), what lm-evaluation-harness's remote tokenizer reads")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="let chat requests with tools leave the choice to the model (tool_choice \"auto\", the "
+                           "default with tools; vLLM's flag): needs --tool-call-parser")
+    http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                      help="how the model writes tool calls, read into the answer's tool_calls (vLLM's flag; "
+                           "granite4: <tool_call>{\"name\", \"arguments\"}</tool_call>, Granite 4.0's)")
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -222,6 +229,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             trusted_peers=TrustedPeers.parse(args.kv_trusted_peers),
             tls=tls,
             tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+            tool_parsing=ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

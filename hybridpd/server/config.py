@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.server.tool_fields import ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.tls import TLSConfig
 
@@ -27,6 +28,7 @@ class ServerConfig:
     trusted_peers: TrustedPeers = field(default_factory=lambda: TrustedPeers.parse(LOOPBACK_ONLY))
     tls: TLSConfig | None = None    # HTTPS, mutual with a CA (hybridpd/tls.py)
     tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint)
+    tool_parsing: ToolParsing = ToolParsing()   # --enable-auto-tool-choice, --tool-call-parser
 
     @property
     def scheme(self) -> str:

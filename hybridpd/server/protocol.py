@@ -33,6 +33,7 @@ from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
 from hybridpd.server.sampling_fields import prompt_logprobs_field, refuse_unsupported, sampling_params
+from hybridpd.server.tool_fields import ToolParsing, ToolUse, template_tool_calls, tool_use
 from hybridpd.stream_head import StreamHead, parse_stream_head
 
 MAX_LOGPROBS = 20
@@ -73,6 +74,7 @@ class ParsedRequest:
     stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
     echo: Echo | None = None
     choice: Choice | None = None   # one of several choices of one body
+    tool_use: ToolUse | None = None   # the chat body's tools and tool choice (tool_fields.py)
 
     @property
     def request_id(self) -> str:
@@ -156,7 +158,9 @@ def _message_content(message: Fields, index: int) -> str:
     return "\n".join(texts)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """The conversation as the chat template reads it: each message's role and text, its `name` and `tool_call_id`
+    when given, and an assistant's `tool_calls` with their arguments as objects (template_tool_calls)."""
     if not isinstance(value, list) or not value:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
     messages = []
@@ -169,7 +173,13 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             raise InvalidRequestError(
                 f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}", f"messages[{index}].role"
             )
-        messages.append({"role": role, "content": _message_content(message, index)})
+        parsed: dict[str, Any] = {"role": role, "content": _message_content(message, index)}
+        for key in ("name", "tool_call_id"):
+            if message.optional_str(key) is not None:
+                parsed[key] = message.raw(key)
+        if role == "assistant" and message.raw("tool_calls"):
+            parsed["tool_calls"] = template_tool_calls(message.raw("tool_calls"), f"messages[{index}].tool_calls")
+        messages.append(parsed)
     return messages
 
 
@@ -184,12 +194,12 @@ def template_kwargs(f: Fields) -> dict[str, Any] | None:
     return kwargs.obj
 
 
-def chat_prompt(messages: list[dict[str, str]], engine: EngineClient, f: Fields, *,
-                add_special_tokens: bool = False) -> tuple[int, ...]:
+def chat_prompt(messages: list[dict[str, Any]], engine: EngineClient, f: Fields, *,
+                add_special_tokens: bool = False, tools: tuple[dict[str, Any], ...] | None = None) -> tuple[int, ...]:
     """The conversation rendered by the chat template (which holds its special tokens already; with the generation
-    prompt unless `add_generation_prompt` is false; `chat_template_kwargs` beside) and encoded."""
+    prompt unless `add_generation_prompt` is false; `chat_template_kwargs` and `tools` beside) and encoded."""
     rendered = engine.tokenizer.apply_chat_template(messages, f.bool("add_generation_prompt", True),
-                                                    template_kwargs(f))
+                                                    template_kwargs(f), list(tools) if tools else None)
     ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
@@ -276,7 +286,8 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
                    echo=echo)
 
 
-def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
+def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+                       tool_parsing: ToolParsing = ToolParsing()) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
@@ -286,11 +297,29 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
     max_tokens = f.optional_int("max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = f.optional_int("max_tokens", minimum=1)
+    tools = tool_use(f, tool_parsing)
     prompt = chat_prompt(parse_messages(f.raw("messages")), engine, f,
-                         add_special_tokens=f.bool("add_special_tokens", False))
+                         add_special_tokens=f.bool("add_special_tokens", False),
+                         tools=tools.tools if tools is not None else None)
     prompt = _truncated(prompt, f, engine.max_model_len)
-    return _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
-                   logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
+    parsed = _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
+                     logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
+    return parsed if tools is None else _with_tools(parsed, tools, f)
+
+
+def _with_tools(parsed: ParsedRequest, tools: ToolUse, f: Fields) -> ParsedRequest:
+    """A named or "required" tool choice constrains the output in place of any `response_format` (as vLLM); beside
+    a `structured_outputs` constraint it is refused, as vLLM refuses it. Calls read from the model's own format keep
+    its special tokens in the text (vLLM's `granite4` parser asks for them too)."""
+    sampling = parsed.engine_request.sampling
+    if tools.constrained:
+        if f.raw("structured_outputs") is not None:
+            raise InvalidRequestError("structured_outputs and a named or \"required\" tool_choice both constrain the "
+                                      "output: send one", "tool_choice")
+        sampling = replace(sampling, constraint=tools.constraint())
+    elif tools.parser is not None:
+        sampling = replace(sampling, skip_special_tokens=False)
+    return replace(parsed, tool_use=tools, engine_request=replace(parsed.engine_request, sampling=sampling))
 
 
 @dataclass(frozen=True)
@@ -301,16 +330,18 @@ class TokenizeRequest:
 
 def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> TokenizeRequest:
     """vLLM's `/tokenize`: a prompt string (special tokens added unless `add_special_tokens` is false) or chat
-    messages (rendered with the generation prompt unless `add_generation_prompt` is false; no special tokens beyond
-    the template's unless `add_special_tokens`)."""
+    messages (rendered with the generation prompt unless `add_generation_prompt` is false, with `tools` when given;
+    no special tokens beyond the template's unless `add_special_tokens`)."""
     f = Fields(body)
     check_model(f, served_model_name)
     token_strs = f.bool("return_token_strs", False)
     if f.raw("messages") is not None:
         if f.bool("continue_final_message", False):
             raise InvalidRequestError("continue_final_message is not supported", "continue_final_message")
+        tools = tool_use(Fields({"tools": f.raw("tools"), "tool_choice": "none"}), ToolParsing())
         tokens = chat_prompt(parse_messages(f.raw("messages")), engine, f,
-                             add_special_tokens=f.bool("add_special_tokens", False))
+                             add_special_tokens=f.bool("add_special_tokens", False),
+                             tools=tools.tools if tools is not None else None)
         return TokenizeRequest(tokens, token_strs)
     prompt = f.optional_str("prompt")
     if prompt is None:
@@ -329,13 +360,17 @@ def parse_detokenize_request(body: dict[str, Any], engine: EngineClient, served_
     return _token_ids(tokens, engine.vocab_size, "tokens")
 
 
-def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient,
-                  served_model_name: str) -> list[ParsedRequest]:
+def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient, served_model_name: str,
+                  tool_parsing: ToolParsing = ToolParsing()) -> list[ParsedRequest]:
     """A body's engine requests: one, or one per choice when it asks for several (`n` > 1, several prompts)."""
     f = Fields(body)
     n = f.int("n", 1, minimum=1, maximum=MAX_N)
     prompts = several_prompts(body.get("prompt")) if endpoint is Endpoint.COMPLETIONS else None
-    parse = parse_completion_request if endpoint is Endpoint.COMPLETIONS else parse_chat_request
+
+    def parse(one: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
+        if endpoint is Endpoint.COMPLETIONS:
+            return parse_completion_request(one, engine, served_model_name)
+        return parse_chat_request(one, engine, served_model_name, tool_parsing)
     if n == 1 and prompts is None:
         return [parse(body, engine, served_model_name)]
     if f.raw("kv_transfer_params") is not None:

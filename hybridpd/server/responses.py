@@ -11,6 +11,7 @@ from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_body, token_names
 from hybridpd.server.protocol import Endpoint, ParsedRequest
+from hybridpd.server.tool_calls import finish_reason as tool_finish_reason, read_whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,11 +107,18 @@ def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer
 
 def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
     name = token_names(tokenizer, parsed.tokens_as_ids)
+    message: dict[str, Any] = {"role": "assistant", "content": final.text}
+    called = False
+    tools = read_whole(parsed.tool_use, final.text) if parsed.tool_use is not None else None
+    if tools is not None:
+        message["content"], called = tools.content, tools.called
+        if tools.tool_calls:
+            message["tool_calls"] = list(tools.tool_calls)
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": final.text},
+        "message": message,
         "logprobs": chat_logprobs(final.logprobs, name) if parsed.wants_logprobs else None,
-        "finish_reason": finish_reason_value(final.finish_reason),
+        "finish_reason": tool_finish_reason(parsed.tool_use, called, finish_reason_value(final.finish_reason)),
         "stop_reason": final.stop_reason,
     }
     if parsed.return_token_ids:

@@ -1,5 +1,5 @@
 """A request body's sampling fields -> `SamplingParams`, as vLLM reads them; and the fields vLLM honours that this
-server does not, which are refused by name rather than ignored (an answer that silently drops `best_of` or `tools`
+server does not, which are refused by name rather than ignored (an answer that silently drops `best_of` or `suffix`
 is not the answer asked for).
 
 Read: temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
@@ -43,8 +43,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     **{f"guided_{kind}": (lambda v, _: v is None, f"guided_{kind} is not read; send structured_outputs.{kind} (vLLM's "
                                                   "spelling)")
        for kind in ("json", "regex", "choice", "grammar")},
-    "tools": (lambda v, body: _unset(v) or body.get("tool_choice") == "none",
-              "tools are not supported (no tool-call parsing); send tool_choice \"none\" or no tools"),
 }
 
 

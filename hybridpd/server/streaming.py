@@ -24,6 +24,7 @@ from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 from hybridpd.server.responses import completion_part, finish_reason_value, header, usage
+from hybridpd.server.tool_calls import finish_reason as tool_finish_reason, tool_call_reader
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -59,6 +60,7 @@ class ChunkBuilder:
         self._header = header(parsed, model, self._object)
         self._text_offset = 0
         self._started = False
+        self._tools = tool_call_reader(parsed.tool_use) if parsed.tool_use is not None else None
 
     def _chunk(self, choice: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
         chunk = {**self._header, "choices": [choice]}
@@ -84,15 +86,34 @@ class ChunkBuilder:
         return choice
 
     def _chat_choice(self, output: RequestOutput) -> dict[str, Any]:
+        reason = finish_reason_value(output.finish_reason)
+        if self._tools is None:
+            delta = {"content": output.new_text} if output.new_text or output.new_token_ids else {}
+        else:
+            delta = self._tool_delta(output)
+            reason = tool_finish_reason(self._parsed.tool_use, self._tools.called, reason)
         choice: dict[str, Any] = {
             "index": self._parsed.index,
-            "delta": {"content": output.new_text} if output.new_text or output.new_token_ids else {},
+            "delta": delta,
             "logprobs": chat_logprobs(output.logprobs, self._name) if self._parsed.wants_logprobs else None,
-            "finish_reason": finish_reason_value(output.finish_reason),
+            "finish_reason": reason,
         }
         if self._parsed.return_token_ids:
             choice["token_ids"] = list(output.new_token_ids)
         return choice
+
+    def _tool_delta(self, output: RequestOutput) -> dict[str, Any]:
+        """The output's text read for tool calls: its content (what is not a call) and the pieces of calls."""
+        assert self._tools is not None
+        read = [self._tools.feed(output.new_text)]
+        if output.finished:
+            read.append(self._tools.finish())
+        content = "".join(r.content for r in read)
+        calls = [piece.delta() for r in read for piece in r.calls]
+        delta: dict[str, Any] = {"content": content} if content or (output.new_token_ids and not calls) else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         """Zero, one or (the chat's first output: role, then content) two chunks for `output`. Every output that

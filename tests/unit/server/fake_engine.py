@@ -32,9 +32,11 @@ class ByteTokenizer:
         return [chr(i) if i < 256 else f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template_kwargs: dict | None = None) -> str:
-        """`<role>content` lines, then `<assistant>`; a template kwarg `thinking` adds `<think>` after it."""
-        prompt = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+                            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+        """`<role>content` lines, then `<assistant>`; a template kwarg `thinking` adds `<think>` after it; tools, a
+        first line `<tools>` with their names."""
+        prompt = f"<tools>{','.join(t['function']['name'] for t in tools)}\n" if tools else ""
+        prompt += "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         prompt += "<assistant>" if add_generation_prompt else ""
         return prompt + ("<think>" if (template_kwargs or {}).get("thinking") else "")
 
@@ -74,6 +76,7 @@ class FakeEngine:
     num_cached_tokens: int = 0
     textless_outputs: frozenset[int] = frozenset()  # these outputs carry a token but no text (half a character)
     kv_transfer_params: dict | None = None        # put on the finished output (the prefill role's answer)
+    spells: str | None = None                     # the outputs spell this text, a character each, then stop
     # records
     requests: list[EngineRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -95,8 +98,9 @@ class FakeEngine:
             raise InvalidRequestError("prompt + max_tokens is longer than max_model_len", "max_tokens")
 
     def _output(self, request: EngineRequest, index: int) -> RequestOutput:
-        token = fake_token(index)
-        done = not self.endless and index + 1 >= request.sampling.max_tokens
+        token = fake_token(index) if self.spells is None else ord(self.spells[index])
+        stops = self.spells is not None and index + 1 == len(self.spells)
+        done = stops or (not self.endless and index + 1 >= request.sampling.max_tokens)
         failed = self.fail_at_output == index or (
             index == 0 and self.fail_request is not None and self.requests.index(request) == self.fail_request)
         n_top = request.sampling.logprobs
@@ -112,7 +116,8 @@ class FakeEngine:
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=index + (0 if failed else 1),
             finished=done or failed,
-            finish_reason=FinishReason.ERROR if failed else (FinishReason.LENGTH if done else None),
+            finish_reason=FinishReason.ERROR if failed else (
+                FinishReason.STOP if stops else FinishReason.LENGTH if done else None),
             logprobs=() if failed else logprobs,
             kv_transfer_params=self.kv_transfer_params if done else None,
             error=KVTransferError("10.0.0.7:14579", "lease expired") if failed else None,

@@ -123,7 +123,9 @@ def error_of(out: dict, status: int) -> dict:
         (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
          "response_format.json_schema.schema"),
         (CHAT, {"messages": USER, "structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
-        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        (CHAT, {"messages": USER, "tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function"),
+        (CHAT, {"messages": USER, "tools": []}, "tools"),
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"prompt": [1]}, "prompt"),
     ],
@@ -305,7 +307,7 @@ async def test_a_cluster_token_header_that_is_not_utf8_is_a_401(aiohttp_client_f
     (COMPLETIONS, {"prompt": "x", "best_of": 1, "use_beam_search": False, "suffix": "", "bad_words": [],
                    "include_stop_str_in_output": False, "response_format": {"type": "text"}, "prompt_logprobs": None}),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
-    (CHAT, {"messages": USER, "tools": []}),
+    (CHAT, {"messages": USER, "tool_choice": "none", "parallel_tool_calls": False}),
 ])
 async def test_the_same_fields_at_values_that_change_nothing_are_accepted(client, path, body):
     resp = await client.post(path, json=body | {"max_tokens": 2})
