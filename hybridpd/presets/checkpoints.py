@@ -30,7 +30,7 @@ DEFAULT_PRESET = "small"
 SEED = 1234
 # Bumped whenever what a preset writes changes: the default-model cache keys its directories by it, so a cache
 # written by an older version is never served as the current preset.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def _with_tokenizer_ids(shape: dict[str, Any], vocab: int) -> dict[str, Any]:

@@ -17,9 +17,31 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 EOS, ROLE_START, ROLE_END, PAD = "<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|pad|>"
 SPECIAL_TOKENS = (EOS, ROLE_START, ROLE_END, PAD)
+# Granite 4.0's chat format: with tools, a system turn lists them and asks for `<tool_call>` JSON (what the `granite4`
+# tool-call parser reads); an assistant's calls follow its content in that form; a tool's answer is a user turn in
+# `<tool_response>` tags.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>You are a helpful assistant with access to the following tools. You "
+    "may call one or more tools to assist with the user query.\\n\\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each tool call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|end_of_text|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|start_of_role|>user<|end_of_role|><tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|end_of_text|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '<tool_call>\\n' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end_of_text|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
 )

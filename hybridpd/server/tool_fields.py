@@ -181,7 +181,8 @@ def template_tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"{param}[{index}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
                                       f"{param}[{index}]")
         function = Fields(call["function"], f"{param}[{index}].function.")
-        function.optional_str("name")
+        if not function.optional_str("name"):
+            raise function.fail("name", "must be a non-empty string")
         arguments = function.raw("arguments")
         if isinstance(arguments, str):
             try:

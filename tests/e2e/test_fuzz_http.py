@@ -114,10 +114,12 @@ VALID_FIELDS = {
 }
 FIELD_NAMES = sorted({*VALID_FIELDS, "prompt", "messages", "logprobs", "max_completion_tokens", "n", "echo",
                       "kv_transfer_params", "top_logprobs", "user", "presence_penalty", "stream_options",
-                      "prompt_logprobs", "structured_outputs", "response_format"})
+                      "prompt_logprobs", "structured_outputs", "response_format", "tools", "tool_choice",
+                      "parallel_tool_calls"})
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                            "content": st.text(max_size=12)}), min_size=1, max_size=3)
-ODD_MESSAGES = st.lists(st.fixed_dictionaries({}, optional={"role": ANY_JSON, "content": ANY_JSON}), max_size=3)
+ODD_MESSAGES = st.lists(st.fixed_dictionaries({}, optional={"role": ANY_JSON, "content": ANY_JSON, "tool_calls": ANY_JSON,
+                                                             "tool_call_id": ANY_JSON, "name": ANY_JSON}), max_size=3)
 
 
 def _one_field_replaced(base: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
@@ -139,7 +141,15 @@ def _bodies(required: dict[str, st.SearchStrategy], optional: dict[str, st.Searc
 COMPLETION = _bodies({"prompt": SHORT_PROMPT}, VALID_FIELDS,
                      {"prompt": SHORT_PROMPT | ANY_JSON, "max_tokens": ANY_JSON, "stream": ANY_JSON,
                       "kv_transfer_params": KV_PARAMS | ANY_JSON})
-CHAT = _bodies({"messages": MESSAGES}, {**VALID_FIELDS, "max_completion_tokens": st.integers(1, 3)},
+# Well-typed tools (parameters a schema, or any JSON) and every kind of tool choice, named tools that exist or not.
+TOOLS = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"])},
+    optional={"parameters": st.just({"type": "object", "properties": {"x": {"type": "integer"}}}) | ANY_JSON})}),
+    min_size=1, max_size=2)
+TOOL_CHOICE = st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})
+CHAT = _bodies({"messages": MESSAGES}, {**VALID_FIELDS, "max_completion_tokens": st.integers(1, 3),
+                                        "tools": TOOLS, "tool_choice": TOOL_CHOICE},
                {"messages": MESSAGES | ODD_MESSAGES | ANY_JSON, "max_tokens": ANY_JSON,
                 "kv_transfer_params": KV_PARAMS | ANY_JSON})
 RAW = ANY_JSON.map(lambda value: json.dumps(value).encode()) | st.binary(max_size=30)

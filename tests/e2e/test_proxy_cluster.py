@@ -41,7 +41,8 @@ def cluster(tmp_path_factory) -> Iterator[tuple[LocalCluster, ClusterInfo]]:
     spec = ClusterSpec(
         num_prefill=2, num_decode=1, model_dir=model, port=proxy_port, base_port=base_port,
         run_dir=tmp_path_factory.mktemp("run"), startup_timeout=240.0, stop_grace=10.0,
-        serve_args=("--kv-cache-memory", "64MiB", "--cluster-token-file", str(token_file)),
+        serve_args=("--kv-cache-memory", "64MiB", "--cluster-token-file", str(token_file),
+                    "--enable-auto-tool-choice", "--tool-call-parser", "granite4"),
         proxy_args=("--prefill-timeout", "60", "--decode-timeout", "60", "--connect-timeout", "2",
                     "--cluster-token-file", str(token_file)),
     )
@@ -220,6 +221,63 @@ def test_structured_outputs_through_the_proxy_equal_a_colocated_nodes(cluster, p
             assert text in ("prefill", "decode", "both")
         else:
             assert re.fullmatch("(ab|cd)[0-9]{2}", text), text
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Adds two integers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                    "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time"}}
+TOOLS_CHAT = {**CHAT, "ignore_eos": False, "max_completion_tokens": 300, "tools": [ADD, NOW]}
+
+
+def _tool_answer(raw: bytes, stream: bool) -> tuple[str, list[tuple[str, str]], str]:
+    """The content, the calls (name, arguments) and the finish reason, put together from a stream as a client does."""
+    if not stream:
+        choice = json.loads(raw)["choices"][0]
+        calls = choice["message"].get("tool_calls", [])
+        return (choice["message"]["content"] or "", [(c["function"]["name"], c["function"]["arguments"])
+                                                     for c in calls], choice["finish_reason"])
+    content, calls, reason = "", {}, None
+    for choice in (choice for chunk in _chunks(raw) for choice in chunk["choices"]):
+        content += choice["delta"].get("content") or ""
+        for piece in choice["delta"].get("tool_calls", []):
+            name, arguments = calls.get(piece["index"], (None, ""))
+            calls[piece["index"]] = (piece["function"].get("name", name), arguments + piece["function"]["arguments"])
+        reason = choice["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("body", [
+    {**TOOLS_CHAT, "tool_choice": {"type": "function", "function": {"name": "add"}}},
+    {**TOOLS_CHAT, "tool_choice": "required", "parallel_tool_calls": False},
+    # auto: the model's own `<tool_call>` format, read by the granite4 parser (a regex makes the random model write one)
+    {**TOOLS_CHAT, "structured_outputs": {
+        "regex": r'Sure\.<tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'}},
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_through_the_proxy_equal_a_colocated_nodes(cluster, body, stream):
+    """Tools in the template, the call constrained on the prefill node's first token and the decode node's rest, or
+    read from the text the decode node wrote: the same calls as one node's, each of the named tool's schema."""
+    _, info = cluster
+    body = {**body, "stream": stream}
+    read_before = _kv_bytes_read(info)
+    status, raw = _post(info.proxy_url + "/v1/chat/completions", body)
+    assert _kv_bytes_read(info) > read_before
+    local_status, local_raw = _post(info.decode[0].url + "/v1/chat/completions", body)
+    assert status == local_status == 200, raw
+    content, calls, reason = _tool_answer(raw, stream)
+    assert (content, calls, reason) == _tool_answer(local_raw, stream)
+    assert len(calls) == 1
+    name, arguments = calls[0][0], json.loads(calls[0][1])
+    if name == "add":
+        assert set(arguments) == {"a", "b"} and all(0 <= v <= 99 for v in arguments.values())
+    else:   # "required" may call either tool
+        assert (name, body["tool_choice"]) == ("now", "required") and isinstance(arguments, dict)
+    if "structured_outputs" in body:
+        assert (content, reason) == ("Sure.", "tool_calls")
+    else:
+        assert content == "" and reason == ("stop" if isinstance(body["tool_choice"], dict) else "tool_calls")
 
 
 def _one_token_word(url: str, token_ids: list[int]) -> tuple[str, int] | None:

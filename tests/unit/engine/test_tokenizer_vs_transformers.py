@@ -115,3 +115,27 @@ def test_template_kwargs_render_as_transformers_passes_them(tmp_path):
     for kwargs in ({}, {"thinking": True, "budget": 12}, {"thinking": False}):
         assert ours.apply_chat_template(CONVERSATIONS[0], template_kwargs=kwargs) == theirs.apply_chat_template(
             CONVERSATIONS[0], tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "now", "description": "The time, ünïcode"}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 °C"},
+]
+
+
+@pytest.mark.parametrize("messages", [CONVERSATIONS[0], TOOL_CONVERSATION])
+def test_tools_render_as_transformers_passes_them(pair, messages):
+    """The tools and an assistant's calls in the history, as `apply_chat_template(tools=...)` renders them (the
+    server hands the template what vLLM hands it: tool dicts, calls with arguments as objects)."""
+    ours, theirs = pair
+    rendered = ours.apply_chat_template(messages, tools=TOOLS)
+    assert rendered == theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tools>" in rendered and '"get_weather"' in rendered
+    assert ours.encode(rendered, add_special_tokens=False) == theirs.apply_chat_template(
+        messages, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]

@@ -136,6 +136,7 @@ def test_history_calls_reach_the_template_with_object_arguments(arguments, expec
     (["c1"], "messages[1].tool_calls[0]"),
     ([{"type": "code", "function": {}}], "messages[1].tool_calls[0]"),
     ([{"function": {"name": 1}}], "messages[1].tool_calls[0].function.name"),
+    ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name"),
 ])
 def test_history_calls_refused(raw, param):
     with pytest.raises(InvalidRequestError) as caught:
