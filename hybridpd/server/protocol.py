@@ -33,7 +33,7 @@ from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
 from hybridpd.server.sampling_fields import prompt_logprobs_field, refuse_unsupported, sampling_params
-from hybridpd.server.tool_fields import ToolParsing, ToolUse, template_tool_calls, tool_use
+from hybridpd.server.tool_fields import ToolParsing, ToolUse, template_tool_calls, tool_use, tools_field
 from hybridpd.stream_head import StreamHead, parse_stream_head
 
 MAX_LOGPROBS = 20
@@ -338,10 +338,8 @@ def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_mo
     if f.raw("messages") is not None:
         if f.bool("continue_final_message", False):
             raise InvalidRequestError("continue_final_message is not supported", "continue_final_message")
-        tools = tool_use(Fields({"tools": f.raw("tools"), "tool_choice": "none"}), ToolParsing())
         tokens = chat_prompt(parse_messages(f.raw("messages")), engine, f,
-                             add_special_tokens=f.bool("add_special_tokens", False),
-                             tools=tools.tools if tools is not None else None)
+                             add_special_tokens=f.bool("add_special_tokens", False), tools=tools_field(f.raw("tools")))
         return TokenizeRequest(tokens, token_strs)
     prompt = f.optional_str("prompt")
     if prompt is None:
@@ -367,18 +365,17 @@ def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient
     n = f.int("n", 1, minimum=1, maximum=MAX_N)
     prompts = several_prompts(body.get("prompt")) if endpoint is Endpoint.COMPLETIONS else None
 
-    def parse(one: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
+    def parse(one: dict[str, Any]) -> ParsedRequest:
         if endpoint is Endpoint.COMPLETIONS:
             return parse_completion_request(one, engine, served_model_name)
         return parse_chat_request(one, engine, served_model_name, tool_parsing)
     if n == 1 and prompts is None:
-        return [parse(body, engine, served_model_name)]
+        return [parse(body)]
     if f.raw("kv_transfer_params") is not None:
         param = "n" if n > 1 else "kv_transfer_params"
         raise InvalidRequestError("kv_transfer_params go with a single prompt and n 1 (a P/D proxy splits a body "
                                   "of several choices into requests of one)", param)
-    parsed = [parse({**body, "prompt": prompt} if prompts else body, engine, served_model_name)
-              for prompt in prompts or (None,)]
+    parsed = [parse({**body, "prompt": prompt} if prompts else body) for prompt in prompts or (None,)]
     response_id, created = parsed[0].request_id, parsed[0].created
     return [_sample(one, p * n + i, i, response_id, created) for p, one in enumerate(parsed) for i in range(n)]
 

@@ -134,12 +134,9 @@ def _named(choice: dict[str, Any], names: set[str]) -> str:
     return name
 
 
-def tool_use(f: Fields, parsing: ToolParsing) -> ToolUse | None:
-    """The body's tool use; None when it gives no tools (and no tool choice but "none")."""
-    raw_tools, choice = f.raw("tools"), f.raw("tool_choice")
+def tools_field(raw_tools: Any) -> tuple[dict[str, Any], ...] | None:
+    """A body's `tools` (None when it gives none), checked: what the chat template is handed."""
     if raw_tools is None:
-        if choice is not None and choice != "none":
-            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         return None
     if not isinstance(raw_tools, list) or not raw_tools:
         raise InvalidRequestError("tools must be a non-empty list (omit it for none)", "tools")
@@ -147,6 +144,17 @@ def tool_use(f: Fields, parsing: ToolParsing) -> ToolUse | None:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tools must have distinct names", "tools")
+    return tools
+
+
+def tool_use(f: Fields, parsing: ToolParsing) -> ToolUse | None:
+    """The body's tool use; None when it gives no tools (and no tool choice but "none")."""
+    tools, choice = tools_field(f.raw("tools")), f.raw("tool_choice")
+    if tools is None:
+        if choice is not None and choice != "none":
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+        return None
+    names = [t["function"]["name"] for t in tools]
     parallel = f.bool("parallel_tool_calls", True)
     if isinstance(choice, dict):
         if choice.get("type", "function") != "function":
