@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -26,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm import READY_DEADLINE, served_model, stop_all, vllm_python, wait_ready  # noqa: E402
+from agreement_servers import both_served  # noqa: E402
 
 from hybridpd.engine.dtype_choice import this_cpus_model  # noqa: E402
-from hybridpd.launcher.ports import free_port  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -65,34 +62,18 @@ def main() -> int:
     args = parser.parse_args()
     from hybridpd.presets.checkpoints import default_model_dir
     model_dir = default_model_dir(args.preset)
-    python = vllm_python(args.venv)
-    sides = {"ours": f"http://127.0.0.1:{free_port()}", "vllm": f"http://127.0.0.1:{free_port()}"}
-    vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-                "VLLM_LOGGING_LEVEL": "WARNING"}
-    commands = {
-        "vllm": [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--enforce-eager",
-                 "--dtype", "float32", "--no-enable-prefix-caching", "--host", "127.0.0.1",
-                 "--port", sides["vllm"].rsplit(":", 1)[1], "--structured-outputs-config.backend", "guidance",
-                 "--structured-outputs-config.disable_any_whitespace", "true"],
-        "ours": [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--host", "127.0.0.1",
-                 "--port", sides["ours"].rsplit(":", 1)[1], "--threads", "1", "--dtype", "float32"],
-    }
-    processes = {side: subprocess.Popen(command, env=vllm_env if side == "vllm" else None)
-                 for side, command in commands.items()}
-    try:
-        for side, url in sides.items():
-            wait_ready(url, processes[side], READY_DEADLINE)
-        models = {side: served_model(url) for side, url in sides.items()}
+    flags = ["--structured-outputs-config.backend", "guidance", "--structured-outputs-config.disable_any_whitespace",
+             "true"]
+    with both_served(model_dir, args.venv, flags, []) as sides:
         per_kind: dict[str, int] = {}
         for kind, structured in CONSTRAINTS.items():
             per_kind[kind] = 0
             for k in range(args.prompts):
                 prompt = [(17 * k + 31 * i) % 200 + 3 for i in range(24 + 8 * k)]
-                answers = {side: constrained_ids(url, models[side], prompt, structured) for side, url in sides.items()}
+                answers = {side: constrained_ids(url, model, prompt, structured)
+                           for side, (url, model) in sides.items()}
                 per_kind[kind] += answers["ours"] == answers["vllm"]
                 print(f"{kind} {k}: {answers}", file=sys.stderr, flush=True)
-    finally:
-        stop_all(processes.values())
     print(json.dumps({"identical": sum(per_kind.values()), "requests": args.prompts * len(CONSTRAINTS),
                       "per_kind": per_kind, "model": args.preset, "cpu": this_cpus_model(),
                       "date": datetime.date.today().isoformat()}))

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -34,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm import READY_DEADLINE, served_model, stop_all, vllm_python, wait_ready  # noqa: E402
+from agreement_servers import both_served  # noqa: E402
 
 from hybridpd.engine.dtype_choice import this_cpus_model  # noqa: E402
-from hybridpd.launcher.ports import free_port  # noqa: E402
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
@@ -95,39 +92,21 @@ def main() -> int:
     args = parser.parse_args()
     from hybridpd.presets.checkpoints import default_model_dir
     model_dir = default_model_dir(args.preset)
-    python = vllm_python(args.venv)
-    sides = {"ours": f"http://127.0.0.1:{free_port()}", "vllm": f"http://127.0.0.1:{free_port()}"}
-    vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-                "VLLM_LOGGING_LEVEL": "WARNING"}
     tool_flags = ["--enable-auto-tool-choice", "--tool-call-parser", "granite4"]
-    commands = {
-        "vllm": [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--enforce-eager",
-                 "--dtype", "float32", "--no-enable-prefix-caching", "--host", "127.0.0.1",
-                 "--port", sides["vllm"].rsplit(":", 1)[1], "--structured-outputs-config.backend", "guidance",
-                 *tool_flags],
-        "ours": [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--host", "127.0.0.1",
-                 "--port", sides["ours"].rsplit(":", 1)[1], "--threads", "1", "--dtype", "float32", *tool_flags],
-    }
-    processes = {side: subprocess.Popen(command, env=vllm_env if side == "vllm" else None)
-                 for side, command in commands.items()}
-    try:
-        for side, url in sides.items():
-            wait_ready(url, processes[side], READY_DEADLINE)
-        models = {side: served_model(url) for side, url in sides.items()}
+    with both_served(model_dir, args.venv, ["--structured-outputs-config.backend", "guidance", *tool_flags],
+                     tool_flags) as sides:
         per_case: dict[str, int] = {}
         prompts_identical = 0
         for name, case in CASES.items():
             per_case[name] = 0
             for question in QUESTIONS[:args.prompts]:
-                answers = {side: ask(url, models[side], question, case) for side, url in sides.items()}
+                answers = {side: ask(url, model, question, case) for side, (url, model) in sides.items()}
                 ids = {side: token_ids(answer) for side, answer in answers.items()}
                 views = {side: client_view(answer) for side, answer in answers.items()}
                 prompts_identical += ids["ours"][0] is not None and ids["ours"][0] == ids["vllm"][0]
                 per_case[name] += ids["ours"] == ids["vllm"] and views["ours"] == views["vllm"]
                 print(f"{name} {question!r}: {views} outputs {'==' if ids['ours'][1] == ids['vllm'][1] else '!='}",
                       file=sys.stderr, flush=True)
-    finally:
-        stop_all(processes.values())
     print(json.dumps({"identical": sum(per_case.values()), "requests": args.prompts * len(CASES),
                       "per_case": per_case, "prompts_identical": prompts_identical, "model": args.preset,
                       "cpu": this_cpus_model(), "date": datetime.date.today().isoformat()}))
