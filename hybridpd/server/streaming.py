@@ -24,7 +24,7 @@ from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 from hybridpd.server.responses import completion_part, finish_reason_value, header, usage
-from hybridpd.server.tool_calls import finish_reason as tool_finish_reason, tool_call_reader
+from hybridpd.server.tool_calls import finish_reason as tool_finish_reason, read_output, tool_call_reader
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -105,12 +105,10 @@ class ChunkBuilder:
     def _tool_delta(self, output: RequestOutput) -> dict[str, Any]:
         """The output's text read for tool calls: its content (what is not a call) and the pieces of calls."""
         assert self._tools is not None
-        read = [self._tools.feed(output.new_text)]
-        if output.finished:
-            read.append(self._tools.finish())
-        content = "".join(r.content for r in read)
-        calls = [piece.delta() for r in read for piece in r.calls]
-        delta: dict[str, Any] = {"content": content} if content or (output.new_token_ids and not calls) else {}
+        read = read_output(self._tools, output.new_text, output.finished)
+        calls = [piece.delta() for piece in read.calls]
+        shows_content = read.content or (output.new_token_ids and not calls)
+        delta: dict[str, Any] = {"content": read.content} if shows_content else {}
         if calls:
             delta["tool_calls"] = calls
         return delta

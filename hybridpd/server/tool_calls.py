@@ -193,7 +193,19 @@ class ToolMessage:
 
     content: str | None
     tool_calls: tuple[dict[str, Any], ...]
-    called: bool
+
+    @property
+    def called(self) -> bool:
+        return bool(self.tool_calls)
+
+
+def read_output(reader: ToolCallReader, text: str, finished: bool) -> ToolDelta:
+    """What one output's new text shows: fed to the reader, and the reader finished when the output is the last."""
+    read = reader.feed(text)
+    if not finished:
+        return read
+    last = reader.finish()
+    return ToolDelta(read.content + last.content, read.calls + last.calls)
 
 
 def read_whole(use: ToolUse, text: str) -> ToolMessage | None:
@@ -201,10 +213,10 @@ def read_whole(use: ToolUse, text: str) -> ToolMessage | None:
     reader = tool_call_reader(use)
     if reader is None:
         return None
-    pieces = [reader.feed(text), reader.finish()]
-    content = "".join(p.content for p in pieces)
+    read = read_output(reader, text, finished=True)
+    content = read.content
     calls: dict[int, dict[str, Any]] = {}
-    for piece in (c for p in pieces for c in p.calls):
+    for piece in read.calls:
         if piece.id is not None:
             calls[piece.index] = {"id": piece.id, "type": "function",
                                   "function": {"name": piece.name, "arguments": piece.arguments}}
@@ -214,7 +226,7 @@ def read_whole(use: ToolUse, text: str) -> ToolMessage | None:
         shown: str | None = ""          # vLLM's: the calls are the answer, its content empty
     else:
         shown = None if calls and not content.strip() else content
-    return ToolMessage(shown, tuple(calls[i] for i in sorted(calls)), reader.called)
+    return ToolMessage(shown, tuple(calls[i] for i in sorted(calls)))
 
 
 def finish_reason(use: ToolUse | None, called: bool, reason: str | None) -> str | None:
