@@ -147,25 +147,25 @@ def test_a_prefill_node_draws_its_first_token_under_the_constraint(tiny_dir):
     assert all_free(engine)
 
 
+def _after_first(engine, first_text: str, max_tokens: int) -> EngineRequest:
+    """A decode node's request of the choices whose prefill node drew `first_text`'s token first."""
+    first = engine.tokenizer.encode(first_text, add_special_tokens=False)[0]
+    return EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
+                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=choice(CHOICES)),
+                         kv_transfer=remote_params_for(engine, 20, first_token_id=first))
+
+
 def test_a_decode_node_follows_on_from_the_first_token(tiny_dir):
     """The prefill node drew 'c' of the choices: this node's outputs go on within 'cherry tart'."""
     engine, loader = decode_node(tiny_dir)
-    first = engine.tokenizer.encode("c", add_special_tokens=False)[0]
-    request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
-                            sampling=SamplingParams(max_tokens=20, temperature=0.0, constraint=choice(CHOICES)),
-                            kv_transfer=remote_params_for(engine, 20, first_token_id=first))
-    outputs = decode_remotely(engine, loader, request)
+    outputs = decode_remotely(engine, loader, _after_first(engine, "c", max_tokens=20))
     assert text(outputs) == "cherry tart" and outputs[-1].finish_reason is FinishReason.STOP
     assert all_free(engine)
 
 
 def test_a_first_token_the_constraint_does_not_allow_is_refused(tiny_dir):
     engine, _ = decode_node(tiny_dir)
-    first = engine.tokenizer.encode("z", add_special_tokens=False)[0]
-    request = EngineRequest(request_id="d", prompt_token_ids=PROMPT[:20],
-                            sampling=SamplingParams(max_tokens=4, temperature=0.0, constraint=choice(CHOICES)),
-                            kv_transfer=remote_params_for(engine, 20, first_token_id=first))
     with pytest.raises(InvalidRequestError) as caught:
-        engine.add_request(request)
+        engine.add_request(_after_first(engine, "z", max_tokens=4))
     assert caught.value.param == "kv_transfer_params"
     assert engine.request_ids() == [] and all_free(engine)
