@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
-from hybridpd.errors import ForbiddenError, HybridPDError, UnauthorizedError
+from hybridpd.errors import ForbiddenError, HybridPDError, NotFoundError, UnauthorizedError
+from hybridpd.response_bodies import RESPONSES_PATH
 from hybridpd.server.admission import Admission
 from hybridpd.server.body import read_json_object
 from hybridpd.server.config import ServerConfig
@@ -36,6 +37,9 @@ from hybridpd.server.choice_streams import stream_choices
 from hybridpd.server.protocol import (
     Endpoint, ParsedRequest, parse_choices, parse_detokenize_request, parse_tokenize_request,
 )
+from hybridpd.server.response_objects import ResponseEvents, whole_response
+from hybridpd.server.response_request import ResponsesRequest, parse_responses_request
+from hybridpd.server.response_stream import stream_response
 from hybridpd.server.responses import (
     FinalOutput, choices_response, final_response, models_response, tokenize_response,
 )
@@ -99,6 +103,46 @@ class Handlers:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, Endpoint.CHAT)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (`/v1/responses`), served as the chat request it asks for."""
+        with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
+            body = await read_json_object(request)
+            self._authorize(request, body)
+            asked = parse_responses_request(body, self._engine, self._config.served_model_name,
+                                            self._config.tool_parsing)
+            self._check_peer(asked.parsed)
+            tracker = self._metrics.tracker()
+            parsed = replace(asked.parsed, engine_request=replace(asked.parsed.engine_request,
+                                                                  trace_context=tuple(span.carrier().items())))
+            try:
+                return await self._run_response(request, replace(asked, parsed=parsed), tracker)
+            finally:
+                record_request(self._tracer, span, parsed, tracker)
+
+    async def _run_response(self, request: web.Request, asked: ResponsesRequest,
+                            tracker: RequestTracker) -> web.StreamResponse:
+        outputs = EngineOutputs(self._engine.generate(asked.parsed.engine_request))
+        model = self._config.served_model_name
+        try:
+            first = await outputs.next()
+            error = failure(first)
+            if error is not None:
+                tracker.observe(first)
+                raise error
+            headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
+            if asked.parsed.stream:
+                events = ResponseEvents(asked, model, self._engine.tokenizer)
+                return await stream_response(request, first, outputs, events, tracker, headers)
+            return await _answer(request, first, outputs, tracker, headers,
+                                 lambda final: whole_response(asked, final, model, self._engine.tokenizer))
+        finally:
+            await outputs.close()
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """`GET /v1/responses/{id}` and its `/cancel`: no response is stored here (vLLM keeps none either unless
+        told to), so every id is unknown."""
+        raise NotFoundError(f"Response with id '{request.match_info['response_id']:.80}' not found.")
+
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
@@ -130,19 +174,10 @@ class Handlers:
             if parsed.stream:
                 builder = ChunkBuilder(parsed, self._config.served_model_name, self._engine.tokenizer)
                 return await stream_outputs(request, parsed, first, outputs, builder, tracker, headers)
-            return await self._answer(request, parsed, first, outputs, tracker, headers)
+            return await _answer(request, first, outputs, tracker, headers, lambda final: final_response(
+                parsed, final, self._config.served_model_name, self._engine.tokenizer))
         finally:
             await outputs.close()
-
-    async def _answer(self, request: web.Request, parsed: ParsedRequest, first: RequestOutput,
-                      outputs: EngineOutputs, tracker: RequestTracker,
-                      headers: dict[str, str]) -> web.StreamResponse:
-        tracker.observe(first)
-        final = await _collect(request, [first], outputs, tracker)
-        if final is None:
-            return web.Response(status=CLIENT_CLOSED_REQUEST)
-        body = final_response(parsed, final, self._config.served_model_name, self._engine.tokenizer)
-        return web.json_response(body, dumps=_dumps, headers=headers)
 
     async def _choices(self, request: web.Request, requests: list[ParsedRequest],
                        span: Span) -> web.StreamResponse:
@@ -211,6 +246,16 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _answer(request: web.Request, first: RequestOutput, outputs: EngineOutputs, tracker: RequestTracker,
+                  headers: dict[str, str], build: Callable[[FinalOutput], dict[str, Any]]) -> web.StreamResponse:
+    """One JSON answer, `build` from the request's outputs joined; 499 when the client went away meanwhile."""
+    tracker.observe(first)
+    final = await _collect(request, [first], outputs, tracker)
+    if final is None:
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    return web.json_response(build(final), dumps=_dumps, headers=headers)
+
+
 async def _collect(request: web.Request, collected: list[RequestOutput], outputs: EngineOutputs,
                    tracker: RequestTracker) -> FinalOutput | None:
     """The request's outputs after `collected` up to the finished one, joined; None if the client went away."""
@@ -270,6 +315,9 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
     app.add_routes([
         web.post("/v1/completions", h.completions, expect_handler=expect_continue),
         web.post("/v1/chat/completions", h.chat_completions, expect_handler=expect_continue),
+        web.post(RESPONSES_PATH, h.responses, expect_handler=expect_continue),
+        web.get(RESPONSES_PATH + "/{response_id}", h.stored_response),
+        web.post(RESPONSES_PATH + "/{response_id}/cancel", h.stored_response),
         web.get("/v1/models", h.models),
         web.post("/tokenize", h.tokenize),
         web.post("/detokenize", h.detokenize),

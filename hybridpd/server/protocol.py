@@ -229,8 +229,19 @@ def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
         )
 
 
+def _default_max_tokens(engine: EngineClient, num_prompt: int, to_context: bool) -> int:
+    """The output's length when the body sets none: the checkpoint's `max_new_tokens`, else 16 (vLLM's completions),
+    or with `to_context` (vLLM's Responses) the rest of the context, the checkpoint's value when it is smaller."""
+    configured = engine.generation_defaults.max_tokens
+    if not to_context:
+        return configured or 16
+    rest = max(engine.max_model_len - num_prompt, 1)   # a prompt that fills the context is refused by its length
+    return min(configured, rest) if configured else rest
+
+
 def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
-            logprobs: int | None, engine: EngineClient, echo: Echo | None = None) -> ParsedRequest:
+            logprobs: int | None, engine: EngineClient, echo: Echo | None = None,
+            output_to_context: bool = False) -> ParsedRequest:
     refuse_unsupported(f.obj)
     stream = f.bool("stream", False)
     prompt_logprobs = prompt_logprobs_field(f, stream)
@@ -240,7 +251,7 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
     if options is not None and not stream:
         raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
     if max_tokens is None:
-        max_tokens = engine.generation_defaults.max_tokens or 16
+        max_tokens = _default_max_tokens(engine, len(prompt), output_to_context)
     _check_length(len(prompt), max_tokens, engine.max_model_len)
     salt = f.optional_str("cache_salt")
     kv_transfer_params = f.raw("kv_transfer_params")
@@ -287,7 +298,7 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
 
 
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
-                       tool_parsing: ToolParsing = ToolParsing()) -> ParsedRequest:
+                       tool_parsing: ToolParsing = ToolParsing(), *, output_to_context: bool = False) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
@@ -303,7 +314,8 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
                          tools=tools.tools if tools is not None else None)
     prompt = _truncated(prompt, f, engine.max_model_len)
     parsed = _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
-                     logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
+                     logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine,
+                     output_to_context=output_to_context)
     return parsed if tools is None else _with_tools(parsed, tools, f)
 
 
