@@ -54,6 +54,7 @@ from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import DecodeStream, HeldLease, PrefillAnswer, UpstreamClient, first_byte_trace
+from hybridpd.response_bodies import RESPONSES_PATH
 from hybridpd.tracing import Carrier, Span, carrier_of, start_tracing
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,9 @@ class Proxy:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/chat/completions")
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, RESPONSES_PATH)
 
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -223,7 +227,7 @@ class Proxy:
             upstream = choice.upstream
             try:
                 answer = await self.client.prefill(
-                    router, upstream, path, prefill_body(body, self.config.first_token_from_prefill),
+                    router, upstream, path, prefill_body(body, self.config.first_token_from_prefill, path),
                     f"{request_id}-prefill", choice.work_tokens, trace,
                 )
             except UpstreamError as exc:
@@ -399,6 +403,9 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(periodic_context("KV event feeds", proxy.follow_nodes, _FEEDS_INTERVAL_S, FirstRun.AT_START))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
+    app.router.add_post(RESPONSES_PATH, proxy.responses)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}", proxy.forward)     # no response is stored: the node's 404
+    app.router.add_post(RESPONSES_PATH + "/{response_id}/cancel", proxy.forward)
     app.router.add_get("/v1/models", proxy.forward)
     app.router.add_post("/tokenize", proxy.forward)
     app.router.add_post("/detokenize", proxy.forward)

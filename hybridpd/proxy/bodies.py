@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridpd.completion_prompts import several_prompts
+from hybridpd.response_bodies import RESPONSES_PATH
 from hybridpd.samples import MAX_N, sample_seed
 from hybridpd.stream_head import STREAM_HEAD_FIELD, StreamHead
 
@@ -25,14 +26,21 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(body: dict[str, Any], first_token_from_prefill: bool = True) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], first_token_from_prefill: bool = True,
+                 path: str = "/v1/chat/completions") -> dict[str, Any]:
     """The client's body for one token, asking for remote decode; streamed when the client streams and the head of
-    its stream comes from this call (proxy/prefill_stream.py), else one JSON answer."""
+    its stream comes from this call (proxy/prefill_stream.py), else one JSON answer. A Responses body says its
+    length as `max_output_tokens`, and its stream never begins with the prefill node's (its events are not chat
+    chunks)."""
     out = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    out["stream"] = first_token_from_prefill and streams_head(body)
+    if path == RESPONSES_PATH:
+        out["max_output_tokens"] = 1
+        out["stream"] = False
+    else:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            out["max_completion_tokens"] = 1
+        out["stream"] = first_token_from_prefill and streams_head(body)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return out
 

@@ -40,9 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.completion_prompts import one_prompt
+from hybridpd.errors import HybridPDError
 from hybridpd.proxy.config import CostRule, Role, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
+from hybridpd.response_bodies import RESPONSES_PATH, chat_body
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +107,13 @@ _CHAT_TOKENIZE = {**_COMPLETION_TOKENIZE, "add_generation_prompt": bool, "chat_t
 
 
 def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-    """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize."""
+    """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize (or
+    the node will refuse the body). A Responses body is tokenized as the chat body it asks for."""
+    if path == RESPONSES_PATH:
+        try:
+            body, path = chat_body(body), "/v1/chat/completions"
+        except HybridPDError:
+            return None
     chat = path == "/v1/chat/completions"
     kinds = _CHAT_TOKENIZE if chat else _COMPLETION_TOKENIZE
     carried = {key: body[key] for key, kind in kinds.items() if isinstance(body.get(key), kind)}

@@ -141,6 +141,14 @@ def test_a_salted_prompt_does_not_hit_unsalted_blocks():
      {"messages": [], "add_generation_prompt": False}),
     ("/v1/chat/completions", {"messages": [], "chat_template_kwargs": {"thinking": True}}, None,
      {"messages": [], "chat_template_kwargs": {"thinking": True}}),
+    # a Responses body: the chat body it asks for, its tools in chat's shape
+    ("/v1/responses", {"input": "x", "instructions": "be brief", "model": "m"}, None,
+     {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f"}]}, None,
+     {"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "description": None, "parameters": None}}]}),
+    ("/v1/responses", {"input": [{"type": "web_search_call"}]}, None, None),   # the node refuses it
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, None, None),
 ])
 def test_how_a_prompt_is_found(path, body, ids, tokenize):
     assert token_ids_in_body(path, body) == ids

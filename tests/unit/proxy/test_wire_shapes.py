@@ -63,6 +63,15 @@ def test_prefill_body_matches_toy_proxy(client_body, expected_prefill):
     assert client_body == original  # never edited in place
 
 
+@pytest.mark.parametrize("first_token_from_prefill", [True, False])
+def test_a_responses_prefill_body_asks_for_one_output_token_unstreamed(first_token_from_prefill):
+    """Its length is `max_output_tokens`; its stream never begins with the prefill node's (Responses events are not
+    chat chunks)."""
+    client_body = {"model": "m", "input": "hi", "max_output_tokens": 20, "stream": True, "min_tokens": 2}
+    assert prefill_body(client_body, first_token_from_prefill, "/v1/responses") == {
+        "model": "m", "input": "hi", "max_output_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS}
+
+
 @pytest.mark.parametrize("params, expected_extra", [
     (remote_params(9000), {"kv_transfer_params": remote_params(9000)}),
     (None, {}),
@@ -77,6 +86,7 @@ def test_decode_body_carries_the_prefill_answer(params, expected_extra):
     ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
                               "max_completion_tokens": 3}),
+    ("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 3}),
 ])
 async def test_prefill_then_decode_through_the_proxy(make_harness, path, client_body):
     h = await make_harness([Behavior.OK], [Behavior.OK], cluster_token="s3cret")
@@ -87,7 +97,7 @@ async def test_prefill_then_decode_through_the_proxy(make_harness, path, client_
     (prefill,) = h.prefill[0].received
     (decode,) = h.decode[0].received
     assert prefill.path == decode.path == path
-    assert prefill.body == prefill_body(client_body)
+    assert prefill.body == prefill_body(client_body, path=path)
     assert prefill.body["kv_transfer_params"] == TOY_PREFILL_PARAMS
     assert decode.body == {**client_body, "kv_transfer_params": remote_params(h.prefill_ports[0])}
     assert prefill.headers["X-Request-Id"] == "abc-1-prefill"
