@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -278,6 +279,55 @@ def test_tool_calls_through_the_proxy_equal_a_colocated_nodes(cluster, body, str
         assert (content, reason) == ("Sure.", "tool_calls")
     else:
         assert content == "" and reason == ("stop" if isinstance(body["tool_choice"], dict) else "tool_calls")
+
+
+def _responses_output(base_url: str, body: dict[str, Any], stream: bool) -> tuple[str, list[Any], Any]:
+    """The status, the output items without their ids and the usage of a Responses API answer, as the `openai`
+    client reads it (a stream: its completed response, checked against the items and text its events sent)."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+    model = client.models.list().data[0].id
+    if stream:
+        events = list(client.responses.create(model=model, stream=True, **body))
+        response = events[-1].response
+        assert events[-1].type == "response.completed"
+        assert [e.item for e in events if e.type == "response.output_item.done"] == response.output
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == "".join(i.content[0].text for i in response.output if i.type == "message" and i.content)
+    else:
+        response = client.responses.create(model=model, **body)
+    items = [(i.type, i.content[0].text if i.content else "") if i.type == "message" else (i.type, i.name, i.arguments)
+             for i in response.output]
+    return response.status, items, response.usage.output_tokens
+
+
+RESPONSE = {"input": "Say something about prefill and decode.", "instructions": "Be brief.", "max_output_tokens": 8,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}
+RESPONSE_TOOLS = {**RESPONSE, "max_output_tokens": 300, "extra_body": {},
+                  "tools": [{"type": "function", **tool["function"]} for tool in (ADD, NOW)]}
+
+
+@pytest.mark.parametrize("body", [
+    RESPONSE,
+    {**RESPONSE_TOOLS, "tool_choice": {"type": "function", "name": "add"}},
+    {**RESPONSE_TOOLS, "extra_body": {"structured_outputs": {
+        "regex": r'Sure\.<tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'}}},
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_responses_api_through_the_proxy_equals_a_colocated_nodes(cluster, body, stream):
+    """The `openai` client's `responses.create` through P/D (the prefill node's one output token, the KV pulled, the
+    decode node's rest) reads what it reads from one node."""
+    _, info = cluster
+    read_before = _kv_bytes_read(info)
+    answer = _responses_output(info.proxy_url, body, stream)
+    assert _kv_bytes_read(info) > read_before
+    assert answer == _responses_output(info.decode[0].url, body, stream)
+    status, items, output_tokens = answer
+    if "tools" not in body:
+        assert (status, output_tokens, [kind for kind, _ in items]) == ("incomplete", 8, ["message"])
+    else:
+        assert status == "completed" and items[-1][:2] == ("function_call", "add")
+        assert set(json.loads(items[-1][2])) == {"a", "b"}
+        assert items[:-1] == ([("message", "Sure.")] if "structured_outputs" in body["extra_body"] else [])
 
 
 def _one_token_word(url: str, token_ids: list[int]) -> tuple[str, int] | None:
