@@ -99,7 +99,7 @@ def _messages(input_value: Any, instructions: str | None) -> list[dict[str, Any]
         previous = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
         if kind == "message":
             role = item.get("role")
-            if role not in INPUT_ROLES:
+            if not isinstance(role, str) or role not in INPUT_ROLES:
                 raise InvalidRequestError(f"{param}.role must be one of {sorted(INPUT_ROLES)}", f"{param}.role")
             if role == "assistant" and item.get("status") in ("in_progress", "incomplete") \
                     and index == len(input_value) - 1:

@@ -89,6 +89,37 @@ COMPLETION_BODY = st.fixed_dictionaries(
 )
 CHAT_BODY = st.fixed_dictionaries({}, optional={"messages": st.lists(MESSAGE, max_size=3) | JSON, **SAMPLING})
 ANY_BODY = JSON.map(lambda value: json.dumps(value).encode()) | st.binary(max_size=40)
+PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]) | JSON,
+                              "text": st.text(max_size=8) | JSON})
+ITEM = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "web_search_call"])
+    | JSON,
+    "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | JSON,
+    "content": st.text(max_size=12) | st.lists(PART, max_size=3) | JSON,
+    "call_id": st.sampled_from(["c1", "c2"]) | JSON, "name": st.sampled_from(["add", "now"]) | JSON,
+    "arguments": st.sampled_from(['{"a": 1}', "{", ""]) | JSON, "output": st.text(max_size=6) | JSON,
+    "status": st.sampled_from(["completed", "incomplete"]) | JSON,
+})
+RESPONSES_FIELDS = {
+    "input": st.text(max_size=20) | st.lists(ITEM, max_size=4) | JSON,
+    "instructions": st.text(max_size=10) | JSON,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | JSON},
+                                            optional={"name": st.sampled_from(["add", "now", ""]) | JSON,
+                                                      "parameters": st.just({"type": "object"}) | JSON}),
+                      max_size=3) | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "add"}]) | JSON,
+    "text": st.fixed_dictionaries({}, optional={"format": st.sampled_from(
+        [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "schema": {"type": "object"}}]) | JSON})
+    | JSON,
+    "include": st.just(["message.output_text.logprobs"]) | JSON, "max_output_tokens": st.integers(-2, 200) | JSON,
+    "truncation": st.sampled_from(["auto", "disabled"]) | JSON, "metadata": JSON, "user": JSON, "store": JSON,
+    "previous_response_id": JSON, "background": JSON, "service_tier": JSON, "reasoning": JSON,
+}
+VALID_RESPONSES = {**{k: v for k, v in VALID.items() if k not in ("max_tokens", "logprobs", "return_token_ids")},
+                   "max_output_tokens": st.integers(min_value=1, max_value=8)}
+NEAR_VALID_RESPONSES = _mutated({"input": st.text(min_size=1, max_size=20) | st.lists(ITEM, min_size=1, max_size=4)},
+                                VALID_RESPONSES)
+RESPONSES_BODY = st.fixed_dictionaries({}, optional={**RESPONSES_FIELDS, **SAMPLING})
 
 
 async def _post_and_check(client: TestClient, path: str, data: bytes) -> None:
@@ -135,6 +166,10 @@ def test_fuzz_completions():
 
 def test_fuzz_chat_completions():
     _fuzz("/v1/chat/completions", (NEAR_VALID_CHAT | CHAT_BODY).map(_encode) | ANY_BODY, examples=300)
+
+
+def test_fuzz_responses():
+    _fuzz("/v1/responses", (NEAR_VALID_RESPONSES | RESPONSES_BODY).map(_encode) | ANY_BODY, examples=300)
 
 
 def test_fuzz_tokenize():

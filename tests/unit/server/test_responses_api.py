@@ -224,6 +224,7 @@ async def test_a_failure_after_the_stream_started_is_an_error_event(client: Test
     ({"input": None}, 400, "input"),
     ({"input": []}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input[0].role"),
+    ({"input": [{"role": []}]}, 400, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0]"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "add"}]}, 400, "input[0].arguments"),
