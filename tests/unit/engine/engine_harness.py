@@ -12,6 +12,7 @@ from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import SchedulerPlan
+from hybridpd.engine.tokenizer import Tokenizer
 
 from .sched_harness import FakeLoader
 
@@ -88,6 +89,13 @@ def token_ids(outputs: list[RequestOutput]) -> list[int]:
 
 def text(outputs: list[RequestOutput]) -> str:
     return "".join(out.new_text for out in outputs)
+
+
+def finished_text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """An output's text as vLLM's detokenizer leaves it at the end: one decode of its ids, but for last ids that end
+    inside a character, which write nothing (the longest prefix whose decode does not end in U+FFFD)."""
+    whole = max(k for k in range(len(ids) + 1) if k == 0 or not tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    return tokenizer.decode(ids[:whole])
 
 
 def all_free(engine: LLMEngine) -> bool:

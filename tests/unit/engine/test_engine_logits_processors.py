@@ -10,7 +10,7 @@ from hybridpd.engine.request import EngineRequest, FinishReason
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.transfer_params import RemoteDecodeParams
 
-from .engine_harness import (all_free, decode_node, decode_remotely, greedy, make_engine, remote_params_for, run,
+from .engine_harness import (all_free, finished_text, decode_node, decode_remotely, greedy, make_engine, remote_params_for, run,
                              text, text_prompt, token_ids)
 from .sched_harness import FakeLoader
 
@@ -37,7 +37,7 @@ def test_a_stop_token_id_ends_the_request_without_its_text(tiny_dir, plain):
     outputs = run(engine)["s"]
     assert token_ids(outputs) == plain[:k + 1]
     assert outputs[-1].finish_reason is FinishReason.STOP and outputs[-1].stop_reason == plain[k]
-    assert text(outputs) == engine.tokenizer.decode(plain[:k])
+    assert text(outputs) == finished_text(engine.tokenizer, plain[:k])
     assert all_free(engine)
 
 
@@ -67,7 +67,7 @@ def test_min_tokens_holds_eos_back(tiny_dir, min_tokens):
     assert len(ids) == min_tokens + 1 and ids[-1] in engine.eos_token_ids
     assert not engine.eos_token_ids & set(ids[:-1])
     assert outputs[-1].finish_reason is FinishReason.STOP and outputs[-1].stop_reason is None
-    assert text(outputs) == engine.tokenizer.decode(ids[:-1])
+    assert text(outputs) == finished_text(engine.tokenizer, ids[:-1])
     assert all_free(engine)
 
 
