@@ -56,6 +56,10 @@ METRICS_KEY = web.AppKey("server_metrics", ServerMetrics)
 HEALTH_KEY = web.AppKey("health_handler", Callable[[web.Request], Awaitable[web.StreamResponse]])
 
 EngineMetrics = Callable[[], Awaitable[bytes]]
+# How one request is answered: its stream (from the first output on), or its whole answer's JSON object.
+StreamAnswer = Callable[[RequestOutput, EngineOutputs, RequestTracker, dict[str, str]], Awaitable[web.StreamResponse]]
+WholeAnswer = Callable[[FinalOutput], dict[str, Any]]
+Answers = tuple[StreamAnswer, WholeAnswer]
 log = logging.getLogger(__name__)
 _dumps = functools.partial(json.dumps, allow_nan=False)
 
@@ -110,33 +114,8 @@ class Handlers:
             self._authorize(request, body)
             asked = parse_responses_request(body, self._engine, self._config.served_model_name,
                                             self._config.tool_parsing)
-            self._check_peer(asked.parsed)
-            tracker = self._metrics.tracker()
-            parsed = replace(asked.parsed, engine_request=replace(asked.parsed.engine_request,
-                                                                  trace_context=tuple(span.carrier().items())))
-            try:
-                return await self._run_response(request, replace(asked, parsed=parsed), tracker)
-            finally:
-                record_request(self._tracer, span, parsed, tracker)
-
-    async def _run_response(self, request: web.Request, asked: ResponsesRequest,
-                            tracker: RequestTracker) -> web.StreamResponse:
-        outputs = EngineOutputs(self._engine.generate(asked.parsed.engine_request))
-        model = self._config.served_model_name
-        try:
-            first = await outputs.next()
-            error = failure(first)
-            if error is not None:
-                tracker.observe(first)
-                raise error
-            headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
-            if asked.parsed.stream:
-                events = ResponseEvents(asked, model, self._engine.tokenizer)
-                return await stream_response(request, first, outputs, events, tracker, headers)
-            return await _answer(request, first, outputs, tracker, headers,
-                                 lambda final: whole_response(asked, final, model, self._engine.tokenizer))
-        finally:
-            await outputs.close()
+            return await self._serve(request, asked.parsed, span,
+                                     lambda parsed: self._response_answers(request, replace(asked, parsed=parsed)))
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """`GET /v1/responses/{id}` and its `/cancel`: no response is stored here (vLLM keeps none either unless
@@ -151,18 +130,18 @@ class Handlers:
                                      self._config.tool_parsing)
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
-            parsed = requests[0]
-            self._check_peer(parsed)
-            tracker = self._metrics.tracker()
-            parsed = replace(parsed, engine_request=replace(parsed.engine_request,
-                                                            trace_context=tuple(span.carrier().items())))
-            try:
-                return await self._run(request, parsed, tracker)
-            finally:
-                record_request(self._tracer, span, parsed, tracker)
+            return await self._serve(request, requests[0], span,
+                                     lambda parsed: self._completion_answers(request, parsed))
 
-    async def _run(self, request: web.Request, parsed: ParsedRequest,
-                   tracker: RequestTracker) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, span: Span,
+                     answers: Callable[[ParsedRequest], Answers]) -> web.StreamResponse:
+        """One engine request, answered as `answers` shape it: the first output decides the status (a failure
+        before it is an HTTP error), then a stream or one JSON answer; the engine generator always closed."""
+        self._check_peer(parsed)
+        tracker = self._metrics.tracker()
+        parsed = replace(parsed, engine_request=replace(parsed.engine_request,
+                                                        trace_context=tuple(span.carrier().items())))
+        stream, whole = answers(parsed)
         outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
         try:
             first = await outputs.next()
@@ -172,12 +151,25 @@ class Handlers:
                 raise error
             headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
             if parsed.stream:
-                builder = ChunkBuilder(parsed, self._config.served_model_name, self._engine.tokenizer)
-                return await stream_outputs(request, parsed, first, outputs, builder, tracker, headers)
-            return await _answer(request, first, outputs, tracker, headers, lambda final: final_response(
-                parsed, final, self._config.served_model_name, self._engine.tokenizer))
+                return await stream(first, outputs, tracker, headers)
+            return await _answer(request, first, outputs, tracker, headers, whole)
         finally:
             await outputs.close()
+            record_request(self._tracer, span, parsed, tracker)
+
+    def _completion_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
+        """A completions or chat request's stream of chunks, or its answer object."""
+        model, tokenizer = self._config.served_model_name, self._engine.tokenizer
+        return (lambda first, rest, tracker, headers: stream_outputs(
+                    request, parsed, first, rest, ChunkBuilder(parsed, model, tokenizer), tracker, headers),
+                lambda final: final_response(parsed, final, model, tokenizer))
+
+    def _response_answers(self, request: web.Request, asked: ResponsesRequest) -> Answers:
+        """A Responses request's stream of events, or its `response` object."""
+        model, tokenizer = self._config.served_model_name, self._engine.tokenizer
+        return (lambda first, rest, tracker, headers: stream_response(
+                    request, first, rest, ResponseEvents(asked, model, tokenizer), tracker, headers),
+                lambda final: whole_response(asked, final, model, tokenizer))
 
     async def _choices(self, request: web.Request, requests: list[ParsedRequest],
                        span: Span) -> web.StreamResponse:
