@@ -7,7 +7,8 @@ it asks for: the node serves it through the chat path, the proxy tokenizes it as
   them) and `function_call_output` items (tool messages). `reasoning` items are dropped: no chat template here
   renders reasoning. Anything else (images, files, item references, hosted tools' calls) is refused by name.
 - `tools` are flat (`{"type": "function", "name", "description"?, "parameters"?, "strict"?}`) and become chat
-  tools (`description` and `parameters` null when not given: what vLLM hands its chat template); `tool_choice` `{"type": "function", "name"}` becomes chat's named choice.
+  tools (`description` and `parameters` null when not given: what vLLM hands its chat template); `tool_choice`
+  `{"type": "function", "name"}` becomes chat's named choice.
 - `max_output_tokens` -> `max_completion_tokens`; `text.format` (`json_schema` with its `schema` at the top level,
   `json_object`, `text`) -> `response_format`; `include: ["message.output_text.logprobs"]` with `top_logprobs` ->
   chat's logprobs; `truncation: "auto"` -> `truncate_prompt_tokens: -1`. vLLM's own fields (sampling, stop,

@@ -4,9 +4,9 @@ Each step decodes only the new ids, after the previous step's ids as context (as
 `decode(context + new)` minus `decode(context)`, so a decoder that treats the first token of a decode specially (a
 stripped leading space) sees the same first token both times. New ids that end inside a UTF-8 sequence (the
 decode ends in U+FFFD) wait for the next token; if none comes (the output ends there), they write nothing, as in
-vLLM's detokenizer: an output cut inside a character does not end with replacement characters. A decoder whose text for the context changes once more ids follow
-(a clean-up rule, say) is caught and the whole output decoded again. Decoding everything every step instead cost
-O(length) per token: 8% of a decode step at 700 output tokens.
+vLLM's detokenizer: an output cut inside a character does not end with replacement characters. A decoder whose text
+for the context changes once more ids follow (a clean-up rule, say) is caught and the whole output decoded again.
+Decoding everything every step instead cost O(length) per token: 8% of a decode step at 700 output tokens.
 
 Only the part of the text that is final is released: when stop strings are set, the last `len(longest stop) - 1`
 characters are held back until the next token decides them (unless the stop string is to stay in the text:

@@ -16,7 +16,6 @@ A failure after the status went out is an `error` event, and the stream ends.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any
 
@@ -111,7 +110,6 @@ class ResponseEvents:
         self._model = model
         self._name = token_names(tokenizer, asked.parsed.tokens_as_ids)
         self._reader = tool_call_reader(asked.parsed.tool_use) if asked.parsed.tool_use is not None else None
-        self._created = int(time.time())
         self._number = 0
         self._open: _OpenItem | None = None
         self._items: list[dict[str, Any]] = []
@@ -123,12 +121,13 @@ class ResponseEvents:
 
     def _snapshot(self, status: str, usage: dict[str, Any] | None = None,
                   kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_object(self._asked, self._model, self._created, status=status, output=list(self._items),
-                               usage=usage, kv_transfer_params=kv_transfer_params)
+        return response_object(self._asked, self._model, self._asked.parsed.created, status=status,
+                               output=list(self._items), usage=usage, kv_transfer_params=kv_transfer_params)
 
     def start(self) -> list[dict[str, Any]]:
         snapshot = self._snapshot("in_progress")
-        return [self._event("response.created", response=snapshot), self._event("response.in_progress", response=snapshot)]
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
 
     def events(self, output: RequestOutput) -> list[dict[str, Any]]:
         """The events of one output; the last output's end with `response.completed`."""
@@ -157,9 +156,9 @@ class ResponseEvents:
             self._open = _OpenItem(_item_id("msg"), len(self._items))
             events.append(self._event("response.output_item.added", output_index=self._open.index,
                                       item=_message(self._open.id, "", None, "in_progress")))
-            events.append(self._event("response.content_part.added", output_index=self._open.index, item_id=self._open.id,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                             "logprobs": []}))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self._event("response.content_part.added", output_index=self._open.index,
+                                      item_id=self._open.id, content_index=0, part=part))
         self._open.text += delta
         self._open.logprobs += logprobs
         events.append(self._event("response.output_text.delta", output_index=self._open.index, item_id=self._open.id,
@@ -191,7 +190,8 @@ class ResponseEvents:
                       self._event("response.content_part.done", **where, content_index=0, part=done["content"][0])]
         else:
             done = _function_call(item.id, item.call.id or "", item.call.name or "", item.text, "completed")
-            events = [self._event("response.function_call_arguments.done", **where, name=done["name"], arguments=item.text)]
+            events = [self._event("response.function_call_arguments.done", **where, name=done["name"],
+                                  arguments=item.text)]
         self._items.append(done)
         return events + [self._event("response.output_item.done", output_index=item.index, item=done)]
 
