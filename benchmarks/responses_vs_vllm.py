@@ -13,7 +13,9 @@ inputs, greedy, whole and streamed:
 - `named`: `tool_choice` naming a tool (the output constrained to its parameters);
 - `auto_call`: `tool_choice: "auto"` with a regex in `structured_outputs` that makes the random model write a
   `<tool_call>` (the granite4 parser reads it);
-- `json_schema`: `text.format` a JSON schema.
+- `json_schema`: `text.format` a JSON schema;
+- `continued`: the last input item an assistant message with `status: "incomplete"`, which both continue (chat's
+  `continue_final_message`) instead of answering it.
 
 Compared: what a client reads of the whole answer (status, `incomplete_details`, each output item's type and text,
 or name and arguments; the usage's input and output tokens), and of the stream (the completed response's same view,
@@ -69,6 +71,9 @@ CASES: dict[str, Any] = {
     "auto_call": lambda q: {"input": q, "tools": TOOLS, "structured_outputs": {"regex": CALL_REGEX},
                             "max_output_tokens": 96},
     "json_schema": lambda q: {"input": q, "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}}},
+    "continued": lambda q: {"input": [{"role": "user", "content": q}, {
+        "type": "message", "role": "assistant", "status": "incomplete",
+        "content": [{"type": "output_text", "text": "Well, the answer is"}]}], "max_output_tokens": 12},
 }
 
 

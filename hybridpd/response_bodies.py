@@ -5,7 +5,9 @@ it asks for: the node serves it through the chat path, the proxy tokenizes it as
   messages (`{"role", "content"}`, `"type": "message"` optional; content a string or `input_text` / `output_text`
   parts), `function_call` items (an assistant's calls: each joins the assistant message before it, as vLLM joins
   them) and `function_call_output` items (tool messages). `reasoning` items are dropped: no chat template here
-  renders reasoning. Anything else (images, files, item references, hosted tools' calls) is refused by name.
+  renders reasoning. Anything else (images, files, item references, hosted tools' calls) is refused by name. A last
+  message whose `status` is `in_progress` or `incomplete` is continued, not answered (chat's
+  `continue_final_message`, as vLLM does).
 - `tools` are flat (`{"type": "function", "name", "description"?, "parameters"?, "strict"?}`) and become chat
   tools (`description` and `parameters` null when not given: what vLLM hands its chat template); `tool_choice`
   `{"type": "function", "name"}` becomes chat's named choice.
@@ -86,6 +88,13 @@ def _tool_output(item: dict[str, Any], param: str) -> dict[str, Any]:
     return {"role": "tool", "content": text, "tool_call_id": _string(item, "call_id", param)}
 
 
+def _ends_unfinished(input_value: Any) -> bool:
+    """Whether the input's last item is unfinished (`in_progress` or `incomplete`): the model continues it instead of
+    starting a new turn, as vLLM continues it (its `continue_final_message`)."""
+    return (isinstance(input_value, list) and bool(input_value) and isinstance(input_value[-1], dict)
+            and input_value[-1].get("status") in ("in_progress", "incomplete"))
+
+
 def _messages(input_value: Any, instructions: str | None) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(input_value, str):
@@ -102,9 +111,6 @@ def _messages(input_value: Any, instructions: str | None) -> list[dict[str, Any]
             role = item.get("role")
             if not isinstance(role, str) or role not in INPUT_ROLES:
                 raise InvalidRequestError(f"{param}.role must be one of {sorted(INPUT_ROLES)}", f"{param}.role")
-            if role == "assistant" and item.get("status") in ("in_progress", "incomplete") \
-                    and index == len(input_value) - 1:
-                raise InvalidRequestError("continuing an unfinished assistant message is not served", param)
             text = _text_parts(item.get("content"), f"{param}.content", first_only=role == "assistant")
             if previous is not None and role == "assistant" and previous["content"] is None:
                 previous["content"] = text
@@ -121,6 +127,9 @@ def _messages(input_value: Any, instructions: str | None) -> list[dict[str, Any]
         elif kind == "reasoning":
             if item.get("encrypted_content"):
                 raise InvalidRequestError("encrypted reasoning content is not supported", param)
+            if index == len(input_value) - 1 and _ends_unfinished(input_value):
+                raise InvalidRequestError("continuing an unfinished reasoning item is not served: no chat template "
+                                          "here renders reasoning", param)
         else:
             raise InvalidRequestError(f"Unsupported input item type: {kind!s:.40}", param)
     return messages
@@ -204,6 +213,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequestError('truncation must be "auto" or "disabled"', "truncation")
     chat: dict[str, Any] = {key: body[key] for key in _PASSED if key in body}
     chat["messages"] = _messages(body.get("input"), instructions)
+    if _ends_unfinished(body.get("input")):
+        chat |= {"add_generation_prompt": False, "continue_final_message": True}
     if "max_output_tokens" in body:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     tools = _tools(body.get("tools"))

@@ -8,7 +8,9 @@ refused by name, sampling_fields.py):
     output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
     return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
-    prompt_logprobs, add_generation_prompt, chat_template_kwargs, add_special_tokens (false), truncate_prompt_tokens.
+    prompt_logprobs, add_generation_prompt, continue_final_message (with add_generation_prompt false: the prompt ends
+    inside the final message, which the output continues), chat_template_kwargs, add_special_tokens (false),
+    truncate_prompt_tokens.
 A body that asks for several choices (`n` > 1, or several prompts) becomes one engine request per choice
 (`parse_choices`): prompt p's sample i is choice p * n + i, its seed (when one is given) the body's + i, as vLLM
 draws them; kv_transfer_params go with one choice only.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridpd.completion_prompts import one_prompt, several_prompts
+from hybridpd.engine.continued_chat import render_continuing
 from hybridpd.engine.transfer_params import RemoteDecodeParams, parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
@@ -197,9 +200,18 @@ def template_kwargs(f: Fields) -> dict[str, Any] | None:
 def chat_prompt(messages: list[dict[str, Any]], engine: EngineClient, f: Fields, *,
                 add_special_tokens: bool = False, tools: tuple[dict[str, Any], ...] | None = None) -> tuple[int, ...]:
     """The conversation rendered by the chat template (which holds its special tokens already; with the generation
-    prompt unless `add_generation_prompt` is false; `chat_template_kwargs` and `tools` beside) and encoded."""
-    rendered = engine.tokenizer.apply_chat_template(messages, f.bool("add_generation_prompt", True),
-                                                    template_kwargs(f), list(tools) if tools else None)
+    prompt unless `add_generation_prompt` is false, ending inside the final message with `continue_final_message`;
+    `chat_template_kwargs` and `tools` beside) and encoded."""
+    generation_prompt = f.bool("add_generation_prompt", True)
+    listed = list(tools) if tools else None
+    if f.bool("continue_final_message", False):
+        if generation_prompt:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+                                      "(add_generation_prompt is true unless the body sets it false)",
+                                      "continue_final_message")
+        rendered = render_continuing(engine.tokenizer, messages, template_kwargs(f), listed)
+    else:
+        rendered = engine.tokenizer.apply_chat_template(messages, generation_prompt, template_kwargs(f), listed)
     ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
@@ -342,14 +354,12 @@ class TokenizeRequest:
 
 def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> TokenizeRequest:
     """vLLM's `/tokenize`: a prompt string (special tokens added unless `add_special_tokens` is false) or chat
-    messages (rendered with the generation prompt unless `add_generation_prompt` is false, with `tools` when given;
+    messages (rendered as a chat request renders them: `add_generation_prompt`, `continue_final_message`, `tools`;
     no special tokens beyond the template's unless `add_special_tokens`)."""
     f = Fields(body)
     check_model(f, served_model_name)
     token_strs = f.bool("return_token_strs", False)
     if f.raw("messages") is not None:
-        if f.bool("continue_final_message", False):
-            raise InvalidRequestError("continue_final_message is not supported", "continue_final_message")
         tokens = chat_prompt(parse_messages(f.raw("messages")), engine, f,
                              add_special_tokens=f.bool("add_special_tokens", False), tools=tools_field(f.raw("tools")))
         return TokenizeRequest(tokens, token_strs)

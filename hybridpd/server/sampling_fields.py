@@ -39,7 +39,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "best_of": (lambda v, _: v is None or v == 1, "best_of > 1 is not supported"),
     "use_beam_search": (lambda v, _: _unset(v), "beam search is not supported"),
     "suffix": (lambda v, _: v is None or v == "", "suffix is not supported"),
-    "continue_final_message": (lambda v, _: _unset(v), "continue_final_message is not supported"),
     **{f"guided_{kind}": (lambda v, _: v is None, f"guided_{kind} is not read; send structured_outputs.{kind} (vLLM's "
                                                   "spelling)")
        for kind in ("json", "regex", "choice", "grammar")},

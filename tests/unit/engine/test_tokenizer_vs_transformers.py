@@ -3,12 +3,15 @@ returns), decode, and the chat template rendered for `/v1/chat/completions`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
 from hybridpd.presets.checkpoints import PRESETS
 from hybridpd.presets.tokenizer import write_tokenizer
 from hybridpd.presets.shapes import VOCAB_SIZES
+from hybridpd.engine.continued_chat import render_continuing
 from hybridpd.engine.tokenizer import load_tokenizer
 
 TEXTS = [
@@ -139,3 +142,42 @@ def test_tools_render_as_transformers_passes_them(pair, messages):
     assert "<tools>" in rendered and '"get_weather"' in rendered
     assert ours.encode(rendered, add_special_tokens=False) == theirs.apply_chat_template(
         messages, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+CONTINUED = [
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,  "}],   # trailing spaces
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"},
+     {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+    [{"role": "user", "content": "continue me"}],                                        # not an assistant's
+]
+
+
+@pytest.mark.parametrize("messages", CONTINUED)
+def test_a_continued_final_message_renders_as_transformers(pair, messages):
+    """`continue_final_message`: the same prompt as transformers' (the final message open, no end of turn)."""
+    ours, theirs = pair
+    expected = messages
+    if isinstance(messages[-1]["content"], list):   # transformers continues the last text part; ours joins parts
+        expected = [*messages[:-1], {**messages[-1], "content": "".join(p["text"] for p in messages[-1]["content"])}]
+    rendered = render_continuing(ours, messages)
+    assert rendered == theirs.apply_chat_template(expected, tokenize=False, add_generation_prompt=False,
+                                                  continue_final_message=True)
+    assert not rendered.endswith("<|end_of_text|>\n")
+
+
+def test_a_template_that_trims_the_message_is_continued_as_transformers(tmp_path):
+    """A template that strips the message's text loses the tag's space: the rendering is cut before the whitespace,
+    as transformers cuts it."""
+    write_tokenizer(tmp_path, 512, 4096)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ("{% for m in messages %}<|start_of_role|>{{ m.role }}<|end_of_role|>"
+                               "{{ m.content | trim }}<|end_of_text|>\n{% endfor %}")
+    config_path.write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    ours, theirs = load_tokenizer(tmp_path, 512), AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  It is  "}]
+    assert render_continuing(ours, messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert render_continuing(ours, messages).endswith("<|end_of_role|>It is")

@@ -64,7 +64,8 @@ VALID = {
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "ignore_eos": st.booleans(),
     "logprobs": st.integers(min_value=0, max_value=5), "stream": st.booleans(), "return_token_ids": st.booleans(),
 }
-VALID_CHAT = {**VALID, "logprobs": st.booleans(), "max_completion_tokens": st.integers(min_value=1, max_value=8)}
+VALID_CHAT = {**VALID, "logprobs": st.booleans(), "max_completion_tokens": st.integers(min_value=1, max_value=8),
+              "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans()}
 
 
 def _mutated(required: dict, valid: dict) -> st.SearchStrategy[dict]:
@@ -98,7 +99,7 @@ ITEM = st.fixed_dictionaries({}, optional={
     "content": st.text(max_size=12) | st.lists(PART, max_size=3) | JSON,
     "call_id": st.sampled_from(["c1", "c2"]) | JSON, "name": st.sampled_from(["add", "now"]) | JSON,
     "arguments": st.sampled_from(['{"a": 1}', "{", ""]) | JSON, "output": st.text(max_size=6) | JSON,
-    "status": st.sampled_from(["completed", "incomplete"]) | JSON,
+    "status": st.sampled_from(["completed", "incomplete", "in_progress"]) | JSON,
 })
 RESPONSES_FIELDS = {
     "input": st.text(max_size=20) | st.lists(ITEM, max_size=4) | JSON,

@@ -178,6 +178,17 @@ async def test_input_items_become_the_conversation_chat_would_render(client: Tes
     assert engine.requests[-1].prompt_token_ids == responses_prompt
 
 
+@pytest.mark.parametrize("status", ["incomplete", "in_progress"])
+async def test_an_unfinished_final_message_is_continued(client: TestClient, engine: FakeEngine, status: str) -> None:
+    """As vLLM: the model continues the last message (chat's continue_final_message), no new assistant turn."""
+    await _whole(client, {"input": [{"role": "user", "content": "hi"}, {
+        "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hal"}], "status": status}]})
+    assert bytes(engine.requests[-1].prompt_token_ids) == b"<user>hi\n<assistant>Hal"
+    await _whole(client, {"input": [{"role": "user", "content": "hi"}, {
+        "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hal"}]}]})
+    assert bytes(engine.requests[-1].prompt_token_ids) == b"<user>hi\n<assistant>Hal\n<assistant>"
+
+
 async def test_the_output_may_run_to_the_end_of_the_context(client: TestClient, engine: FakeEngine) -> None:
     """Without max_output_tokens, as vLLM's Responses: the rest of the context."""
     engine.spells = "3"
@@ -228,8 +239,8 @@ async def test_a_failure_after_the_stream_started_is_an_error_event(client: Test
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0]"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "add"}]}, 400, "input[0].arguments"),
-    ({"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "Hal"}], "status": "incomplete"}]},
-     400, "input[0]"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "status": "incomplete"}]},
+     400, "input[1]"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"max_output_tokens": 5000}, 400, "max_output_tokens"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0]"),

@@ -38,6 +38,29 @@ async def test_tokenize_refuses(client, body, param):
     assert resp.status in (400, 404) and (await resp.json())["error"]["param"] == param
 
 
+CONTINUED = [*USER, {"role": "assistant", "content": "The"}]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+async def test_continue_final_message_ends_the_prompt_inside_it(client, engine, path):
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 1}
+    resp = await client.post(path, json=body)
+    assert resp.status == 200
+    prompt = (await resp.json())["tokens"] if path == "/tokenize" else list(engine.requests[0].prompt_token_ids)
+    assert prompt == list(b"<user>x\n<assistant>The")
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+@pytest.mark.parametrize("messages, flags, param", [
+    (CONTINUED, {}, "continue_final_message"),   # add_generation_prompt is true unless set false
+    (CONTINUED, {"add_generation_prompt": True}, "continue_final_message"),
+])
+async def test_continue_final_message_refused(client, engine, path, messages, flags, param):
+    resp = await client.post(path, json={"messages": messages, "continue_final_message": True, **flags})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == param
+    assert engine.requests == []
+
+
 async def test_chat_completions_without_the_generation_prompt(client, engine):
     resp = await client.post("/v1/chat/completions", json={"messages": USER, "add_generation_prompt": False,
                                                           "max_tokens": 1})
