@@ -31,7 +31,8 @@ def both_served(model_dir: Path, venv: Path, vllm_flags: list[str],
                  "--dtype", "float32", "--no-enable-prefix-caching", "--host", "127.0.0.1",
                  "--port", urls["vllm"].rsplit(":", 1)[1], *vllm_flags],
         "ours": [sys.executable, "-m", "hybridpd", "serve", str(model_dir), "--host", "127.0.0.1",
-                 "--port", urls["ours"].rsplit(":", 1)[1], "--threads", "1", "--dtype", "float32", *our_flags],
+                 "--port", urls["ours"].rsplit(":", 1)[1], "--kv-port", str(free_port()),   # not vLLM's ports
+                 "--threads", "1", "--dtype", "float32", *our_flags],
     }
     processes = {side: subprocess.Popen(command, env=vllm_env if side == "vllm" else None)
                  for side, command in commands.items()}

@@ -3,11 +3,13 @@
 Accepted fields (unknown ones are ignored, like vLLM does; the ones vLLM acts on and this server does not are
 refused by name, sampling_fields.py):
   completions: model, prompt (string | token ids | a list of those: several prompts, each its own request, answered
-    together without a stream), max_tokens (16; 0 with echo: the prompt alone), the sampling fields of
+    together without a stream), max_tokens (16; 0 with echo: the prompt alone; at most max_model_len, and cut to
+    the context the prompt leaves, as vLLM cuts it: `output_budget`), the sampling fields of
     sampling_fields.py, logprobs (int), echo (the prompt's text, and with logprobs its tokens' logprobs, before the
     output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
     return_token_ids, kv_transfer_params, cache_salt.
-  chat: messages instead of prompt, max_completion_tokens (or max_tokens), logprobs (bool) + top_logprobs (int),
+  chat: messages instead of prompt, max_completion_tokens (or max_tokens; without either the rest of the context,
+    as vLLM), logprobs (bool) + top_logprobs (int),
     prompt_logprobs, add_generation_prompt, continue_final_message (with add_generation_prompt false: the prompt ends
     inside the final message, which the output continues), chat_template_kwargs, add_special_tokens (false),
     truncate_prompt_tokens.
@@ -231,29 +233,31 @@ def _truncated(prompt: tuple[int, ...], f: Fields, max_model_len: int) -> tuple[
     return prompt[-(max_model_len if keep == -1 else keep):]
 
 
-def _check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
-    if num_prompt + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
-            "Please reduce the length of the prompt or completion.",
-            "max_tokens",
-        )
+def output_budget(num_prompt: int, max_tokens: int | None, param: str, engine: EngineClient,
+                  endpoint: Endpoint) -> int:
+    """The output's length, by vLLM's rules: a `max_tokens` (`param`: the field it came from) beyond the context, a
+    prompt beyond it, and a prompt that fills it are refused; otherwise the length asked for, or when none is asked
+    16 for a completion (its field's default) and for chat the rest of the context (the checkpoint's `max_new_tokens`
+    when set), is cut to what the context leaves after the prompt."""
+    limit = engine.max_model_len
+    if max_tokens is not None and max_tokens > limit:
+        raise InvalidRequestError(f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please "
+                                  "request fewer output tokens.", param)
+    if num_prompt > limit:
+        raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                  f"contains {num_prompt} input tokens, which exceeds this limit even without any "
+                                  "output tokens. Please reduce the length of the input prompt.", "input_tokens")
+    rest = limit - num_prompt
+    if rest == 0:
+        raise InvalidRequestError(f"This model's maximum context length is {limit} tokens and your prompt fills it: "
+                                  "no output token fits. Please reduce the length of the input prompt.", param)
+    if max_tokens is None:
+        max_tokens = 16 if endpoint is Endpoint.COMPLETIONS else engine.generation_defaults.max_tokens or rest
+    return min(max_tokens, rest)
 
 
-def _default_max_tokens(engine: EngineClient, num_prompt: int, to_context: bool) -> int:
-    """The output's length when the body sets none: the checkpoint's `max_new_tokens`, else 16 (vLLM's completions),
-    or with `to_context` (vLLM's Responses) the rest of the context, the checkpoint's value when it is smaller."""
-    configured = engine.generation_defaults.max_tokens
-    if not to_context:
-        return configured or 16
-    rest = max(engine.max_model_len - num_prompt, 1)   # a prompt that fills the context is refused by its length
-    return min(configured, rest) if configured else rest
-
-
-def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int | None,
-            logprobs: int | None, engine: EngineClient, echo: Echo | None = None,
-            output_to_context: bool = False) -> ParsedRequest:
+def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_tokens: int,
+            logprobs: int | None, engine: EngineClient, echo: Echo | None = None) -> ParsedRequest:
     refuse_unsupported(f.obj)
     stream = f.bool("stream", False)
     prompt_logprobs = prompt_logprobs_field(f, stream)
@@ -262,9 +266,6 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
     options = f.optional_object("stream_options")
     if options is not None and not stream:
         raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
-    if max_tokens is None:
-        max_tokens = _default_max_tokens(engine, len(prompt), output_to_context)
-    _check_length(len(prompt), max_tokens, engine.max_model_len)
     salt = f.optional_str("cache_salt")
     kv_transfer_params = f.raw("kv_transfer_params")
     kv_transfer = parse_kv_transfer_params(kv_transfer_params)
@@ -305,29 +306,28 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
         echo = Echo(text, without_output=max_tokens == 0)
         if max_tokens == 0:
             max_tokens = 1
-    return _common(f, Endpoint.COMPLETIONS, prompt, max_tokens=max_tokens, logprobs=logprobs, engine=engine,
-                   echo=echo)
+    budget = output_budget(len(prompt), max_tokens, "max_tokens", engine, Endpoint.COMPLETIONS)
+    return _common(f, Endpoint.COMPLETIONS, prompt, max_tokens=budget, logprobs=logprobs, engine=engine, echo=echo)
 
 
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
-                       tool_parsing: ToolParsing = ToolParsing(), *, output_to_context: bool = False) -> ParsedRequest:
+                       tool_parsing: ToolParsing = ToolParsing()) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
     wants_logprobs = f.bool("logprobs", False)
     if top_logprobs is not None and not wants_logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
-    max_tokens = f.optional_int("max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = f.optional_int("max_tokens", minimum=1)
+    param = "max_completion_tokens" if f.raw("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = f.optional_int(param, minimum=1)
     tools = tool_use(f, tool_parsing)
     prompt = chat_prompt(parse_messages(f.raw("messages")), engine, f,
                          add_special_tokens=f.bool("add_special_tokens", False),
                          tools=tools.tools if tools is not None else None)
     prompt = _truncated(prompt, f, engine.max_model_len)
-    parsed = _common(f, Endpoint.CHAT, prompt, max_tokens=max_tokens,
-                     logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine,
-                     output_to_context=output_to_context)
+    parsed = _common(f, Endpoint.CHAT, prompt, max_tokens=output_budget(len(prompt), max_tokens, param, engine,
+                                                                         Endpoint.CHAT),
+                     logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
     return parsed if tools is None else _with_tools(parsed, tools, f)
 
 

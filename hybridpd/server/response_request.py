@@ -1,10 +1,10 @@
 """A Responses API body -> the chat request it asks for (hybridpd/response_bodies.py), and what its Response object
 repeats of it (vLLM's `ResponsesResponse.from_request`).
 
-Where vLLM's Responses differ from its chat, so do ours: without `max_output_tokens` the output may run to the end
-of the context (the checkpoint's `max_new_tokens` when it sets one), and tools with the default `"auto"` choice on a
-node without `--enable-auto-tool-choice` are shown to the model and its answer is read as text (chat refuses that
-body). Errors name the Responses field (`input`, not `messages[0]`).
+Where vLLM's Responses differ from its chat, so do ours: tools with the default `"auto"` choice on a node without
+`--enable-auto-tool-choice` are shown to the model and its answer is read as text (chat refuses that body). As chat,
+without `max_output_tokens` the output may run to the end of the context (the checkpoint's `max_new_tokens` when it
+sets one). Errors name the Responses field (`input`, not `messages[0]`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def parse_responses_request(body: dict[str, Any], engine: EngineClient, served_m
     if chat.get("tools") and chat.get("tool_choice", "auto") == "auto" and not tool_parsing.auto:
         chat["tool_choice"] = "none"
     try:
-        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing, output_to_context=True)
+        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None
     parsed = replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"resp_{uuid.uuid4().hex}"))

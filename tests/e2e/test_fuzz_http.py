@@ -4,8 +4,9 @@ Hypothesis draws JSON bodies for /v1/completions and /v1/chat/completions: mostl
 replaced by anything, bodies of arbitrary optional fields, arbitrary JSON and raw bytes. Each answer must be
 below 500 (and a 4xx must be OpenAI's error shape); a streamed answer must carry no 5xx error event. Afterwards
 every process is alive and healthy, a fixed greedy request gives the same tokens as before the fuzzing, and no
-block or lease is left. Generation stays short: the nodes run with `--max-model-len 128`, so any body asking for
-more is a 400, and `--kv-load-timeout 5` bounds a pull aimed at a port nobody serves.
+block or lease is left. Generation stays short: the nodes run with `--max-model-len 128`, so an output never runs
+past it (a body asking for more than 128 tokens is a 400, the rest are cut to what the prompt leaves), and
+`--kv-load-timeout 5` bounds a pull aimed at a port nobody serves.
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ def error_of(out: dict, status: int) -> dict:
         (COMPLETIONS, {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
-        (COMPLETIONS, {"prompt": "x", "max_tokens": 128}, "max_tokens"),
-        (COMPLETIONS, {"prompt": "x" * 120, "max_tokens": 9}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 129}, "max_tokens"),           # beyond max_model_len
+        (COMPLETIONS, {"prompt": "x" * 129, "max_tokens": 1}, "input_tokens"),     # a prompt beyond it
+        (COMPLETIONS, {"prompt": "x" * 128, "max_tokens": 1}, "max_tokens"),       # one that fills it
         (COMPLETIONS, {"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
         (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -160,6 +161,22 @@ async def test_malformed_body_is_400(client, path, data, headers):
     assert resp.status == 400, await resp.text()
     assert error_of(await resp.json(), 400)["type"] == "invalid_request_error"
     assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.parametrize("path, body, max_tokens", [
+    (COMPLETIONS, {"prompt": "x" * 120, "max_tokens": 9}, 8),            # cut to what the context leaves
+    (COMPLETIONS, {"prompt": "x" * 120}, 8),                              # the default 16, cut
+    (COMPLETIONS, {"prompt": "x"}, 16),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 128}, 127),
+    (CHAT, {"messages": USER}, 128 - len(b"<user>hi\n<assistant>")),      # chat's default: the rest of the context
+    (CHAT, {"messages": USER, "max_completion_tokens": 128, "max_tokens": 1}, 128 - len(b"<user>hi\n<assistant>")),
+    (CHAT, {"messages": USER, "max_tokens": 3}, 3),
+])
+async def test_the_output_length_follows_vllms_rules(client, engine, path, body, max_tokens):
+    """vLLM's: a max_tokens the context cannot hold after the prompt is cut to what it leaves, not refused."""
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    assert engine.requests[-1].sampling.max_tokens == max_tokens
 
 
 async def test_body_without_content_type_is_accepted(client):

@@ -1,0 +1,90 @@
+"""Output lengths against vLLM's CPU build: the same requests near and past the context's end, compared as a client
+reads the answers.
+
+Not a speed figure: an agreement check on vLLM's length rules. Both serve `--preset`'s checkpoint in float32 with
+`--max-model-len 256` (vLLM from the venv `vs_vllm.py` builds). The requests: chat without a length (the rest of
+the context), chat and Responses asking for more than the prompt leaves (cut) or more than the context (refused),
+completions whose prompt leaves less than asked for or than the default 16 (cut), a prompt cut by
+`truncate_prompt_tokens`, a prompt that fills the context and one beyond it (refused). Greedy.
+
+Compared: the HTTP status; for an answer, its finish reason (or Responses status) and the prompt and output token
+counts; for a refusal, the `param` it names. Messages are not compared (vLLM appends `(parameter=..., value=...)`).
+
+Last line: JSON {"identical": n, "requests": m, "differing": [case...], the model, CPU and date}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agreement_servers import agreement_args, both_served, model_dir_of  # noqa: E402
+
+from hybridpd.engine.dtype_choice import this_cpus_model  # noqa: E402
+
+CONTEXT = 256
+MESSAGES = [{"role": "user", "content": "Tell me about caches."}]
+IDS = list(range(3, 3 + CONTEXT + 44))
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat_without_length": ("/v1/chat/completions", {"messages": MESSAGES}),
+    "chat_max_tokens_cut": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 250}),
+    "chat_max_completion_tokens_cut": ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 250}),
+    "chat_the_whole_context": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": CONTEXT}),
+    "chat_past_the_context": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": CONTEXT + 44}),
+    "completion_default_cut": ("/v1/completions", {"prompt": IDS[:250]}),
+    "completion_max_tokens_cut": ("/v1/completions", {"prompt": IDS[:250], "max_tokens": 10, "ignore_eos": True}),
+    "completion_truncated_prompt": ("/v1/completions", {"prompt": IDS, "truncate_prompt_tokens": 200,
+                                                        "max_tokens": 100, "ignore_eos": True}),
+    "completion_prompt_fills_context": ("/v1/completions", {"prompt": IDS[:CONTEXT], "max_tokens": 1}),
+    "completion_prompt_past_context": ("/v1/completions", {"prompt": IDS, "max_tokens": 1}),
+    "responses_cut": ("/v1/responses", {"input": "Tell me about caches.", "max_output_tokens": 250}),
+    "responses_past_the_context": ("/v1/responses", {"input": "Tell me about caches.", "max_output_tokens": 300}),
+}
+
+
+def ask(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def client_view(status: int, answer: dict[str, Any]) -> dict[str, Any]:
+    if status != 200:
+        return {"status": status, "param": answer.get("error", {}).get("param")}
+    usage = answer.get("usage") or {}
+    if answer.get("object") == "response":
+        return {"status": status, "finish": answer.get("status"), "prompt": usage.get("input_tokens"),
+                "output": usage.get("output_tokens")}
+    return {"status": status, "finish": answer["choices"][0].get("finish_reason"),
+            "prompt": usage.get("prompt_tokens"), "output": usage.get("completion_tokens")}
+
+
+def main() -> int:
+    args = agreement_args(__doc__, 1, "unused: every case is asked once")
+    flags = ["--max-model-len", str(CONTEXT)]
+    differing = []
+    with both_served(model_dir_of(args.preset), args.venv, flags, flags) as sides:
+        for name, (path, body) in CASES.items():
+            views = {side: client_view(*ask(url, path, {**body, "model": model, "temperature": 0}))
+                     for side, (url, model) in sides.items()}
+            print(json.dumps({"case": name, **views}), flush=True)
+            if views["ours"] != views["vllm"]:
+                differing.append(name)
+    print(json.dumps({"identical": len(CASES) - len(differing), "requests": len(CASES), "differing": differing,
+                      "model": args.preset, "context": CONTEXT, "cpu": this_cpus_model(),
+                      "date": datetime.date.today().isoformat()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
