@@ -11,7 +11,8 @@ refused by name, sampling_fields.py):
   chat: messages instead of prompt, max_completion_tokens (or max_tokens; without either the rest of the context,
     as vLLM), logprobs (bool) + top_logprobs (int),
     prompt_logprobs, add_generation_prompt, continue_final_message (with add_generation_prompt false: the prompt ends
-    inside the final message, which the output continues), chat_template_kwargs, add_special_tokens (false),
+    inside the final message, which the output continues), echo (the answer starts with the final message's text
+    when it is the assistant's, as vLLM), chat_template_kwargs, add_special_tokens (false),
     truncate_prompt_tokens.
 A body that asks for several choices (`n` > 1, or several prompts) becomes one engine request per choice
 (`parse_choices`): prompt p's sample i is choice p * n + i, its seed (when one is given) the body's + i, as vLLM
@@ -52,9 +53,11 @@ class Endpoint(enum.Enum):
 
 @dataclass(frozen=True)
 class Echo:
-    """A completion request's `echo`: its answer starts with the prompt (its tokens' logprobs too, with logprobs)."""
+    """A request's `echo`: a completion's answer starts with the prompt (its tokens' logprobs too, with logprobs); a
+    chat answer's message with the final message's text when that is the assistant's (vLLM's chat `echo`, beside
+    `continue_final_message`: the whole message, the part given and the part generated)."""
 
-    text: str              # the prompt as the client gave it; a prompt of token ids, decoded
+    text: str              # the prompt as the client gave it (a prompt of token ids decoded), or the final message
     without_output: bool   # max_tokens 0: the prompt alone (one token is generated and left out, as vLLM does)
 
 
@@ -321,13 +324,15 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
     param = "max_completion_tokens" if f.raw("max_completion_tokens") is not None else "max_tokens"
     max_tokens = f.optional_int(param, minimum=1)
     tools = tool_use(f, tool_parsing)
-    prompt = chat_prompt(parse_messages(f.raw("messages")), engine, f,
-                         add_special_tokens=f.bool("add_special_tokens", False),
+    messages = parse_messages(f.raw("messages"))
+    prompt = chat_prompt(messages, engine, f, add_special_tokens=f.bool("add_special_tokens", False),
                          tools=tools.tools if tools is not None else None)
     prompt = _truncated(prompt, f, engine.max_model_len)
     parsed = _common(f, Endpoint.CHAT, prompt, max_tokens=output_budget(len(prompt), max_tokens, param, engine,
                                                                          Endpoint.CHAT),
                      logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
+    if f.bool("echo", False) and messages[-1]["role"] == "assistant" and messages[-1]["content"]:
+        parsed = replace(parsed, echo=Echo(messages[-1]["content"], without_output=False))
     return parsed if tools is None else _with_tools(parsed, tools, f)
 
 

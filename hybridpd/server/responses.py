@@ -114,6 +114,8 @@ def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Toke
         message["content"], called = tools.content, tools.called
         if tools.tool_calls:
             message["tool_calls"] = list(tools.tool_calls)
+    if parsed.echo is not None:
+        message["content"] = parsed.echo.text + (message["content"] or "")
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,

@@ -114,20 +114,27 @@ class ChunkBuilder:
         return delta
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
-        """Zero, one or (the chat's first output: role, then content) two chunks for `output`. Every output that
-        carries a token makes a chunk, as vLLM streams: one whose token is half a UTF-8 character (the detokenizer
-        holds it back) has empty text, so a client's inter-token latency counts every token, not two at once."""
+        """The chunks of `output`: the chat's first output also makes the role chunk before its own (and with `echo`
+        one holding the final message's text). Every output that carries a token makes a chunk, as vLLM streams: one
+        whose token is half a UTF-8 character (the detokenizer holds it back) has empty text, so a client's
+        inter-token latency counts every token, not two at once."""
         if self._parsed.stream_head is not None and not self._started:
             return self._after_head(output)
         chunks = []
         is_chat = self._parsed.endpoint is Endpoint.CHAT
         if is_chat and not self._started:
-            role = {"index": self._parsed.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            chunks.append({**self._header, "choices": [role]})
-        if output.new_text or output.finished or output.new_token_ids or (self._parsed.echo and not self._started):
+            chunks.append(self._chat_head({"role": "assistant", "content": ""}))
+            if self._parsed.echo is not None:   # the final message's text, before the output (vLLM's chat echo)
+                chunks.append(self._chat_head({"content": self._parsed.echo.text}))
+        completion_echo = not is_chat and self._parsed.echo is not None and not self._started   # on the first output
+        if output.new_text or output.finished or output.new_token_ids or completion_echo:
             chunks.append(self._chunk(self._choice(output), output))
         self._started = True
         return chunks
+
+    def _chat_head(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {**self._header, "choices": [{"index": self._parsed.index, "delta": delta, "logprobs": None,
+                                             "finish_reason": None}]}
 
     def _choice(self, output: RequestOutput) -> dict[str, Any]:
         return self._chat_choice(output) if self._parsed.endpoint is Endpoint.CHAT else self._completion_choice(output)

@@ -61,6 +61,26 @@ async def test_continue_final_message_refused(client, engine, path, messages, fl
     assert engine.requests == []
 
 
+@pytest.mark.parametrize("messages, shown", [(CONTINUED, "The"), (USER, "")])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_echo_starts_the_message_with_the_assistants_final_text(client, messages, shown, stream):
+    """vLLM's chat `echo`: the final message's text before the output when it is the assistant's (the whole message
+    of a continued one), nothing otherwise; streamed as a chunk after the role's."""
+    body = {"messages": messages, "echo": True, "max_tokens": 2, "stream": stream,
+            **({"add_generation_prompt": False, "continue_final_message": True} if shown else {})}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    if not stream:
+        answer = await resp.json()
+        assert answer["choices"][0]["message"]["content"] == shown + "ab"
+        assert answer["usage"]["completion_tokens"] == 2
+        return
+    deltas = [c["choices"][0]["delta"] for c in parse_sse(await resp.text())[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content") or "" for d in deltas) == shown + "ab"
+    assert [d.get("content") for d in deltas[1:3]] == ([shown, "a"] if shown else ["a", "b"])
+
+
 async def test_chat_completions_without_the_generation_prompt(client, engine):
     resp = await client.post("/v1/chat/completions", json={"messages": USER, "add_generation_prompt": False,
                                                           "max_tokens": 1})
