@@ -92,7 +92,8 @@ def test_chat(node):
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": [1, 2, 99999]}, "vocabulary"),
-    ({"prompt": "x", "max_tokens": 600}, "context length"),
+    ({"prompt": "x", "max_tokens": 600}, "cannot be greater than max_model_len=512"),
+    ({"prompt": [1] * 513, "max_tokens": 1}, "maximum context length is 512"),
     ({"prompt": []}, "prompt"),
 ])
 def test_bad_input_is_a_400_with_an_openai_error(node, body, fragment):
