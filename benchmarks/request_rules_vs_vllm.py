@@ -1,14 +1,19 @@
-"""Output lengths against vLLM's CPU build: the same requests near and past the context's end, compared as a client
-reads the answers.
+"""Request rules against vLLM's CPU build: the same requests to both, on the rules vLLM sets for a request's length
+and its final message, compared as a client reads the answers.
 
-Not a speed figure: an agreement check on vLLM's length rules. Both serve `--preset`'s checkpoint in float32 with
-`--max-model-len 256` (vLLM from the venv `vs_vllm.py` builds). The requests: chat without a length (the rest of
-the context), chat and Responses asking for more than the prompt leaves (cut) or more than the context (refused),
-completions whose prompt leaves less than asked for or than the default 16 (cut), a prompt cut by
-`truncate_prompt_tokens`, a prompt that fills the context and one beyond it (refused). Greedy.
+Not a speed figure: an agreement check. Both serve `--preset`'s checkpoint in float32 with `--max-model-len 256`
+(vLLM from the venv `vs_vllm.py` builds). Greedy requests:
+
+- lengths: chat without a length (the rest of the context), chat and Responses asking for more than the prompt
+  leaves (cut) or more than the context (refused), completions whose prompt leaves less than asked for or than the
+  default 16 (cut), a prompt cut by `truncate_prompt_tokens`, a prompt that fills the context and one beyond it
+  (refused);
+- the final message: `continue_final_message` (the prompt ends inside the assistant's message) with and without
+  chat's `echo`, and `echo` after a user's message and after an assistant's, whole and streamed.
 
 Compared: the HTTP status; for an answer, its finish reason (or Responses status) and the prompt and output token
-counts; for a refusal, the `param` it names. Messages are not compared (vLLM appends `(parameter=..., value=...)`).
+counts, and for the final-message cases the message's text (whole) or the first four deltas (streamed); for a
+refusal, the `param` it names. Messages are not compared (vLLM appends `(parameter=..., value=...)`).
 
 Last line: JSON {"identical": n, "requests": m, "differing": [case...], the model, CPU and date}.
 """
@@ -46,27 +51,51 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses_cut": ("/v1/responses", {"input": "Tell me about caches.", "max_output_tokens": 250}),
     "responses_past_the_context": ("/v1/responses", {"input": "Tell me about caches.", "max_output_tokens": 300}),
 }
+CONTINUED = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+OPEN = {"add_generation_prompt": False, "continue_final_message": True}
+FINAL_MESSAGE_CASES: dict[str, dict[str, Any]] = {
+    "continued": {"messages": CONTINUED, **OPEN},
+    "continued_echo": {"messages": CONTINUED, **OPEN, "echo": True},
+    "echo_after_user": {"messages": CONTINUED[:1], "echo": True},
+    "echo_after_assistant": {"messages": CONTINUED, "echo": True},
+}
+STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
+CASES |= {name + suffix: ("/v1/chat/completions", {**body, "max_tokens": 6, **extra})
+          for name, body in FINAL_MESSAGE_CASES.items() for suffix, extra in (("", {}), ("_streamed", STREAMED))}
 
 
-def ask(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def ask(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """(status, the JSON answer, or a stream's chunks)."""
     request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
-            return response.status, json.loads(response.read())
+            raw = response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
+    if not body.get("stream"):
+        return 200, json.loads(raw)
+    return 200, [json.loads(line[6:]) for line in raw.splitlines()
+                 if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-def client_view(status: int, answer: dict[str, Any]) -> dict[str, Any]:
+def client_view(status: int, answer: Any) -> dict[str, Any]:
     if status != 200:
         return {"status": status, "param": answer.get("error", {}).get("param")}
+    if isinstance(answer, list):   # a chat stream: its first deltas, the finish reason, the usage chunk's counts
+        choices = [chunk["choices"][0] for chunk in answer if chunk.get("choices")]
+        usage = answer[-1].get("usage") or {}
+        return {"status": status, "deltas": [c["delta"] for c in choices[:4]],
+                "finish": choices[-1].get("finish_reason"), "prompt": usage.get("prompt_tokens"),
+                "output": usage.get("completion_tokens")}
     usage = answer.get("usage") or {}
     if answer.get("object") == "response":
         return {"status": status, "finish": answer.get("status"), "prompt": usage.get("input_tokens"),
                 "output": usage.get("output_tokens")}
-    return {"status": status, "finish": answer["choices"][0].get("finish_reason"),
-            "prompt": usage.get("prompt_tokens"), "output": usage.get("completion_tokens")}
+    choice = answer["choices"][0]
+    return {"status": status, "finish": choice.get("finish_reason"), "prompt": usage.get("prompt_tokens"),
+            "output": usage.get("completion_tokens"), **({"text": choice["message"]["content"]}
+                                                         if "message" in choice else {})}
 
 
 def main() -> int:
