@@ -43,7 +43,8 @@ from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
 from hybridpd.proxy.replies import ClientReply, Reply
 from hybridpd.proxy.samples import merge_samples
 from hybridpd.proxy.responses import (
-    invalid_request, no_upstream, sse_error_event, sse_rejected_event, upstream_failed, upstream_rejected,
+    EventCount, invalid_request, no_upstream, responses_error_event, sse_error_event, sse_rejected_event,
+    upstream_failed, upstream_rejected,
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, refresh_all
 from hybridpd.proxy.health_watch import probe_all
@@ -267,17 +268,21 @@ class Proxy:
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)
             await reply.open(stream.status, headers)
-            await self._relay(reply, stream, request_id)
+            await self._relay(reply, stream, request_id, path)
             return await reply.close()
 
-    async def _relay(self, out: Reply, stream: DecodeStream, request_id: str) -> None:
-        """The decode node's bytes to the client as they come; a failure midway becomes an error event."""
+    async def _relay(self, out: Reply, stream: DecodeStream, request_id: str, path: str) -> None:
+        """The decode node's bytes to the client as they come; a failure midway becomes an error event (a Responses
+        stream's typed `error` event, numbered after the events relayed)."""
+        relayed = EventCount()
         try:
             async for chunk in stream.chunks():
                 await out.write(chunk)
+                relayed.feed(chunk)
         except UpstreamError as exc:
             logger.warning("request %s: %s (after the stream started)", request_id, exc)
-            await out.write(sse_error_event(exc))
+            await out.write(responses_error_event(exc, relayed.events) if path == RESPONSES_PATH
+                            else sse_error_event(exc))
 
     async def _decode_after_head(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
                                  prompt: PromptHashes | None, head: bytes,
@@ -303,7 +308,7 @@ class Proxy:
                 logger.warning("request %s: %s (after the stream started)", request_id, exc)
                 await reply.write(sse_error_event(exc))
             else:
-                await self._relay(reply, stream, request_id)
+                await self._relay(reply, stream, request_id, path)
         return await reply.close()
 
     async def _open_decode(self, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any],

@@ -48,14 +48,43 @@ def upstream_rejected(error: UpstreamRejectedError, request_id: str) -> web.Resp
     )
 
 
+def _failure(error: UpstreamError | NoUpstreamError) -> tuple[int, str, str]:
+    """(status, error type, message) of a failed or impossible call."""
+    if isinstance(error, NoUpstreamError):
+        return 503, "service_unavailable", f"no node available: {error}"
+    (status, error_type), message = _GATEWAY_STATUS[error.kind], str(error)
+    return status, error_type, message
+
+
 def sse_error_event(error: UpstreamError | NoUpstreamError) -> bytes:
     """What a stream that already started gets when its decode node fails (or none is left): an error event, then
     [DONE]."""
-    if isinstance(error, NoUpstreamError):
-        status, error_type, message = 503, "service_unavailable", f"no node available: {error}"
-    else:
-        (status, error_type), message = _GATEWAY_STATUS[error.kind], str(error)
+    status, error_type, message = _failure(error)
     return _sse_event_and_done(json.dumps(error_body(message, error_type, status)).encode())
+
+
+def responses_error_event(error: UpstreamError | NoUpstreamError, sequence_number: int) -> bytes:
+    """The same for a Responses stream: a typed `error` event numbered after the events the client has (a Responses
+    stream ends without [DONE]), as a node writes its own."""
+    _, error_type, message = _failure(error)
+    event = {"type": "error", "code": error_type, "message": message, "param": None,
+             "sequence_number": sequence_number}
+    return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+
+
+class EventCount:
+    """How many server-sent events the bytes fed so far hold (each ends with a blank line), across chunks that split
+    an event's end."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self._tail = b""   # a newline the last chunk ended with that no blank line took yet
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        self.events += data.count(b"\n\n")
+        trailing = len(data) - len(data.rstrip(b"\n"))
+        self._tail = b"\n" if trailing % 2 else b""
 
 
 def sse_rejected_event(error: UpstreamRejectedError) -> bytes:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
+from openai.types.responses import ResponseErrorEvent
 
 from hybridpd.proxy.config import Role
+from hybridpd.proxy.responses import EventCount
 
 from .fake_node import REJECT_BODY, Behavior
 
@@ -99,6 +102,35 @@ async def test_decode_failure_after_stream_started_is_an_error_event(make_harnes
     assert events[1].startswith('data: {"id":"cmpl-1"')
     assert '"type": "gateway_timeout"' in events[2] and f"decode node 127.0.0.1:{h.decode_ports[0]}" in events[2]
     assert events[3] == "data: [DONE]"
+
+
+async def test_a_responses_stream_that_fails_midway_ends_with_a_typed_error_event(make_harness):
+    """A Responses stream's failure is its own `error` event, numbered after the events relayed, without [DONE]."""
+    h = await make_harness([Behavior.OK], [Behavior.HANG_MID_STREAM], decode_timeout=0.5)
+    async with h.session.post(h.url + "/v1/responses", json={"input": "hi", "stream": True}) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    events = [event for event in raw.split("\n\n") if event]
+    assert len(events) == 2 and events[0].startswith("data: ")   # the one event the node sent before it hung
+    kind, data = events[1].split("\n")
+    error = json.loads(data.removeprefix("data: "))
+    assert kind == "event: error" and error["type"] == "error" and error["sequence_number"] == 1
+    assert error["code"] == "gateway_timeout" and f"decode node 127.0.0.1:{h.decode_ports[0]}" in error["message"]
+    ResponseErrorEvent.model_validate(error)   # as the `openai` client reads it
+
+
+@pytest.mark.parametrize("chunks, events", [
+    ([b"data: a\n\n", b"data: b\n\n"], 2),
+    ([b"event: x\ndata: a\n", b"\nevent: y\ndata: b\n\n"], 2),   # an event's end split between chunks
+    ([b"data: a\n", b"\n", b"\n"], 1),
+    ([b"data: a", b"\n\ndata: b\n"], 1),
+    ([b"", b"data: a\n\n"], 1),
+])
+def test_the_relayed_events_are_counted_across_chunks(chunks, events):
+    count = EventCount()
+    for chunk in chunks:
+        count.feed(chunk)
+    assert count.events == events
 
 
 @pytest.mark.parametrize("data, message", [
