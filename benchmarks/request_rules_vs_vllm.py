@@ -9,10 +9,11 @@ Not a speed figure: an agreement check. Both serve `--preset`'s checkpoint in fl
   default 16 (cut), a prompt cut by `truncate_prompt_tokens`, a prompt that fills the context and one beyond it
   (refused);
 - the final message: `continue_final_message` (the prompt ends inside the assistant's message) with and without
-  chat's `echo`, and `echo` after a user's message and after an assistant's, whole and streamed.
+  chat's `echo`, and `echo` after a user's message and after an assistant's, whole and streamed;
+- `stream_options.continuous_usage_stats`: the usage so far in every chunk, a completion and a continued, echoed chat.
 
 Compared: the HTTP status; for an answer, its finish reason (or Responses status) and the prompt and output token
-counts, and for the final-message cases the message's text (whole) or the first four deltas (streamed); for a
+counts, and the message's text (whole) or the first four deltas and every chunk's output count (streamed); for a
 refusal, the `param` it names. Messages are not compared (vLLM appends `(parameter=..., value=...)`).
 
 Last line: JSON {"identical": n, "requests": m, "differing": [case...], the model, CPU and date}.
@@ -62,6 +63,13 @@ FINAL_MESSAGE_CASES: dict[str, dict[str, Any]] = {
 STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
 CASES |= {name + suffix: ("/v1/chat/completions", {**body, "max_tokens": 6, **extra})
           for name, body in FINAL_MESSAGE_CASES.items() for suffix, extra in (("", {}), ("_streamed", STREAMED))}
+EVERY_CHUNK = {"stream": True, "max_tokens": 5, "ignore_eos": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+CASES |= {
+    "completion_usage_in_every_chunk": ("/v1/completions", {"prompt": IDS[:20], **EVERY_CHUNK}),
+    "chat_usage_in_every_chunk": ("/v1/chat/completions", {"messages": CONTINUED, **OPEN, "echo": True,
+                                                           **EVERY_CHUNK}),
+}
 
 
 def ask(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -82,12 +90,14 @@ def ask(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
 def client_view(status: int, answer: Any) -> dict[str, Any]:
     if status != 200:
         return {"status": status, "param": answer.get("error", {}).get("param")}
-    if isinstance(answer, list):   # a chat stream: its first deltas, the finish reason, the usage chunk's counts
+    if isinstance(answer, list):   # a stream: its first deltas (texts), the finish reason, the usage chunk's and
+        # each chunk's output token counts
         choices = [chunk["choices"][0] for chunk in answer if chunk.get("choices")]
         usage = answer[-1].get("usage") or {}
-        return {"status": status, "deltas": [c["delta"] for c in choices[:4]],
+        return {"status": status, "deltas": [c.get("delta", c.get("text")) for c in choices[:4]],
                 "finish": choices[-1].get("finish_reason"), "prompt": usage.get("prompt_tokens"),
-                "output": usage.get("completion_tokens")}
+                "output": usage.get("completion_tokens"),
+                "usage_per_chunk": [(chunk.get("usage") or {}).get("completion_tokens") for chunk in answer]}
     usage = answer.get("usage") or {}
     if answer.get("object") == "response":
         return {"status": status, "finish": answer.get("status"), "prompt": usage.get("input_tokens"),

@@ -41,6 +41,10 @@ def prefill_body(body: dict[str, Any], first_token_from_prefill: bool = True,
         if "max_completion_tokens" in body:
             out["max_completion_tokens"] = 1
         out["stream"] = first_token_from_prefill and streams_head(body)
+        options = body.get("stream_options")
+        if out["stream"] and isinstance(options, dict) and options.get("continuous_usage_stats") is True \
+                and options.get("include_usage") is True:   # the head's chunks carry the usage so far too
+            out["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return out
 

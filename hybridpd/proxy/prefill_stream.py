@@ -2,9 +2,10 @@
 
 When the client streams, the prefill call streams too (bodies.prefill_body). The node's events are the chat role
 chunk (chat only), the first token's chunk — which also carries `kv_transfer_params` and the finish_reason of a
-one-token call — and [DONE]. The client's stream begins with those chunks at once, the call-specific parts taken
-out (kv_transfer_params; finish_reason and stop_reason back to null: the client's request goes on), and the decode
-node continues it under the same id and `created` (hybridpd/stream_head.py).
+one-token call — and [DONE] (with vLLM's `continuous_usage_stats` every chunk carries the usage so far, and a usage
+chunk comes before [DONE]: the call's own, left out). The client's stream begins with those chunks at once, the
+call-specific parts taken out (kv_transfer_params; finish_reason and stop_reason back to null: the client's request
+goes on), and the decode node continues it under the same id and `created` (hybridpd/stream_head.py).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def read_prefill_stream(raw: bytes) -> PrefillStream:
             raise PrefillStreamError("an event is not a JSON object")
         if "error" in chunk:
             raise PrefillStreamError(f"the node's stream failed: {json.dumps(chunk['error'])[:300]}", from_node=True)
+        if chunk.get("choices") == [] and "usage" in chunk and "kv_transfer_params" not in chunk:
+            continue   # the one-token call's own usage: the decode node's stream ends with the client's
         found = chunk.pop("kv_transfer_params", None)
         if found is not None:
             if not isinstance(found, dict):

@@ -6,7 +6,8 @@ refused by name, sampling_fields.py):
     together without a stream), max_tokens (16; 0 with echo: the prompt alone; at most max_model_len, and cut to
     the context the prompt leaves, as vLLM cuts it: `output_budget`), the sampling fields of
     sampling_fields.py, logprobs (int), echo (the prompt's text, and with logprobs its tokens' logprobs, before the
-    output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage,
+    output, as vLLM), prompt_logprobs (vLLM's), n (1 only), stream, stream_options.include_usage (and vLLM's
+    continuous_usage_stats: the usage so far in every chunk),
     return_token_ids, kv_transfer_params, cache_salt.
   chat: messages instead of prompt, max_completion_tokens (or max_tokens; without either the rest of the context,
     as vLLM), logprobs (bool) + top_logprobs (int),
@@ -78,6 +79,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)
     tokens_as_ids: bool = False    # logprobs name tokens `token_id:<id>` (vLLM's return_tokens_as_token_ids)
     stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
     echo: Echo | None = None
@@ -269,6 +271,7 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
     options = f.optional_object("stream_options")
     if options is not None and not stream:
         raise InvalidRequestError("stream_options can only be set when stream is true", "stream_options")
+    include_usage = options is not None and options.bool("include_usage", False)
     salt = f.optional_str("cache_salt")
     kv_transfer_params = f.raw("kv_transfer_params")
     kv_transfer = parse_kv_transfer_params(kv_transfer_params)
@@ -285,7 +288,8 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
         ),
         created=int(time.time()),
         stream=stream,
-        include_usage=options is not None and options.bool("include_usage", False),
+        include_usage=include_usage,
+        continuous_usage=include_usage and options is not None and options.bool("continuous_usage_stats", False),
         return_token_ids=f.bool("return_token_ids", False),
         tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
         stream_head=parse_stream_head(kv_transfer_params, stream=stream),

@@ -60,12 +60,21 @@ class ChunkBuilder:
         self._header = header(parsed, model, self._object)
         self._text_offset = 0
         self._started = False
+        self._generated = 0   # output tokens so far (the usage every chunk carries with continuous_usage)
         self._tools = tool_call_reader(parsed.tool_use) if parsed.tool_use is not None else None
 
     def _chunk(self, choice: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
-        chunk = {**self._header, "choices": [choice]}
+        chunk = self._with_usage({**self._header, "choices": [choice]}, self._generated)
         if output.kv_transfer_params is not None:
             chunk["kv_transfer_params"] = output.kv_transfer_params
+        return chunk
+
+    def _with_usage(self, chunk: dict[str, Any], generated: int) -> dict[str, Any]:
+        """`chunk` with the usage so far when the stream asks for it in every chunk (as vLLM counts it)."""
+        if self._parsed.continuous_usage:
+            prompt = len(self._parsed.engine_request.prompt_token_ids)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": generated,
+                              "total_tokens": prompt + generated}
         return chunk
 
     def _completion_choice(self, output: RequestOutput) -> dict[str, Any]:
@@ -118,6 +127,7 @@ class ChunkBuilder:
         one holding the final message's text). Every output that carries a token makes a chunk, as vLLM streams: one
         whose token is half a UTF-8 character (the detokenizer holds it back) has empty text, so a client's
         inter-token latency counts every token, not two at once."""
+        self._generated += len(output.new_token_ids)
         if self._parsed.stream_head is not None and not self._started:
             return self._after_head(output)
         chunks = []
@@ -133,8 +143,9 @@ class ChunkBuilder:
         return chunks
 
     def _chat_head(self, delta: dict[str, Any]) -> dict[str, Any]:
-        return {**self._header, "choices": [{"index": self._parsed.index, "delta": delta, "logprobs": None,
-                                             "finish_reason": None}]}
+        """A chunk before the first output's: the role's, or the echoed final message's."""
+        return self._with_usage({**self._header, "choices": [{"index": self._parsed.index, "delta": delta,
+                                                              "logprobs": None, "finish_reason": None}]}, 0)
 
     def _choice(self, output: RequestOutput) -> dict[str, Any]:
         return self._chat_choice(output) if self._parsed.endpoint is Endpoint.CHAT else self._completion_choice(output)

@@ -101,6 +101,9 @@ def test_greedy_output_through_the_proxy_equals_a_colocated_node(cluster, path, 
     assert _text(path, raw, stream) != ""
 
 
+EVERY_CHUNK = {"include_usage": True, "continuous_usage_stats": True}
+
+
 def _chunks(raw: bytes) -> list[dict[str, Any]]:
     events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -113,13 +116,15 @@ def _chunks(raw: bytes) -> list[dict[str, Any]]:
     ("/v1/completions", {**COMPLETION, "stop": ["~~~~~"]}),   # text held back for a stop string's possible start
     ("/v1/completions", {**COMPLETION, "stop": ["~~~~~"], "max_tokens": 1}),  # ... and released at the end
     ("/v1/chat/completions", {**CHAT, "stop": ["~~~~~"], "max_completion_tokens": 1}),
+    ("/v1/completions", {**COMPLETION, "stream_options": EVERY_CHUNK}),      # the usage so far in every chunk
+    ("/v1/chat/completions", {**CHAT, "stream_options": EVERY_CHUNK}),
 ])
 def test_a_stream_through_the_proxy_is_shaped_as_a_colocated_one(cluster, path, body):
     """Its head comes from the prefill node's stream and the rest from the decode node's: chunk for chunk the
     same as one node's stream (role chunk, texts, token ids, logprobs and their offsets, finish, usage), under one
     id and `created`."""
     _, info = cluster
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"stream_options": {"include_usage": True}, **body, "stream": True}
     status, raw = _post(info.proxy_url + path, body)
     assert status == 200, raw
     local_status, local_raw = _post(info.decode[0].url + path, body)

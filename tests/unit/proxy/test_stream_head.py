@@ -44,6 +44,14 @@ def test_the_head_is_the_prefill_stream_without_the_calls_own_parts(path, expect
     assert (stream.stream_head.id, stream.stream_head.created) == (PREFILL_STREAM_ID, PREFILL_STREAM_CREATED)
 
 
+def test_the_prefill_calls_own_usage_chunk_is_left_out_of_the_head():
+    """With continuous usage stats the call ends with its own usage chunk (no choices): not the client's."""
+    chunks = prefill_stream_chunks("/v1/completions", remote_params(9000))
+    usage = b'data: {"id": "cmpl-p", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}\n\n'
+    stream = read_prefill_stream(b"".join((*chunks[:-1], usage, chunks[-1])))
+    assert [json.loads(event)["choices"][0]["text"] for event in events(stream.head)] == ["x"]
+
+
 def test_a_prefill_stream_without_params_gives_no_head():
     stream = read_prefill_stream(b"".join(prefill_stream_chunks("/v1/completions", None)))
     assert (stream.kv_transfer_params, stream.head, stream.stream_head) == (None, b"", None)

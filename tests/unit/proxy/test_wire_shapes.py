@@ -43,6 +43,12 @@ TOY_PREFILL_PARAMS = {
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
          "max_completion_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},
     ),
+    (   # the usage in every chunk: the head's chunks carry it too
+        {"prompt": "a", "max_tokens": 5, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        {"prompt": "a", "max_tokens": 1, "stream": True, "kv_transfer_params": TOY_PREFILL_PARAMS,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    ),
     (   # one token only: its chunk is also the last, so the decode node streams it
         {"prompt": "a", "max_tokens": 1, "stream": True},
         {"prompt": "a", "max_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS},

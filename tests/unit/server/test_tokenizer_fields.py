@@ -81,6 +81,28 @@ async def test_chat_echo_starts_the_message_with_the_assistants_final_text(clien
     assert [d.get("content") for d in deltas[1:3]] == ([shown, "a"] if shown else ["a", "b"])
 
 
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "xy"}), ("/v1/chat/completions", {
+    "messages": CONTINUED, "echo": True, "add_generation_prompt": False, "continue_final_message": True})])
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, engine, path, body):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk carries the usage so far (the
+    chat's role and echo chunks 0 output tokens), and the usage chunk ends the stream as always."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    resp = await client.post(path, json={**body, "max_tokens": 3, "stream": True, "stream_options": options})
+    chunks = parse_sse(await resp.text())[:-1]
+    prompt = len(engine.requests[-1].prompt_token_ids)
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    heads = [0, 0] if path == "/v1/chat/completions" else []
+    assert counts == [*heads, 1, 2, 3, 3] and chunks[-1]["choices"] == []
+    assert all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks)
+
+
+async def test_usage_in_every_chunk_needs_include_usage(client):
+    body = {"prompt": "xy", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    chunks = parse_sse(await (await client.post("/v1/completions", json=body)).text())[:-1]
+    assert all("usage" not in c for c in chunks)
+
+
 async def test_chat_completions_without_the_generation_prompt(client, engine):
     resp = await client.post("/v1/chat/completions", json={"messages": USER, "add_generation_prompt": False,
                                                           "max_tokens": 1})
