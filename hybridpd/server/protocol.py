@@ -79,7 +79,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
-    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     tokens_as_ids: bool = False    # logprobs name tokens `token_id:<id>` (vLLM's return_tokens_as_token_ids)
     stream_head: StreamHead | None = None  # the client has this stream's head already (hybridpd/stream_head.py)
     echo: Echo | None = None
