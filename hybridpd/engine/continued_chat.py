@@ -21,13 +21,9 @@ TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 def render_continuing(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                       template_kwargs: Mapping[str, Any] | None = None,
                       tools: list[dict[str, Any]] | None = None) -> str:
-    """The conversation as the chat template renders it, ending inside its final message's text."""
-    if not messages:
-        raise InvalidRequestError("continue_final_message is set but the conversation is empty", "messages")
+    """The conversation (at least one message, as the server's parse gives it) as the chat template renders it,
+    ending inside its final message's text."""
     final = messages[-1]
-    if isinstance(final, dict) and final.get("content") is None:
-        raise InvalidRequestError("continue_final_message is set but the final message has no content to continue",
-                                  "messages")
     _, text = message_text(final)
     tagged = [*messages[:-1], {**final, "content": text + TAG}]
     rendered = tokenizer.apply_chat_template(tagged, False, template_kwargs, tools)
