@@ -43,7 +43,8 @@ from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
 from hybridpd.proxy.replies import ClientReply, Reply
 from hybridpd.proxy.samples import merge_samples
 from hybridpd.proxy.responses import (
-    EventCount, invalid_request, no_upstream, responses_error_event, sse_error_event, sse_rejected_event,
+    EventCount, invalid_request, messages_error_event, no_upstream, responses_error_event, sse_error_event,
+    sse_rejected_event,
     upstream_failed, upstream_rejected,
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, refresh_all
@@ -55,6 +56,7 @@ from hybridpd.proxy.nodes_file import NodesFile
 from hybridpd.proxy.periodic import FirstRun, periodic_context
 from hybridpd.proxy.routing import NoUpstreamError, Router
 from hybridpd.proxy.upstream import DecodeStream, HeldLease, PrefillAnswer, UpstreamClient, first_byte_trace
+from hybridpd.message_bodies import COUNT_TOKENS_PATH, MESSAGES_PATH
 from hybridpd.response_bodies import RESPONSES_PATH
 from hybridpd.tracing import Carrier, Span, carrier_of, start_tracing
 
@@ -132,6 +134,9 @@ class Proxy:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, RESPONSES_PATH)
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, MESSAGES_PATH)
+
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         with self.tracer.span("proxy request", carrier_of(request.headers),
@@ -145,9 +150,9 @@ class Proxy:
         try:
             body = await request.json()
         except ValueError as exc:
-            return invalid_request(f"request body is not valid JSON: {exc}", request_id)
+            return invalid_request(f"request body is not valid JSON: {exc}", request_id, path)
         if not isinstance(body, dict):
-            return invalid_request("request body must be a JSON object", request_id)
+            return invalid_request("request body must be a JSON object", request_id, path)
         with self.tracer.span("routing", span.carrier(), {"hybridpd.routing": self.config.routing.value}):
             prompt = await self._prompt(path, body) if self.cache_aware else None
         bodies = [body] if served_whole(body) else sample_bodies(body)   # served whole: the node draws its samples
@@ -178,10 +183,10 @@ class Proxy:
         except UpstreamRejectedError as exc:
             return upstream_rejected(exc, request_id)
         except NoUpstreamError as exc:
-            return no_upstream(str(exc), request_id)
+            return no_upstream(str(exc), request_id, path)
         except UpstreamError as exc:
             logger.warning("request %s: %s", request_id, exc)
-            return upstream_failed(exc, request_id)
+            return upstream_failed(exc, request_id, path)
 
     async def _prompt(self, path: str, body: dict[str, Any]) -> PromptHashes | None:
         """The request's prompt, hashed as the nodes hash it; None when it cannot be known (then no prediction)."""
@@ -281,8 +286,10 @@ class Proxy:
                 relayed.feed(chunk)
         except UpstreamError as exc:
             logger.warning("request %s: %s (after the stream started)", request_id, exc)
-            await out.write(responses_error_event(exc, relayed.events) if path == RESPONSES_PATH
-                            else sse_error_event(exc))
+            if path == RESPONSES_PATH:
+                await out.write(responses_error_event(exc, relayed.events))
+            else:
+                await out.write(messages_error_event(exc) if path == MESSAGES_PATH else sse_error_event(exc))
 
     async def _decode_after_head(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
                                  prompt: PromptHashes | None, head: bytes,
@@ -358,12 +365,12 @@ class Proxy:
         try:
             upstream = router.pick()
         except NoUpstreamError as exc:
-            return no_upstream(str(exc), request_id)
+            return no_upstream(str(exc), request_id, request.path)
         body = await request.read() if request.method == "POST" else None
         try:
             status, data, content_type = await self.client.call(router, upstream, request.method, request.path, body)
         except UpstreamError as exc:
-            return upstream_failed(exc, request_id)
+            return upstream_failed(exc, request_id, request.path)
         return web.Response(status=status, body=data, headers={"Content-Type": content_type})
 
     async def health(self, request: web.Request) -> web.StreamResponse:
@@ -411,6 +418,8 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_post(RESPONSES_PATH, proxy.responses)
     app.router.add_get(RESPONSES_PATH + "/{response_id}", proxy.forward)     # no response is stored: the node's 404
     app.router.add_post(RESPONSES_PATH + "/{response_id}/cancel", proxy.forward)
+    app.router.add_post(MESSAGES_PATH, proxy.messages)
+    app.router.add_post(COUNT_TOKENS_PATH, proxy.forward)
     app.router.add_get("/v1/models", proxy.forward)
     app.router.add_post("/tokenize", proxy.forward)
     app.router.add_post("/detokenize", proxy.forward)

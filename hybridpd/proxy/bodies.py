@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridpd.completion_prompts import several_prompts
+from hybridpd.message_bodies import MESSAGES_PATH
 from hybridpd.response_bodies import RESPONSES_PATH
 from hybridpd.samples import MAX_N, sample_seed
 from hybridpd.stream_head import STREAM_HEAD_FIELD, StreamHead
@@ -31,10 +32,13 @@ def prefill_body(body: dict[str, Any], first_token_from_prefill: bool = True,
     """The client's body for one token, asking for remote decode; streamed when the client streams and the head of
     its stream comes from this call (proxy/prefill_stream.py), else one JSON answer. A Responses body says its
     length as `max_output_tokens`, and its stream never begins with the prefill node's (its events are not chat
-    chunks)."""
+    chunks); nor does an Anthropic Messages body's."""
     out = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
     if path == RESPONSES_PATH:
         out["max_output_tokens"] = 1
+        out["stream"] = False
+    elif path == MESSAGES_PATH:
+        out["max_tokens"] = 1
         out["stream"] = False
     else:
         out["max_tokens"] = 1

@@ -44,6 +44,7 @@ from hybridpd.errors import HybridPDError
 from hybridpd.proxy.config import CostRule, Role, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
+from hybridpd.message_bodies import MESSAGES_PATH, count_tokens_body
 from hybridpd.response_bodies import RESPONSES_PATH, chat_body
 
 
@@ -109,12 +110,13 @@ _CHAT_TOKENIZE = {**_COMPLETION_TOKENIZE, "add_generation_prompt": bool, "contin
 
 def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize (or
-    the node will refuse the body). A Responses body is tokenized as the chat body it asks for."""
-    if path == RESPONSES_PATH:
+    the node will refuse the body). A Responses or Messages body is tokenized as the chat body it asks for."""
+    if path in (RESPONSES_PATH, MESSAGES_PATH):
         try:
-            body, path = chat_body(body), "/v1/chat/completions"
+            body = chat_body(body) if path == RESPONSES_PATH else count_tokens_body(body)
         except HybridPDError:
             return None
+        path = "/v1/chat/completions"
     chat = path == "/v1/chat/completions"
     kinds = _CHAT_TOKENIZE if chat else _COMPLETION_TOKENIZE
     carried = {key: body[key] for key, kind in kinds.items() if isinstance(body.get(key), kind)}

@@ -1,4 +1,5 @@
-"""The one place where the proxy turns errors into HTTP answers (OpenAI's error shape)."""
+"""The one place where the proxy turns errors into HTTP answers: OpenAI's error shape, Anthropic's on its Messages
+paths (as the nodes answer there)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 from aiohttp import web
 
+from hybridpd.message_bodies import anthropic_error, is_messages_path
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.routing import NoUpstreamError
 
@@ -21,24 +23,23 @@ def error_body(message: str, error_type: str, code: int) -> dict[str, dict[str, 
     return {"error": {"message": message, "type": error_type, "code": code}}
 
 
-def error_response(status: int, message: str, error_type: str, request_id: str) -> web.Response:
-    return web.json_response(
-        error_body(message, error_type, status), status=status, headers={"X-Request-Id": request_id}
-    )
+def error_response(status: int, message: str, error_type: str, request_id: str, path: str = "") -> web.Response:
+    body = anthropic_error(status, message) if is_messages_path(path) else error_body(message, error_type, status)
+    return web.json_response(body, status=status, headers={"X-Request-Id": request_id})
 
 
-def invalid_request(message: str, request_id: str) -> web.Response:
-    return error_response(400, message, "invalid_request_error", request_id)
+def invalid_request(message: str, request_id: str, path: str = "") -> web.Response:
+    return error_response(400, message, "invalid_request_error", request_id, path)
 
 
-def no_upstream(reason: str, request_id: str) -> web.Response:
+def no_upstream(reason: str, request_id: str, path: str = "") -> web.Response:
     """No node of a role can take the request (a discovered pool that is empty, or every node already failed)."""
-    return error_response(503, f"no node available: {reason}", "service_unavailable", request_id)
+    return error_response(503, f"no node available: {reason}", "service_unavailable", request_id, path)
 
 
-def upstream_failed(error: UpstreamError, request_id: str) -> web.Response:
+def upstream_failed(error: UpstreamError, request_id: str, path: str = "") -> web.Response:
     status, error_type = _GATEWAY_STATUS[error.kind]
-    return error_response(status, str(error), error_type, request_id)
+    return error_response(status, str(error), error_type, request_id, path)
 
 
 def upstream_rejected(error: UpstreamRejectedError, request_id: str) -> web.Response:
@@ -70,6 +71,12 @@ def responses_error_event(error: UpstreamError | NoUpstreamError, sequence_numbe
     event = {"type": "error", "code": error_type, "message": message, "param": None,
              "sequence_number": sequence_number}
     return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+
+
+def messages_error_event(error: UpstreamError | NoUpstreamError) -> bytes:
+    """The same for an Anthropic Messages stream: its `error` event (such a stream ends without [DONE])."""
+    status, _, message = _failure(error)
+    return f"event: error\ndata: {json.dumps(anthropic_error(status, message))}\n\n".encode()
 
 
 class EventCount:

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import ForbiddenError, HybridPDError, NotFoundError, UnauthorizedError
+from hybridpd.message_bodies import COUNT_TOKENS_PATH, MESSAGES_PATH
 from hybridpd.response_bodies import RESPONSES_PATH
 from hybridpd.server.admission import Admission
 from hybridpd.server.body import read_json_object
@@ -37,9 +38,11 @@ from hybridpd.server.choice_streams import stream_choices
 from hybridpd.server.protocol import (
     Endpoint, ParsedRequest, parse_choices, parse_detokenize_request, parse_tokenize_request,
 )
+from hybridpd.server.message_objects import MessageEvents, whole_message
+from hybridpd.server.message_request import count_tokens, parse_messages_request
 from hybridpd.server.response_objects import ResponseEvents, whole_response
 from hybridpd.server.response_request import ResponsesRequest, parse_responses_request
-from hybridpd.server.response_stream import stream_response
+from hybridpd.server.event_stream import stream_events
 from hybridpd.server.responses import (
     FinalOutput, choices_response, final_response, models_response, tokenize_response,
 )
@@ -117,6 +120,21 @@ class Handlers:
             return await self._serve(request, asked.parsed, span,
                                      lambda parsed: self._response_answers(request, replace(asked, parsed=parsed)))
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (`/v1/messages`), served as the chat request it asks for."""
+        with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
+            body = await read_json_object(request)
+            self._authorize(request, body)
+            parsed = parse_messages_request(body, self._engine, self._config.served_model_name,
+                                            self._config.tool_parsing)
+            return await self._serve(request, parsed, span, lambda parsed: self._message_answers(request, parsed))
+
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's `/v1/messages/count_tokens`: the prompt's tokens (`context_management` as vLLM adds it)."""
+        body = await read_json_object(request)
+        count = count_tokens(body, self._engine, self._config.served_model_name)
+        return web.json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})
+
     async def stored_response(self, request: web.Request) -> web.Response:
         """`GET /v1/responses/{id}` and its `/cancel`: no response is stored here (vLLM keeps none either unless
         told to), so every id is unknown."""
@@ -167,9 +185,16 @@ class Handlers:
     def _response_answers(self, request: web.Request, asked: ResponsesRequest) -> Answers:
         """A Responses request's stream of events, or its `response` object."""
         model, tokenizer = self._config.served_model_name, self._engine.tokenizer
-        return (lambda first, rest, tracker, headers: stream_response(
+        return (lambda first, rest, tracker, headers: stream_events(
                     request, first, rest, ResponseEvents(asked, model, tokenizer), tracker, headers),
                 lambda final: whole_response(asked, final, model, tokenizer))
+
+    def _message_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
+        """A Messages request's stream of events, or its `message` object."""
+        model = self._config.served_model_name
+        return (lambda first, rest, tracker, headers: stream_events(
+                    request, first, rest, MessageEvents(parsed, model, first), tracker, headers),
+                lambda final: whole_message(parsed, final, model))
 
     async def _choices(self, request: web.Request, requests: list[ParsedRequest],
                        span: Span) -> web.StreamResponse:
@@ -308,6 +333,8 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
         web.post("/v1/completions", h.completions, expect_handler=expect_continue),
         web.post("/v1/chat/completions", h.chat_completions, expect_handler=expect_continue),
         web.post(RESPONSES_PATH, h.responses, expect_handler=expect_continue),
+        web.post(MESSAGES_PATH, h.messages, expect_handler=expect_continue),
+        web.post(COUNT_TOKENS_PATH, h.count_message_tokens),
         web.get(RESPONSES_PATH + "/{response_id}", h.stored_response),
         web.post(RESPONSES_PATH + "/{response_id}/cancel", h.stored_response),
         web.get("/v1/models", h.models),

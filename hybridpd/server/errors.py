@@ -1,5 +1,6 @@
 """The one place where exceptions become HTTP errors, in OpenAI's shape:
-`{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status.
+`{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status; on the Anthropic Messages paths in
+Anthropic's (`{"type": "error", "error": {"type", "message"}}`, message_bodies.anthropic_error).
 
 Anything not listed is a bug on our side: 500 "internal error", logged with its traceback, never shown.
 """
@@ -21,6 +22,7 @@ from hybridpd.errors import (
     ServerOverloadedError,
     UnauthorizedError,
 )
+from hybridpd.message_bodies import anthropic_error, is_messages_path
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,10 @@ class HTTPError:
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+    def response(self, path: str = "") -> web.Response:
+        """The error answered on `path`: in Anthropic's shape on its Messages paths."""
+        body = anthropic_error(self.status, self.message) if is_messages_path(path) else self.body()
+        return web.json_response(body, status=self.status)
 
 
 # Order does not matter: the lookup walks each exception's MRO, so the most specific class wins.
@@ -92,6 +96,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return http_error_for(exc).response()
+        return http_error_for(exc).response(request.path)
     except Exception as exc:  # noqa: BLE001 - this is the one place that maps every error
-        return http_error_for(exc).response()
+        return http_error_for(exc).response(request.path)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from aiohttp import web
@@ -333,6 +334,51 @@ def test_the_responses_api_through_the_proxy_equals_a_colocated_nodes(cluster, b
         assert status == "completed" and items[-1][:2] == ("function_call", "add")
         assert set(json.loads(items[-1][2])) == {"a", "b"}
         assert items[:-1] == ([("message", "Sure.")] if "structured_outputs" in body["extra_body"] else [])
+
+
+def _message(base_url: str, body: dict[str, Any], stream: bool) -> tuple[Any, ...]:
+    """What the `anthropic` client reads of a Messages answer: its content blocks without ids, the stop reason and
+    the output tokens (a stream: the message the client builds from the events, checked against its text deltas)."""
+    client = anthropic.Anthropic(base_url=base_url, api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+    model = client.models.list().data[0].id
+    if stream:
+        with client.messages.stream(model=model, **body) as events:
+            text = "".join(events.text_stream)
+            message = events.get_final_message()
+        assert text == "".join(block.text for block in message.content if block.type == "text")
+    else:
+        message = client.messages.create(model=model, **body)
+    blocks = [(b.type, b.text) if b.type == "text" else (b.type, b.name, b.input) for b in message.content]
+    return blocks, message.stop_reason, message.usage.output_tokens
+
+
+MESSAGE = {"system": "Be brief.", "max_tokens": 8, "extra_body": {"temperature": 0},
+           "messages": [{"role": "user", "content": "Say something about prefill and decode."}]}
+MESSAGE_TOOLS = {**MESSAGE, "max_tokens": 300, "tool_choice": {"type": "tool", "name": "add"},
+                 "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                            "input_schema": t["function"].get("parameters", {})} for t in (ADD, NOW)]}
+
+
+@pytest.mark.parametrize("body", [MESSAGE, MESSAGE_TOOLS])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_messages_api_through_the_proxy_equals_a_colocated_nodes(cluster, body, stream):
+    """The `anthropic` client's `messages.create` and `messages.stream` through P/D (the prefill node's one output
+    token, the KV pulled, the decode node's rest) read what they read from one node; count_tokens is answered too."""
+    _, info = cluster
+    read_before = _kv_bytes_read(info)
+    answer = _message(info.proxy_url, body, stream)
+    assert _kv_bytes_read(info) > read_before
+    assert answer == _message(info.decode[0].url, body, stream)
+    blocks, reason, output_tokens = answer
+    if "tools" in body:
+        assert reason == "tool_use" and len(blocks) == 1 and blocks[0][:2] == ("tool_use", "add")
+        assert set(blocks[0][2]) == {"a", "b"}
+    else:
+        assert [kind for kind, *_ in blocks] == ["text"] and 1 <= output_tokens <= 8
+    client = anthropic.Anthropic(base_url=info.proxy_url, api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+    counted = client.messages.count_tokens(model=client.models.list().data[0].id, system=body["system"],
+                                           messages=body["messages"])
+    assert counted.input_tokens > 0
 
 
 def _one_token_word(url: str, token_ids: list[int]) -> tuple[str, int] | None:

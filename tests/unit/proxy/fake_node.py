@@ -126,6 +126,7 @@ class FakeNode:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/responses", self._generate)
+        app.router.add_post("/v1/messages", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/detokenize", self._echo)
         app.router.add_post("/tokenize", self._echo)

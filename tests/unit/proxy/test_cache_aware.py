@@ -149,6 +149,16 @@ def test_a_salted_prompt_does_not_hit_unsalted_blocks():
       "tools": [{"type": "function", "function": {"name": "f", "description": None, "parameters": None}}]}),
     ("/v1/responses", {"input": [{"type": "web_search_call"}]}, None, None),   # the node refuses it
     ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, None, None),
+    # an Anthropic Messages body: the chat body it asks for (the system prompt first, tools in chat's shape)
+    ("/v1/messages", {"model": "m", "system": "be brief", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, None,
+     {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"name": "f", "input_schema": {}}]}, None,
+     {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [
+         {"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     None, None),   # the node refuses it
 ])
 def test_how_a_prompt_is_found(path, body, ids, tokenize):
     assert token_ids_in_body(path, body) == ids

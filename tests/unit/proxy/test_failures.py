@@ -119,6 +119,27 @@ async def test_a_responses_stream_that_fails_midway_ends_with_a_typed_error_even
     ResponseErrorEvent.model_validate(error)   # as the `openai` client reads it
 
 
+async def test_a_messages_stream_that_fails_midway_ends_with_anthropics_error_event(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.HANG_MID_STREAM], decode_timeout=0.5)
+    async with h.session.post(h.url + "/v1/messages", json={"messages": [], "stream": True}) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    events = [event for event in raw.split("\n\n") if event]
+    assert len(events) == 2
+    kind, data = events[1].split("\n")
+    error = json.loads(data.removeprefix("data: "))
+    assert kind == "event: error" and error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert f"decode node 127.0.0.1:{h.decode_ports[0]}" in error["error"]["message"]
+
+
+async def test_the_proxys_own_errors_on_the_messages_path_are_anthropics_shape(make_harness):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    async with h.session.post(h.url + "/v1/messages", data=b"{", headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("chunks, events", [
     ([b"data: a\n\n", b"data: b\n\n"], 2),
     ([b"event: x\ndata: a\n", b"\nevent: y\ndata: b\n\n"], 2),   # an event's end split between chunks

@@ -78,6 +78,16 @@ def test_a_responses_prefill_body_asks_for_one_output_token_unstreamed(first_tok
         "model": "m", "input": "hi", "max_output_tokens": 1, "stream": False, "kv_transfer_params": TOY_PREFILL_PARAMS}
 
 
+@pytest.mark.parametrize("first_token_from_prefill", [True, False])
+def test_a_messages_prefill_body_asks_for_one_output_token_unstreamed(first_token_from_prefill):
+    """An Anthropic Messages body: its length is `max_tokens`, its stream never begins with the prefill node's (its
+    events are not chat chunks)."""
+    client_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+    assert prefill_body(client_body, first_token_from_prefill, "/v1/messages") == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": False,
+        "kv_transfer_params": TOY_PREFILL_PARAMS}
+
+
 @pytest.mark.parametrize("params, expected_extra", [
     (remote_params(9000), {"kv_transfer_params": remote_params(9000)}),
     (None, {}),
@@ -93,6 +103,7 @@ def test_decode_body_carries_the_prefill_answer(params, expected_extra):
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
                               "max_completion_tokens": 3}),
     ("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 3}),
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}),
 ])
 async def test_prefill_then_decode_through_the_proxy(make_harness, path, client_body):
     h = await make_harness([Behavior.OK], [Behavior.OK], cluster_token="s3cret")

@@ -77,6 +77,7 @@ class FakeEngine:
     textless_outputs: frozenset[int] = frozenset()  # these outputs carry a token but no text (half a character)
     kv_transfer_params: dict | None = None        # put on the finished output (the prefill role's answer)
     spells: str | None = None                     # the outputs spell this text, a character each, then stop
+    stop_reason: str | int | None = None          # what ended a spelled text (a stop string, a stop token id)
     # records
     requests: list[EngineRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -119,6 +120,7 @@ class FakeEngine:
             finish_reason=FinishReason.ERROR if failed else (
                 FinishReason.STOP if stops else FinishReason.LENGTH if done else None),
             logprobs=() if failed else logprobs,
+            stop_reason=self.stop_reason if stops else None,
             kv_transfer_params=self.kv_transfer_params if done else None,
             error=KVTransferError("10.0.0.7:14579", "lease expired") if failed else None,
         )

@@ -1,4 +1,6 @@
-"""A Responses API stream onto the wire: the events of each output as they come (response_objects.ResponseEvents).
+"""A stream of typed events onto the wire (`event: <type>` / `data: <json>`, no `[DONE]`): the events of each
+output as they come. A Responses API stream (response_objects.ResponseEvents) and an Anthropic Messages one
+(message_objects.MessageEvents) are such streams.
 
 As a chat stream (streaming.py): a request that fails once the status went out ends with an `error` event; a client
 that goes away shows up as ConnectionResetError, and the caller closes the engine generator, which aborts the
@@ -7,17 +9,27 @@ request.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from aiohttp import web
 
 from hybridpd.engine.request import RequestOutput
-from hybridpd.server.errors import http_error_for
+from hybridpd.server.errors import HTTPError, http_error_for
 from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
-from hybridpd.server.response_objects import ResponseEvents, event_bytes
+from hybridpd.server.response_objects import event_bytes
 from hybridpd.server.streaming import SSE_HEADERS, failure
 
 
-async def stream_response(request: web.Request, first: RequestOutput, rest: EngineOutputs, events: ResponseEvents,
+class Events(Protocol):
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def events(self, output: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def error(self, error: HTTPError) -> dict[str, Any]: ...
+
+
+async def stream_events(request: web.Request, first: RequestOutput, rest: EngineOutputs, events: Events,
                           tracker: RequestTracker, headers: dict[str, str]) -> web.StreamResponse:
     response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await response.prepare(request)

@@ -1,0 +1,42 @@
+"""An Anthropic Messages body -> the chat request it asks for (hybridpd/message_bodies.py), served under a `msg_` id;
+a count_tokens body -> the number of tokens of the prompt it describes. Errors name the Messages field."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from hybridpd.errors import InvalidRequestError
+from hybridpd.message_bodies import chat_body, count_tokens_body, messages_param
+from hybridpd.server.engine_client import EngineClient
+from hybridpd.server.protocol import ParsedRequest, parse_chat_request, parse_tokenize_request
+from hybridpd.server.tool_fields import ToolParsing
+
+
+def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
+    """A chat field's error about the Messages field it came from."""
+    param = messages_param(exc.param)
+    message = str(exc)
+    if exc.param and param != exc.param:
+        message = message.replace(exc.param, param or "", 1)
+    return InvalidRequestError(message, param)
+
+
+def parse_messages_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+                           tool_parsing: ToolParsing = ToolParsing()) -> ParsedRequest:
+    chat = chat_body(body)
+    try:
+        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing)
+    except InvalidRequestError as exc:
+        raise _renamed(exc) from None
+    return replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"msg_{uuid.uuid4().hex}"))
+
+
+def count_tokens(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> int:
+    """The tokens of the prompt a Messages body with this conversation, tools and template inputs would have (the
+    chat template's generation prompt included)."""
+    try:
+        return len(parse_tokenize_request(count_tokens_body(body), engine, served_model_name).tokens)
+    except InvalidRequestError as exc:
+        raise _renamed(exc) from None
