@@ -139,7 +139,7 @@ def _message(raw: Any, index: int, messages: list[dict[str, Any]]) -> None:
     if not isinstance(raw, dict):
         raise _fail("must be an object", param)
     role, content = raw.get("role"), raw.get("content")
-    if role not in MESSAGE_ROLES:
+    if not isinstance(role, str) or role not in MESSAGE_ROLES:
         raise _fail(f"must be one of {sorted(MESSAGE_ROLES)}", f"{param}.role")
     if role == "system":
         text = _system_text(content, f"{param}.content")

@@ -121,6 +121,41 @@ VALID_RESPONSES = {**{k: v for k, v in VALID.items() if k not in ("max_tokens", 
 NEAR_VALID_RESPONSES = _mutated({"input": st.text(min_size=1, max_size=20) | st.lists(ITEM, min_size=1, max_size=4)},
                                 VALID_RESPONSES)
 RESPONSES_BODY = st.fixed_dictionaries({}, optional={**RESPONSES_FIELDS, **SAMPLING})
+BLOCK = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "tool_addition"]) | JSON,
+    "text": st.text(max_size=8) | JSON, "id": st.sampled_from(["t1", "t2"]) | JSON,
+    "tool_use_id": st.sampled_from(["t1", "t2"]) | JSON, "name": st.sampled_from(["add", "now", ""]) | JSON,
+    "input": st.just({"a": 1}) | JSON,
+    "content": st.text(max_size=6) | st.lists(st.fixed_dictionaries({"type": st.just("text") | JSON,
+                                                                     "text": st.text(max_size=4) | JSON}),
+                                              max_size=2) | JSON,
+})
+ANTHROPIC_MESSAGE = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["user", "assistant", "system", "tool"]) | JSON,
+    "content": st.text(max_size=12) | st.lists(BLOCK, max_size=3) | JSON,
+})
+MESSAGES_FIELDS = {
+    "messages": st.lists(ANTHROPIC_MESSAGE, max_size=4) | JSON,
+    "system": st.text(max_size=10) | st.lists(BLOCK, max_size=2) | JSON,
+    "tools": st.lists(st.fixed_dictionaries({}, optional={
+        "name": st.sampled_from(["add", "now", ""]) | JSON, "input_schema": st.just({"type": "object"}) | JSON,
+        "type": st.sampled_from(["custom", "web_search_20250305"]) | JSON}), max_size=3) | JSON,
+    "tool_choice": st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["auto", "any", "none", "tool"]) | JSON, "name": st.sampled_from(["add", "x"]) | JSON,
+        "disable_parallel_tool_use": st.booleans() | JSON}) | JSON,
+    "stop_sequences": st.lists(st.text(max_size=3), max_size=3) | JSON,
+    "output_config": st.fixed_dictionaries({}, optional={"format": st.sampled_from(
+        [{"type": "json_schema", "schema": {"type": "object"}}, {"type": "json_schema"}]) | JSON,
+        "effort": st.sampled_from(["low", "max"]) | JSON}) | JSON,
+    "thinking": st.fixed_dictionaries({}, optional={"type": st.sampled_from(["enabled", "disabled", "adaptive"]) | JSON,
+                                                    "budget_tokens": st.integers(0, 3000) | JSON}) | JSON,
+    "metadata": JSON,
+}
+VALID_MESSAGES = {k: v for k, v in VALID.items()
+                  if k not in ("model", "max_tokens", "logprobs", "return_token_ids", "seed", "ignore_eos")}
+NEAR_VALID_MESSAGES = _mutated({"model": st.just(MODEL), "max_tokens": st.integers(min_value=1, max_value=8),
+                                "messages": st.lists(ANTHROPIC_MESSAGE, min_size=1, max_size=3)}, VALID_MESSAGES)
+MESSAGES_BODY = st.fixed_dictionaries({}, optional={**MESSAGES_FIELDS, **SAMPLING})
 
 
 async def _post_and_check(client: TestClient, path: str, data: bytes) -> None:
@@ -128,8 +163,13 @@ async def _post_and_check(client: TestClient, path: str, data: bytes) -> None:
     text = await resp.text()
     assert resp.status < 500, (resp.status, data[:300], text[:300])
     if resp.status >= 400:
-        error = json.loads(text)["error"]
-        assert error["code"] == resp.status and isinstance(error["message"], str)
+        body = json.loads(text)
+        error = body["error"]
+        if path.startswith("/v1/messages"):   # Anthropic's shape
+            assert body["type"] == "error" and isinstance(error["type"], str)
+        else:
+            assert error["code"] == resp.status
+        assert isinstance(error["message"], str)
 
 
 async def _start_client() -> TestClient:
@@ -171,6 +211,14 @@ def test_fuzz_chat_completions():
 
 def test_fuzz_responses():
     _fuzz("/v1/responses", (NEAR_VALID_RESPONSES | RESPONSES_BODY).map(_encode) | ANY_BODY, examples=300)
+
+
+def test_fuzz_messages():
+    _fuzz("/v1/messages", (NEAR_VALID_MESSAGES | MESSAGES_BODY).map(_encode) | ANY_BODY, examples=300)
+
+
+def test_fuzz_count_message_tokens():
+    _fuzz("/v1/messages/count_tokens", (NEAR_VALID_MESSAGES | MESSAGES_BODY).map(_encode) | ANY_BODY, examples=100)
 
 
 def test_fuzz_tokenize():
