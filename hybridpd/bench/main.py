@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from datetime import datetime
 from typing import Any
 
@@ -88,7 +89,9 @@ async def _model_card(session: aiohttp.ClientSession, config: BenchConfig) -> Mo
 async def benchmark(config: BenchConfig) -> dict[str, Any]:
     """One run: prints the table (and first errors), saves the JSON if asked, returns the result dict."""
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
-    async with aiohttp.ClientSession(connector=connector, timeout=SESSION_TIMEOUT) as session:
+    key = os.environ.get("OPENAI_API_KEY")   # as `vllm bench serve`: a server started with --api-key asks for it
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession(connector=connector, timeout=SESSION_TIMEOUT, headers=headers) as session:
         card = await _model_card(session, config)
         model_id = config.model or (card.model_id if card else "")
         workload = build_workload(config, vocab_size=_vocab_size(config, card))

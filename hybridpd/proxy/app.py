@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hybridpd.api_keys import REFUSAL, ApiKeys
 from hybridpd.proxy.bodies import decode_body, prefill_body, sample_bodies, served_whole, wants_stream
 from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body, truncated
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
@@ -43,7 +44,7 @@ from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
 from hybridpd.proxy.replies import ClientReply, Reply
 from hybridpd.proxy.samples import merge_samples
 from hybridpd.proxy.responses import (
-    EventCount, invalid_request, messages_error_event, no_upstream, responses_error_event, sse_error_event,
+    EventCount, error_response, invalid_request, messages_error_event, no_upstream, responses_error_event, sse_error_event,
     sse_rejected_event,
     upstream_failed, upstream_rejected,
 )
@@ -401,10 +402,21 @@ def _combined(failed: list[UpstreamError]) -> UpstreamError:
 PROXY_KEY = web.AppKey("proxy", Proxy)
 
 
+def api_key_middleware(keys: ApiKeys) -> Any:
+    """A guarded route without one of the keys: 401, in the route's error shape."""
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if keys.refuses(request.method, request.path, request.headers):
+            return error_response(401, REFUSAL, "authentication_error",
+                                  request.headers.get("X-Request-Id") or uuid.uuid4().hex, request.path)
+        return await handler(request)
+    return check
+
+
 def build_app(config: ProxyConfig) -> web.Application:
     """The app factory. Run it with `handler_cancellation=True` so a client that leaves cancels its calls."""
     proxy = Proxy(config)
-    app = web.Application()
+    app = web.Application(middlewares=[api_key_middleware(config.api_keys)])
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.client_session)
     app.cleanup_ctx.append(periodic_context("node discovery", lambda: refresh_all(proxy.discoveries),

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridpd.api_keys import ApiKeys
 from hybridpd.proxy.outliers import OutlierPolicy
 from hybridpd.tls import TLSConfig
 
@@ -116,6 +117,7 @@ class ProxyConfig:
     connect_timeout: float = 5.0     # seconds to open a connection to any node
     health_timeout: float = 2.0      # seconds for one upstream's GET /health
     cluster_token: str | None = field(default=None, repr=False)
+    api_keys: ApiKeys = ApiKeys()   # --api-key: asked of clients on `/v1` routes, the first one shown to nodes
     prefill_dns: DnsSource | None = None   # nodes from DNS, re-resolved every dns_interval (static ones are then ())
     decode_dns: DnsSource | None = None
     dns_interval: float = 5.0

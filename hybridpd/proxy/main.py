@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from aiohttp import web
 
+from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
@@ -82,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_token_arguments(parser, "sent to nodes as the X-HybridPD-Cluster-Token header on calls that carry "
                                 "kv_transfer_params")
     add_tls_arguments(parser)
+    add_api_key_argument(parser, "the key clients must present on /v1/... routes (`Authorization: Bearer KEY` or "
+                                 "`x-api-key: KEY`); the first one is also presented to the nodes")
     parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="send OpenTelemetry traces there (vLLM's flag): http(s)://HOST:4318/v1/traces or "
                              "grpc://HOST:4317; the proxy's spans and the traceparent it passes on to the nodes")
@@ -158,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout=args.connect_timeout,
         health_timeout=args.health_timeout,
         cluster_token=read_token(args),
+        api_keys=ApiKeys.from_args(args, os.environ),
         tls=TLSConfig.from_args(args),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )

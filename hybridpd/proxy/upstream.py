@@ -181,7 +181,7 @@ class UpstreamClient:
     def _headers(self, request_id: str, body: dict[str, Any], trace: Mapping[str, str] = {}) -> dict[str, str]:
         """The node checks the cluster token only on calls that carry kv_transfer_params; only those get it. `trace`:
         the W3C headers of the call's span (hybridpd/tracing.py)."""
-        headers = {"X-Request-Id": request_id, **trace}
+        headers = {"X-Request-Id": request_id, **trace, **self._config.api_keys.headers()}
         if self._config.cluster_token is not None and "kv_transfer_params" in body:
             headers[CLUSTER_TOKEN_HEADER] = self._config.cluster_token
         return headers
@@ -316,7 +316,8 @@ class UpstreamClient:
                    body: bytes | None = None) -> tuple[int, bytes, str]:
         """A short call passed through (models, the tokenizer's endpoints): a 4xx comes back as it is, a 5xx or no
         answer raises UpstreamError."""
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {**({"Content-Type": "application/json"} if body is not None else {}),
+                   **self._config.api_keys.headers()}
         async with self._call(router, upstream):
             try:
                 url = self._config.base_url(upstream) + path

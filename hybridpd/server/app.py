@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from hybridpd.api_keys import REFUSAL, ApiKeys
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import ForbiddenError, HybridPDError, NotFoundError, UnauthorizedError
@@ -303,6 +304,16 @@ async def expect_continue(request: web.Request) -> None:
     request.writer.output_size = 0
 
 
+def api_key_middleware(keys: ApiKeys) -> Any:
+    """Refuses a guarded route without one of the keys (401, in the route's error shape: inside error_middleware)."""
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if keys.refuses(request.method, request.path, request.headers):
+            raise UnauthorizedError(REFUSAL)
+        return await handler(request)
+    return check
+
+
 def probe_app(app: web.Application) -> web.Application:
     """A plain-HTTP app with `app`'s `/health` alone (`--health-port`): what a kubelet probes when the node's own
     listener requires client certificates (mutual TLS), which a probe cannot present. It tells nothing a peer could
@@ -323,7 +334,8 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
     """
     metrics = ServerMetrics(registry, config.served_model_name, engine.max_model_len)
     admission = Admission()
-    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware],
+    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware,
+                                       api_key_middleware(config.api_keys)],
                           client_max_size=config.client_max_size)
     app[ADMISSION_KEY] = admission
     app[METRICS_KEY] = metrics

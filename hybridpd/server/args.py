@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.config import (
     DEFAULT_MAMBA_CACHE_BUDGET,
@@ -166,6 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_token_arguments(pd, "shared secret for the side channel and KV requests")
 
     add_tls_arguments(parser.add_argument_group("TLS (HTTP and the side channel)"))
+    add_api_key_argument(parser, "the key the OpenAI and Anthropic routes (/v1/...) ask for, as vLLM's: "
+                                 "`Authorization: Bearer KEY` or `x-api-key: KEY`")
 
     events = parser.add_argument_group("KV cache events (vLLM's format)")
     events.add_argument("--kv-events-config", default=None, metavar="JSON",
@@ -230,6 +234,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             tls=tls,
             tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             tool_parsing=ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser),
+            api_keys=ApiKeys.from_args(args, os.environ),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridpd.api_keys import ApiKeys
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.server.tool_fields import ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
@@ -29,6 +30,7 @@ class ServerConfig:
     tls: TLSConfig | None = None    # HTTPS, mutual with a CA (hybridpd/tls.py)
     tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint)
     tool_parsing: ToolParsing = ToolParsing()   # --enable-auto-tool-choice, --tool-call-parser
+    api_keys: ApiKeys = ApiKeys()   # --api-key: the `/v1` routes ask for one (hybridpd/api_keys.py)
 
     @property
     def scheme(self) -> str:
