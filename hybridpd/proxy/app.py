@@ -44,8 +44,7 @@ from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
 from hybridpd.proxy.replies import ClientReply, Reply
 from hybridpd.proxy.samples import merge_samples
 from hybridpd.proxy.responses import (
-    EventCount, error_response, invalid_request, messages_error_event, no_upstream, responses_error_event, sse_error_event,
-    sse_rejected_event,
+    EventCount, error_response, invalid_request, no_upstream, relay_error_event, sse_error_event, sse_rejected_event,
     upstream_failed, upstream_rejected,
 )
 from hybridpd.proxy.discovery import DnsDiscovery, DnsResolver, refresh_all
@@ -278,8 +277,7 @@ class Proxy:
             return await reply.close()
 
     async def _relay(self, out: Reply, stream: DecodeStream, request_id: str, path: str) -> None:
-        """The decode node's bytes to the client as they come; a failure midway becomes an error event (a Responses
-        stream's typed `error` event, numbered after the events relayed)."""
+        """The decode node's bytes to the client as they come; a failure midway becomes the stream's error event."""
         relayed = EventCount()
         try:
             async for chunk in stream.chunks():
@@ -287,10 +285,7 @@ class Proxy:
                 relayed.feed(chunk)
         except UpstreamError as exc:
             logger.warning("request %s: %s (after the stream started)", request_id, exc)
-            if path == RESPONSES_PATH:
-                await out.write(responses_error_event(exc, relayed.events))
-            else:
-                await out.write(messages_error_event(exc) if path == MESSAGES_PATH else sse_error_event(exc))
+            await out.write(relay_error_event(path, exc, relayed.events))
 
     async def _decode_after_head(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
                                  prompt: PromptHashes | None, head: bytes,

@@ -7,9 +7,10 @@ import json
 
 from aiohttp import web
 
-from hybridpd.message_bodies import anthropic_error, is_messages_path
+from hybridpd.message_bodies import MESSAGES_PATH, anthropic_error, is_messages_path
 from hybridpd.proxy.errors import FailureKind, UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.routing import NoUpstreamError
+from hybridpd.response_bodies import RESPONSES_PATH
 
 _GATEWAY_STATUS = {
     FailureKind.UNREACHABLE: (502, "bad_gateway"),
@@ -77,6 +78,14 @@ def messages_error_event(error: UpstreamError | NoUpstreamError) -> bytes:
     """The same for an Anthropic Messages stream: its `error` event (such a stream ends without [DONE])."""
     status, _, message = _failure(error)
     return f"event: error\ndata: {json.dumps(anthropic_error(status, message))}\n\n".encode()
+
+
+def relay_error_event(path: str, error: UpstreamError | NoUpstreamError, relayed: int) -> bytes:
+    """The error event that ends a stream whose decode node failed after `relayed` events: a Responses stream's
+    typed one, a Messages stream's Anthropic one, else a chat or completion stream's (and [DONE])."""
+    if path == RESPONSES_PATH:
+        return responses_error_event(error, relayed)
+    return messages_error_event(error) if path == MESSAGES_PATH else sse_error_event(error)
 
 
 class EventCount:

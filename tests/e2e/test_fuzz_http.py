@@ -1,9 +1,10 @@
 """Fuzzed HTTP input against real processes: a node, and a proxy in front of 1P+1D.
 
-Hypothesis draws JSON bodies for /v1/completions, /v1/chat/completions and /v1/responses: mostly-valid bodies with
-one field replaced by anything, bodies of arbitrary optional fields, arbitrary JSON and raw bytes. Each answer must
-be below 500 (and a 4xx must be OpenAI's error shape); a streamed answer must carry no 5xx error event (a Responses
-stream no error event at all: its body was checked before it began). Afterwards
+Hypothesis draws JSON bodies for /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages: mostly-valid
+bodies with one field replaced by anything, bodies of arbitrary optional fields, arbitrary JSON and raw bytes. Each
+answer must be below 500 (and a 4xx must be OpenAI's error shape, or Anthropic's on /v1/messages); a streamed answer
+must carry no 5xx error event (a Responses or Messages stream no error event at all: its body was checked before it
+began). Afterwards
 every process is alive and healthy, a fixed greedy request gives the same tokens as before the fuzzing, and no
 block or lease is left. Generation stays short: the nodes run with `--max-model-len 128`, so an output never runs
 past it (a body asking for more than 128 tokens is a 400, the rest are cut to what the prompt leaves), and
@@ -172,6 +173,25 @@ RESPONSES = _bodies({"input": st.text(min_size=1, max_size=16) | ITEMS},
                      "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}])},
                     {"input": ITEMS | ANY_JSON, "max_output_tokens": ANY_JSON, "text": ANY_JSON,
                      "kv_transfer_params": KV_PARAMS | ANY_JSON})
+BLOCKS = st.lists(st.sampled_from([
+    {"type": "text", "text": "hi"}, {"type": "text", "text": ""}, {"type": "thinking", "thinking": "t"},
+    {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}},
+    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "1"}]},
+    {"type": "image", "source": {}}]) | ANY_JSON, min_size=1, max_size=3)
+ANTHROPIC_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                     "content": st.text(max_size=12) | BLOCKS}), min_size=1, max_size=3)
+ANTHROPIC_TOOLS = st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])}, optional={
+    "input_schema": st.just({"type": "object", "properties": {"x": {"type": "integer"}}}) | ANY_JSON}),
+    min_size=1, max_size=2)
+MESSAGES_API = _bodies({"model": st.just(MODEL), "max_tokens": st.integers(1, 3), "messages": ANTHROPIC_MESSAGES},
+                       {**{k: v for k, v in VALID_FIELDS.items()
+                           if k in ("temperature", "top_p", "top_k", "stream")},
+                        "system": st.text(max_size=8), "stop_sequences": st.lists(st.text(min_size=1, max_size=2)),
+                        "tools": ANTHROPIC_TOOLS, "tool_choice": st.sampled_from(
+                            [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"},
+                             {"type": "tool", "name": "h"}])},
+                       {"messages": ANTHROPIC_MESSAGES | ANY_JSON, "max_tokens": ANY_JSON, "system": ANY_JSON,
+                        "kv_transfer_params": KV_PARAMS | ANY_JSON})
 RAW = ANY_JSON.map(lambda value: json.dumps(value).encode()) | st.binary(max_size=30)
 
 
@@ -210,7 +230,7 @@ def _check_answer(status: int, content_type: str, raw: bytes, sent: bytes) -> No
     which is a failed request with a message (a 502 naming the peer), not a server error."""
     if status == 502 and _steers_a_pull(sent):
         error = json.loads(raw)["error"]
-        assert error["type"] == "kv_transfer_error" and "127.0.0.1:" in error["message"], raw[:300]
+        assert error["type"] in ("kv_transfer_error", "api_error") and "127.0.0.1:" in error["message"], raw[:300]
         return
     assert status < 500, (status, sent[:300], raw[:300])
     if status >= 400:
@@ -222,7 +242,8 @@ def _check_answer(status: int, content_type: str, raw: bytes, sent: bytes) -> No
                 event = json.loads(line[len("data: "):])
                 code = event.get("error", {}).get("code", 0) if isinstance(event.get("error"), dict) else 0
                 assert not (isinstance(code, int) and code >= 500), (sent[:300], line[:300])
-                # a Responses stream's error event: its body was checked before the stream began, so any is a fault
+                # a Responses or Messages stream's error event: its body was checked before the stream began, so any
+                # is a fault
                 assert event.get("type") != "error", (sent[:300], line[:300])
 
 
@@ -247,7 +268,8 @@ def _greedy_ids(port: int) -> list[int]:
 
 @pytest.mark.parametrize("target_name", ["node", "proxy"])
 @pytest.mark.parametrize("path, bodies", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
-                                          ("/v1/responses", RESPONSES)], ids=["completions", "chat", "responses"])
+                                          ("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES_API)],
+                         ids=["completions", "chat", "responses", "messages"])
 def test_fuzzed_bodies_never_5xx_and_leave_the_cluster_healthy_and_correct(fleet, target_name, path, bodies):
     target = fleet.targets()[target_name]
     before = _greedy_ids(target.port)
