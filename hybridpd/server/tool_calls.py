@@ -4,8 +4,9 @@ show the same calls and content.
 
 - named tool choice: the output is the tool's arguments (the constraint made it so): one call, its arguments
   streamed as they come (the first piece carries the call's id and name, as vLLM streams it);
-- "required": the output is a JSON list of `{"name", "parameters"}` (the constraint's): read when it ends, each
-  element one call, its parameters as the arguments' JSON text;
+- "required": the output is a JSON list of `{"name", "parameters"}` (the constraint's): each element one call, its
+  parameters as the arguments' JSON text, sent whole as soon as the element ends (vLLM streams the parameters as
+  they come); a list cut short keeps the calls that ended;
 - auto with the `granite4` parser: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` anywhere in the text;
   the text around calls is content, streamed as it comes but for what may be the start of a `<tool_call>` tag; each
   call is sent whole once its end tag arrives (as vLLM's `granite4` parser streams). A call whose JSON does not read
@@ -80,27 +81,49 @@ class NamedCall:
 
 
 class RequiredCalls:
+    """The constrained list `[{"name", "parameters"}, ...]`: each element read as a call once it ends (its closing
+    brace back at the list's level), so a stream sends each call whole as soon as it is written, and a list cut short
+    (max_tokens, a stop) keeps the calls that ended."""
+
     def __init__(self, parallel: bool) -> None:
         self._parallel = parallel
-        self._text: list[str] = []
+        self._element: list[str] = []   # the element being written (from its opening brace)
+        self._depth = 0                 # 1 inside the list, 2 inside an element, more inside its values
+        self._in_string = self._escaped = False
+        self._count = 0
         self.called = False
 
     def feed(self, text: str) -> ToolDelta:
-        self._text.append(text)
-        return ToolDelta()
+        calls = []
+        for char in text:
+            if self._depth >= 2 or (self._depth == 1 and char in "{[" and not self._in_string):
+                self._element.append(char)
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 1:
+                    calls += self._ended("".join(self._element))
+                    self._element = []
+        return ToolDelta(calls=tuple(calls))
+
+    def _ended(self, element: str) -> list[CallPiece]:
+        try:
+            item = json.loads(element)
+        except ValueError:
+            return []
+        if not _is_call(item, "parameters") or (self._count and not self._parallel):
+            return []
+        self._count += 1
+        self.called = True
+        return [CallPiece(self._count - 1, _arguments(item["parameters"]), tool_call_id(), item["name"])]
 
     def finish(self) -> ToolDelta:
-        """The list's calls; none when the output is not such a list (cut short by max_tokens or a stop)."""
-        try:
-            items = json.loads("".join(self._text))
-        except ValueError:
-            return ToolDelta()
-        if not isinstance(items, list) or not all(_is_call(item, "parameters") for item in items):
-            return ToolDelta()
-        pieces = tuple(CallPiece(i, _arguments(item["parameters"]), tool_call_id(), item["name"])
-                       for i, item in enumerate(items[:None if self._parallel else 1]))
-        self.called = bool(pieces)
-        return ToolDelta(calls=pieces)
+        return ToolDelta()
 
 
 class TaggedCalls:

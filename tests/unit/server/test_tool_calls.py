@@ -45,10 +45,15 @@ def _calls(message) -> list[tuple[str, str]]:
     (AUTO, "</tool_call> <tool_call", "</tool_call> <tool_call", []),
     # parallel_tool_calls false keeps the first call
     (AUTO_ONE, _call("add", {"a": 1}) + _call("add", {"a": 2}), None, [("add", '{"a": 1}')]),
-    # required: the constrained list; none when cut short
+    # required: the constrained list; cut short, the calls that ended
     (REQUIRED, '[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {}}]', "",
      [("add", '{"a": 1}'), ("get_weather", "{}")]),
-    (REQUIRED, '[{"name": "add", "parameters": {"a": 1}}, {"na', "", []),
+    (REQUIRED, '[{"name": "add", "parameters": {"a": 1}}, {"na', "", [("add", '{"a": 1}')]),
+    (REQUIRED, '[{"name": "add", "parameters": {"s": "}]\\"{"}}]', "", [("add", '{"s": "}]\\"{"}')]),
+    (REQUIRED, '[\n {"name": "add",\t"parameters": {"a": [1, {"b": 2}]}} ]', "", [("add", '{"a": [1, {"b": 2}]}')]),
+    (REQUIRED, '[{"name": "add"}, {"name": "", "parameters": {}}, "x"]', "", []),
+    (ToolUse(TOOLS, ToolChoice.REQUIRED, parallel=False),
+     '[{"name": "add", "parameters": {}}, {"name": "get_weather", "parameters": {}}]', "", [("add", "{}")]),
     # named: the output is the arguments
     (NAMED, '{"a": 1, "b": 2}', "", [("add", '{"a": 1, "b": 2}')]),
     (NAMED, "", "", []),
@@ -152,3 +157,29 @@ def test_named_call_streams_its_arguments_as_they_come():
 ])
 def test_finish_reason(use, called, reason, expected):
     assert finish_reason(use, called, reason) == expected
+
+
+_LIST_ATOMS = st.sampled_from(['{"name": "add", "parameters": {"a": 1}}', '{"name": "get_weather", "parameters": {}}',
+                               '{"name": "add", "parameters": {"s": "}]\\\\\\"{"}}', ", ", "\n", " "])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_LIST_ATOMS, max_size=8), st.integers(0, 400), st.lists(st.integers(0, 400), max_size=8))
+def test_required_calls_streamed_in_any_pieces_are_each_sent_once_it_ends(atoms, cut, cuts):
+    """A "required" list cut anywhere, streamed in any pieces: the calls of the elements that ended, each sent whole
+    (one piece with its id, name and arguments), the same as the whole answer reads; a brute-force reference reads the
+    ended elements with json."""
+    text = ("[" + "".join(atoms) + "]")[:cut]
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    reader = tool_call_reader(REQUIRED)
+    sent = [p for piece in pieces for p in reader.feed(piece).calls] + list(reader.finish().calls)
+    assert all(p.id is not None for p in sent)
+    expected, end = [], 1
+    for atom in atoms:
+        end += len(atom)
+        if atom.startswith("{") and end <= len(text):
+            item = json.loads(atom)
+            expected.append((item["name"], json.dumps(item["parameters"])))
+    assert [(p.name, p.arguments) for p in sent] == expected
+    assert _calls(read_whole(REQUIRED, text)) == expected
