@@ -15,6 +15,15 @@ class InvalidRequestError(HybridPDError):
         self.param = param
 
 
+def renamed(exc: InvalidRequestError, param: str | None) -> InvalidRequestError:
+    """`exc` about the field `param` instead of its own (a body converted to another's shape, an error about the
+    converted field): its message names `param` where it named the other."""
+    message = str(exc)
+    if exc.param and param != exc.param:
+        message = message.replace(exc.param, param or "", 1)
+    return InvalidRequestError(message, param)
+
+
 class UnauthorizedError(HybridPDError):
     """A missing or wrong cluster token (HTTP 401)."""
 

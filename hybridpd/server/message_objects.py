@@ -106,11 +106,8 @@ class MessageEvents:
 
     def events(self, output: RequestOutput) -> list[dict[str, Any]]:
         """The events of one output; the last output's end with message_delta and message_stop."""
-        if self._reader is None:
-            content, calls = output.new_text, ()
-        else:
-            read = read_output(self._reader, output.new_text, output.finished)
-            content, calls = read.content, read.calls
+        read = read_output(self._reader, output.new_text, output.finished)
+        content, calls = read.content, read.calls
         events = self._text(content) if content else []
         for piece in calls:
             events += self._call(piece)

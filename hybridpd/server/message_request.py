@@ -7,7 +7,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from hybridpd.errors import InvalidRequestError
+from hybridpd.errors import InvalidRequestError, renamed
 from hybridpd.message_bodies import chat_body, count_tokens_body, messages_param
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.protocol import ParsedRequest, parse_chat_request, parse_tokenize_request
@@ -16,11 +16,7 @@ from hybridpd.server.tool_fields import ToolParsing
 
 def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
     """A chat field's error about the Messages field it came from."""
-    param = messages_param(exc.param)
-    message = str(exc)
-    if exc.param and param != exc.param:
-        message = message.replace(exc.param, param or "", 1)
-    return InvalidRequestError(message, param)
+    return renamed(exc, messages_param(exc.param))
 
 
 def parse_messages_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,

@@ -131,11 +131,8 @@ class ResponseEvents:
 
     def events(self, output: RequestOutput) -> list[dict[str, Any]]:
         """The events of one output; the last output's end with `response.completed`."""
-        if self._reader is None:
-            content, calls = output.new_text, ()
-        else:
-            read = read_output(self._reader, output.new_text, output.finished)
-            content, calls = read.content, read.calls
+        read = read_output(self._reader, output.new_text, output.finished)
+        content, calls = read.content, read.calls
         events: list[dict[str, Any]] = []
         if content:
             logprobs = (chat_logprobs(output.logprobs, self._name)["content"]

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hybridpd.errors import InvalidRequestError
+from hybridpd.errors import InvalidRequestError, renamed
 from hybridpd.response_bodies import chat_body, responses_param
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.fields import Fields
@@ -35,11 +35,7 @@ class ResponsesRequest:
 
 def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
     """A chat field's error about the Responses field it came from."""
-    param = responses_param(exc.param)
-    message = str(exc)
-    if exc.param and param != exc.param:
-        message = message.replace(exc.param, param or "", 1)
-    return InvalidRequestError(message, param)
+    return renamed(exc, responses_param(exc.param))
 
 
 def _checked(f: Fields) -> None:

@@ -222,8 +222,11 @@ class ToolMessage:
         return bool(self.tool_calls)
 
 
-def read_output(reader: ToolCallReader, text: str, finished: bool) -> ToolDelta:
-    """What one output's new text shows: fed to the reader, and the reader finished when the output is the last."""
+def read_output(reader: ToolCallReader | None, text: str, finished: bool) -> ToolDelta:
+    """What one output's new text shows: fed to the reader, and the reader finished when the output is the last;
+    without a reader (no calls are read) the text is content."""
+    if reader is None:
+        return ToolDelta(text)
     read = reader.feed(text)
     if not finished:
         return read

@@ -16,6 +16,18 @@ from .fake_engine import FakeEngine
 MODEL = "fake-model"
 
 
+def typed_events(raw: str) -> list[dict[str, Any]]:
+    """A stream of typed events (Responses, Messages): `event: <type>` then `data: <json>`, the two types the same;
+    no [DONE]."""
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        kind, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
 def make_app(engine: FakeEngine, **config: Any):
     return create_app(engine, ServerConfig(served_model_name=MODEL, port=0, **config), CollectorRegistry())
 

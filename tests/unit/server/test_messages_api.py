@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 from hybridpd.engine.output_constraint import ConstraintKind
 from hybridpd.server.tool_fields import ToolParsing
 
-from .conftest import MODEL, make_app
+from .conftest import MODEL, make_app, typed_events
 from .fake_engine import FakeEngine
 
 MESSAGES = "/v1/messages"
@@ -55,22 +55,11 @@ async def _whole(client: TestClient, body: dict[str, Any]) -> Message:
     return Message.model_validate(await resp.json())
 
 
-def _parse_events(raw: str) -> list[dict[str, Any]]:
-    """A Messages stream's events: `event: <type>` then `data: <json>`, the two types the same; no [DONE]."""
-    events = []
-    for block in raw.split("\n\n")[:-1]:
-        kind, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {event['type']}"
-        events.append(event)
-    return events
-
-
 async def _streamed(client: TestClient, body: dict[str, Any]) -> list[Any]:
     resp = await client.post(MESSAGES, json={**ASK, "stream": True, **body})
     assert resp.status == 200, await resp.text()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
-    return [EVENTS.validate_python(event) for event in _parse_events(await resp.text())]
+    return [EVENTS.validate_python(event) for event in typed_events(await resp.text())]
 
 
 def _view(content: list[Any]) -> list[tuple[Any, ...]]:
@@ -258,7 +247,7 @@ async def test_auto_tools_without_the_parser_flags_are_refused_as_vllm_refuses_t
 async def test_a_failure_after_the_stream_started_is_an_error_event(client: TestClient, engine: FakeEngine) -> None:
     engine.fail_at_output = 2
     resp = await client.post(MESSAGES, json={**ASK, "stream": True})
-    events = _parse_events(await resp.text())
+    events = typed_events(await resp.text())
     assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "api_error"
     assert "lease expired" in events[-1]["error"]["message"]
     assert [e["type"] for e in events].count("content_block_delta") == 2

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from hybridpd.engine.output_constraint import ConstraintKind
 from hybridpd.server.tool_fields import ToolParsing
 
-from .conftest import make_app
+from .conftest import make_app, typed_events
 from .fake_engine import FakeEngine
 
 RESPONSES = "/v1/responses"
@@ -53,23 +53,12 @@ async def _whole(client: TestClient, body: dict[str, Any]) -> Response:
     return Response.model_validate(await resp.json())
 
 
-def _parse_events(raw: str) -> list[dict[str, Any]]:
-    """A Responses stream's events: `event: <type>` then `data: <json>`, the two types the same; no [DONE]."""
-    events = []
-    for block in raw.split("\n\n")[:-1]:
-        kind, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {event['type']}"
-        events.append(event)
-    return events
-
-
 async def _streamed(client: TestClient, body: dict[str, Any]) -> list[Any]:
     resp = await client.post(RESPONSES, json={"input": "What is 1 + 2?", "max_output_tokens": 300, "stream": True,
                                               **body})
     assert resp.status == 200, await resp.text()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
-    events = [EVENTS.validate_python(event) for event in _parse_events(await resp.text())]
+    events = [EVENTS.validate_python(event) for event in typed_events(await resp.text())]
     assert [event.sequence_number for event in events] == list(range(len(events)))
     return events
 
