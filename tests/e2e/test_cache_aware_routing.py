@@ -111,13 +111,19 @@ def test_a_consumer_that_knows_only_vllms_format_decodes_a_nodes_events(cluster)
     node = info.prefill[0]
     offset = node.port - local.spec.base_port
     endpoint = f"tcp://127.0.0.1:{local.spec.base_port + EVENTS_PORT_OFFSET + offset}"
+    replay_endpoint = f"tcp://127.0.0.1:{local.spec.base_port + REPLAY_PORT_OFFSET + offset}"
     groups = json.loads(_get(node.url + "/kv_events"))["groups"]
+    # where vLLM's own endpoint says the events are (one data-parallel rank)
+    (rank, source), = json.loads(_get(node.url + "/kv_event_sources")).items()
+    assert (rank, source["enable_kv_cache_events"], source["publisher"], source["topic"]) == ("0", True, "zmq",
+                                                                                              "kv-events")
+    assert (source["endpoint"], source["replay_endpoint"]) == (endpoint, replay_endpoint)
     sub = VLLMSubscriber(endpoint, "kv-events")
     try:
         rng = random.Random(7)
         prompt = [rng.randrange(1, 200) for _ in range(3 * BLOCK + 5)]
         _complete(node.url, prompt, max_tokens=1)  # colocated on that node
-        history = replay(f"tcp://127.0.0.1:{local.spec.base_port + REPLAY_PORT_OFFSET + offset}", 0)
+        history = replay(replay_endpoint, 0)
 
         def offset_in_prompt(event: BlockStored) -> int | None:
             for start in range(0, len(prompt), event.block_size):
