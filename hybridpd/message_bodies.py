@@ -3,7 +3,8 @@ and the `anthropic` client speak) as the chat completions body it asks for: the 
 path, the proxy tokenizes it as the node does. The conversion is vLLM's:
 
 - `system` (a string, or text blocks joined) becomes a first system message; a system-role message in `messages`
-  stays where it is. A text that starts with `x-anthropic-billing-header` (Claude Code's per-request attribution
+  stays where it is, unless the chat template needs the system prompt first (it refuses a later one, as Qwen's
+  templates do): then, as vLLM does, every system text is joined into the first message (`merge_inline_system`). A text that starts with `x-anthropic-billing-header` (Claude Code's per-request attribution
   line) is left out, as vLLM leaves it out: it would differ in every request and defeat the prefix cache.
 - A message's `content` is a string or a list of blocks: `text`; `tool_use` (an assistant's call: `input` becomes
   the call's JSON arguments); `tool_result` (in a user's message: a tool message before the user's own text, its
@@ -200,6 +201,14 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with every system message's text joined into one first system message, as vLLM joins them
+    for a template that needs the system prompt first."""
+    texts = [message["content"] for message in messages if message["role"] == "system"]
+    rest = [message for message in messages if message["role"] != "system"]
+    return [{"role": "system", "content": "".join(texts)}, *rest] if texts else rest
+
+
 def _tools(value: Any) -> list[dict[str, Any]] | None:
     if value is None or value == []:
         return None
@@ -310,11 +319,12 @@ def _model(body: dict[str, Any]) -> None:
         raise _fail("is required (a non-empty string)", "model")
 
 
-def _prompt_fields(body: dict[str, Any]) -> dict[str, Any]:
+def _prompt_fields(body: dict[str, Any], merge_inline_system: bool) -> dict[str, Any]:
     """What a Messages body and a count_tokens body share: the conversation, the tools and the template's inputs."""
     _model(body)
     chat: dict[str, Any] = {key: body[key] for key in ("model", "chat_template_kwargs") if key in body}
-    chat["messages"] = _messages(body)
+    messages = _messages(body)
+    chat["messages"] = _system_first(messages) if merge_inline_system else messages
     tools = _tools(body.get("tools"))
     _tool_choice(body.get("tool_choice"), chat)
     if tools is not None:
@@ -328,12 +338,12 @@ def _prompt_fields(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+def chat_body(body: dict[str, Any], *, merge_inline_system: bool = False) -> dict[str, Any]:
     """The chat completions body a Messages body asks for (see the module's text); raises InvalidRequestError for
     what is not served."""
     max_tokens = _max_tokens(body)
     _check_thinking(body, max_tokens)
-    chat = {key: body[key] for key in _PASSED if key in body} | _prompt_fields(body)
+    chat = {key: body[key] for key in _PASSED if key in body} | _prompt_fields(body, merge_inline_system)
     chat["max_completion_tokens"] = max_tokens
     stop = _stop(body.get("stop_sequences"))
     if stop is not None:
@@ -346,8 +356,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def count_tokens_body(body: dict[str, Any]) -> dict[str, Any]:
+def count_tokens_body(body: dict[str, Any], *, merge_inline_system: bool = False) -> dict[str, Any]:
     """The `/tokenize` body (chat messages) whose tokens a count_tokens body counts: the prompt a Messages body with
     the same conversation, tools and template inputs would have."""
     _check_thinking(body, None)
-    return _prompt_fields(body)
+    return _prompt_fields(body, merge_inline_system)

@@ -40,7 +40,7 @@ from hybridpd.server.protocol import (
     Endpoint, ParsedRequest, parse_choices, parse_detokenize_request, parse_tokenize_request,
 )
 from hybridpd.server.message_objects import MessageEvents, whole_message
-from hybridpd.server.message_request import count_tokens, parse_messages_request
+from hybridpd.server.message_request import count_tokens, needs_system_first, parse_messages_request
 from hybridpd.server.response_objects import ResponseEvents, whole_response
 from hybridpd.server.response_request import ResponsesRequest, parse_responses_request
 from hybridpd.server.event_stream import stream_events
@@ -84,6 +84,7 @@ class Handlers:
         self._metrics = metrics
         self._admission = admission
         self._created = int(time.time())
+        self._system_first: bool | None = None   # the chat template's, probed at the first Messages request
 
     def _authorize(self, request: web.Request, body: dict[str, Any]) -> None:
         """Requests that steer KV transfers need the cluster token (when one is configured), compared in
@@ -127,14 +128,25 @@ class Handlers:
             body = await read_json_object(request)
             self._authorize(request, body)
             parsed = parse_messages_request(body, self._engine, self._config.served_model_name,
-                                            self._config.tool_parsing)
+                                            self._config.tool_parsing,
+                                            merge_inline_system=self._merges_inline_system())
             return await self._serve(request, parsed, span, lambda parsed: self._message_answers(request, parsed))
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's `/v1/messages/count_tokens`: the prompt's tokens (`context_management` as vLLM adds it)."""
         body = await read_json_object(request)
-        count = count_tokens(body, self._engine, self._config.served_model_name)
+        count = count_tokens(body, self._engine, self._config.served_model_name,
+                             merge_inline_system=self._merges_inline_system())
         return web.json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})
+
+    def _merges_inline_system(self) -> bool:
+        """Whether Messages bodies join their system messages into the first (message_request.needs_system_first)."""
+        if self._system_first is None:
+            self._system_first = needs_system_first(self._engine.tokenizer)
+            if self._system_first:
+                log.warning("the chat template needs the system prompt first: system messages inside a /v1/messages "
+                            "conversation are joined into the first (each new one changes the prompt's prefix)")
+        return self._system_first
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """`GET /v1/responses/{id}` and its `/cancel`: no response is stored here (vLLM keeps none either unless

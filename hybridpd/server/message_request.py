@@ -7,6 +7,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.errors import InvalidRequestError, renamed
 from hybridpd.message_bodies import chat_body, count_tokens_body, messages_param
 from hybridpd.server.engine_client import EngineClient
@@ -19,9 +20,21 @@ def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
     return renamed(exc, messages_param(exc.param))
 
 
+def needs_system_first(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template refuses a system message after the first turn (Qwen's templates do): then a
+    Messages body's inline system messages are joined into the first, as vLLM probes and joins them."""
+    probe = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"}] * 2
+    try:
+        tokenizer.apply_chat_template(probe, False)
+    except InvalidRequestError:
+        return True
+    return False
+
+
 def parse_messages_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
-                           tool_parsing: ToolParsing = ToolParsing()) -> ParsedRequest:
-    chat = chat_body(body)
+                           tool_parsing: ToolParsing = ToolParsing(), *,
+                           merge_inline_system: bool = False) -> ParsedRequest:
+    chat = chat_body(body, merge_inline_system=merge_inline_system)
     try:
         parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing)
     except InvalidRequestError as exc:
@@ -29,10 +42,12 @@ def parse_messages_request(body: dict[str, Any], engine: EngineClient, served_mo
     return replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"msg_{uuid.uuid4().hex}"))
 
 
-def count_tokens(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> int:
+def count_tokens(body: dict[str, Any], engine: EngineClient, served_model_name: str, *,
+                 merge_inline_system: bool = False) -> int:
     """The tokens of the prompt a Messages body with this conversation, tools and template inputs would have (the
     chat template's generation prompt included)."""
     try:
-        return len(parse_tokenize_request(count_tokens_body(body), engine, served_model_name).tokens)
+        tokenize = count_tokens_body(body, merge_inline_system=merge_inline_system)
+        return len(parse_tokenize_request(tokenize, engine, served_model_name).tokens)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None

@@ -15,10 +15,13 @@ from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from hybridpd.engine.output_constraint import ConstraintKind
+from hybridpd.engine.tokenizer import ChatTemplate
+from hybridpd.errors import InvalidRequestError
+from hybridpd.server.message_request import needs_system_first
 from hybridpd.server.tool_fields import ToolParsing
 
 from .conftest import MODEL, make_app, typed_events
-from .fake_engine import FakeEngine
+from .fake_engine import ByteTokenizer, FakeEngine
 
 MESSAGES = "/v1/messages"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
@@ -317,3 +320,49 @@ async def test_a_body_that_is_not_json_is_refused_in_anthropics_shape(client: Te
         resp = await client.post(path, data=b"{", headers={"Content-Type": "application/json"})
         assert resp.status == 400
         assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+class SystemFirstTokenizer(ByteTokenizer):
+    """A template that refuses a system message after the first (as Qwen's do)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, template_kwargs=None, tools=None):
+        if any(m["role"] == "system" for m in messages[1:]):
+            raise InvalidRequestError("chat template: System message must be at the beginning.", "messages")
+        return super().apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
+
+
+@pytest.mark.parametrize("system_first, prompt", [
+    (False, b"<system>A\n<user>hi\n<system>B\n<user>again\n<assistant>"),
+    (True, b"<system>AB\n<user>hi\n<user>again\n<assistant>"),   # joined into the first, as vLLM joins them
+])
+async def test_inline_system_messages_are_joined_when_the_template_needs_them_first(system_first: bool,
+                                                                                    prompt: bytes) -> None:
+    engine = FakeEngine(max_model_len=512, tokenizer=SystemFirstTokenizer() if system_first else ByteTokenizer())
+    engine.spells = "3"
+    client = await _client(engine)
+    body = {"system": "A", "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "B"},
+                                        {"role": "user", "content": "again"}]}
+    try:
+        await _whole(client, body)
+        assert bytes(engine.requests[-1].prompt_token_ids) == prompt
+        counted = await (await client.post("/v1/messages/count_tokens", json={"model": MODEL, **body})).json()
+        assert counted["input_tokens"] == len(prompt)
+    finally:
+        await client.close()
+
+
+QWEN_LIKE = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+             "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+             "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("source, first", [(QWEN_LIKE, True), (QWEN_LIKE.replace("and not loop.first", "and false"),
+                                                               False)])
+def test_a_template_that_needs_the_system_prompt_first_is_found(source: str, first: bool) -> None:
+    template = ChatTemplate(source, {})
+
+    class Rendering:
+        def apply_chat_template(self, messages, add_generation_prompt=True, template_kwargs=None, tools=None):
+            return template.render(messages, add_generation_prompt, template_kwargs, tools)
+
+    assert needs_system_first(Rendering()) is first
