@@ -4,8 +4,9 @@ path, the proxy tokenizes it as the node does. The conversion is vLLM's:
 
 - `system` (a string, or text blocks joined) becomes a first system message; a system-role message in `messages`
   stays where it is, unless the chat template needs the system prompt first (it refuses a later one, as Qwen's
-  templates do): then, as vLLM does, every system text is joined into the first message (`merge_inline_system`). A text that starts with `x-anthropic-billing-header` (Claude Code's per-request attribution
-  line) is left out, as vLLM leaves it out: it would differ in every request and defeat the prefix cache.
+  templates do): then, as vLLM does, every system text is joined into the first message (`merge_inline_system`).
+  A text that starts with `x-anthropic-billing-header` (Claude Code's per-request attribution line) is left out,
+  as vLLM leaves it out: it would differ in every request and defeat the prefix cache.
 - A message's `content` is a string or a list of blocks: `text`; `tool_use` (an assistant's call: `input` becomes
   the call's JSON arguments); `tool_result` (in a user's message: a tool message before the user's own text, its
   content a string or text blocks joined by newlines; in an assistant's: text `Tool result: ...`); `thinking`,
