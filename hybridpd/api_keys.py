@@ -38,10 +38,12 @@ class ApiKeys:
     """The keys a server asks for (none: every route is open)."""
 
     keys: tuple[str, ...] = field(default=(), repr=False)
+    _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if any(not key for key in self.keys):
             raise ValueError("--api-key must not be empty")
+        object.__setattr__(self, "_digests", tuple(_digest(key) for key in self.keys))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> ApiKeys:
@@ -70,8 +72,8 @@ class ApiKeys:
         matched = False
         for candidate in presented:
             digest = _digest(candidate)
-            for key in self.keys:
-                matched |= hmac.compare_digest(digest, _digest(key))
+            for key_digest in self._digests:
+                matched |= hmac.compare_digest(digest, key_digest)
         return matched
 
     def headers(self) -> dict[str, str]:

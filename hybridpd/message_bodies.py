@@ -40,8 +40,8 @@ BILLING_HEADER = "x-anthropic-billing-header"
 MESSAGE_ROLES = frozenset({"user", "assistant", "system"})
 MIN_THINKING_BUDGET = 1024
 
-# vLLM's fields that mean the same in both bodies.
-_PASSED = ("model", "temperature", "top_p", "top_k", "kv_transfer_params", "cache_salt", "chat_template_kwargs")
+# vLLM's fields that mean the same in both bodies (`model` and `chat_template_kwargs` go with the prompt's fields).
+_PASSED = ("temperature", "top_p", "top_k", "kv_transfer_params", "cache_salt")
 # The chat fields a Messages field became: an error about one names the other.
 _CHAT_PARAMS = {"messages": "messages", "max_completion_tokens": "max_tokens", "max_tokens": "max_tokens",
                 "stop": "stop_sequences", "response_format": "output_config.format", "tools": "tools",

@@ -96,7 +96,6 @@ class MessageEvents:
         self._index = 0                 # the next block's index
         self._open: str | None = None   # the open block's type
         self._held = ""                 # text that came while a tool_use block was open
-        self._called = False
         self._arguments = ""            # the latest call's arguments so far
 
     def start(self) -> list[dict[str, Any]]:
@@ -113,8 +112,9 @@ class MessageEvents:
             events += self._call(piece)
         if output.finished:
             events += self._close()
-            stop = stop_fields(output.finish_reason, output.stop_reason, called=self._called,
-                               complete=self._called and _input(self._arguments) is not None)
+            called = self._reader is not None and self._reader.called
+            stop = stop_fields(output.finish_reason, output.stop_reason, called=called,
+                               complete=called and _input(self._arguments) is not None)
             events += [{"type": "message_delta", "delta": stop, "usage": message_usage(output)},
                        {"type": "message_stop"}]
         return events
@@ -137,7 +137,7 @@ class MessageEvents:
         events = []
         if piece.id is not None:   # a call's first piece: a new block
             events += self._close()
-            self._called, self._arguments = True, ""
+            self._arguments = ""
             events += self._start({"type": "tool_use", "id": piece.id, "name": piece.name or "", "input": {}})
         self._arguments += piece.arguments
         if piece.arguments:
