@@ -11,6 +11,8 @@ chat template in use.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -44,6 +46,11 @@ class Tokenizer(Protocol):
         """The conversation as the chat template renders it; `template_kwargs` are more variables for the template
         (vLLM's `chat_template_kwargs`, such as a template's `thinking` switch); `tools` the tools it may show the
         model (OpenAI's `{"type": "function", "function": {...}}` objects, as transformers passes them)."""
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer rendering chat with the jinja2 template `source` instead of its own (a server's
+        `--chat-template`, or a request's own template where the server trusts it); a bad template is an
+        InvalidRequestError naming `chat_template`."""
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -113,8 +120,21 @@ class ChatTemplate:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
 
 
+@functools.lru_cache(maxsize=16)
+def compiled_template(source: str, special_tokens: tuple[tuple[str, str], ...]) -> ChatTemplate:
+    """`source` compiled once (a server renders the same few templates again and again); a template jinja2 cannot
+    parse is an InvalidRequestError naming `chat_template`."""
+    from jinja2 import TemplateError
+
+    try:
+        return ChatTemplate(source, dict(special_tokens))
+    except TemplateError as exc:
+        raise InvalidRequestError(f"the chat template does not compile: {exc}", "chat_template") from exc
+
+
 class ByteTokenizer:
     decodes_text = True
+    _chat: ChatTemplate | None = None   # a template given to it (with_chat_template); else the plain one
 
     def __init__(self, vocab_size: int, eos_token_id: int | None = BYTE_VOCAB, bos_token_id: int | None = None) -> None:
         if vocab_size < BYTE_VOCAB:
@@ -136,11 +156,18 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template_kwargs: Mapping[str, Any] | None = None,
                             tools: list[dict[str, Any]] | None = None) -> str:
-        return plain_chat_template(messages, add_generation_prompt, tools)
+        if self._chat is None:
+            return plain_chat_template(messages, add_generation_prompt, tools)
+        return self._chat.render(messages, add_generation_prompt, template_kwargs, tools)
+
+    def with_chat_template(self, source: str) -> ByteTokenizer:
+        templated = copy.copy(self)
+        templated._chat = compiled_template(source, ())
+        return templated
 
     def describe(self) -> dict[str, Any]:
         return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size, "eos_token": None,
-                "bos_token": None, "pad_token": None, "chat_template": None}
+                "bos_token": None, "pad_token": None, "chat_template": self._chat.source if self._chat else None}
 
 
 class HFTokenizer:
@@ -159,6 +186,7 @@ class HFTokenizer:
         self.eos_token_id = eos_token_id
         self._chat = chat_template
         self._config = config or {}   # tokenizer_config.json
+        self._special = {name: _token_text(self._config.get(name)) or "" for name in SPECIAL_TOKEN_NAMES}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As `AutoTokenizer(dir)(text)`: the tokenizer.json post-processor adds its special tokens (a BOS, say) unless
@@ -184,6 +212,12 @@ class HFTokenizer:
         if self._chat is None:
             return plain_chat_template(messages, add_generation_prompt, tools)
         return self._chat.render(messages, add_generation_prompt, template_kwargs, tools)
+
+    def with_chat_template(self, source: str) -> HFTokenizer:
+        """The same tokenizer (its vocabulary shared, not loaded again) with another chat template."""
+        templated = copy.copy(self)
+        templated._chat = compiled_template(source, tuple(sorted(self._special.items())))
+        return templated
 
     def describe(self) -> dict[str, Any]:
         """tokenizer_config.json with its special tokens as their text (transformers writes some as objects)."""
@@ -223,6 +257,9 @@ class TokenIdsOnly:
         raise InvalidRequestError(f"{NO_TOKENIZER}: chat messages need the tokenizer; use /v1/completions with token "
                                   "ids", "messages")
 
+    def with_chat_template(self, source: str) -> TokenIdsOnly:
+        return self   # chat is refused whatever the template
+
     def describe(self) -> dict[str, Any]:
         raise InvalidRequestError(f"{NO_TOKENIZER}: there is no tokenizer to describe")
 
@@ -251,7 +288,15 @@ def _template_source(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_tokenizer(model_dir: Path, vocab_size: int, *, skip_init: bool = False) -> Tokenizer:
+def load_tokenizer(model_dir: Path, vocab_size: int, *, skip_init: bool = False,
+                   chat_template: str | None = None) -> Tokenizer:
+    """The checkpoint's tokenizer; `chat_template`, when given, replaces its chat template (vLLM's `--chat-template`:
+    for a checkpoint without one, or to render another way)."""
+    tokenizer = _checkpoint_tokenizer(model_dir, vocab_size, skip_init)
+    return tokenizer if chat_template is None else tokenizer.with_chat_template(chat_template)
+
+
+def _checkpoint_tokenizer(model_dir: Path, vocab_size: int, skip_init: bool) -> Tokenizer:
     if skip_init:
         return TokenIdsOnly(vocab_size)
     model_dir = Path(model_dir)

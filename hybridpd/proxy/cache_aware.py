@@ -105,7 +105,7 @@ def token_ids_in_body(path: str, body: dict[str, Any]) -> list[int] | None:
 # The fields a `/tokenize` call carries over from the request (each when of its type): what changes the prompt's tokens.
 _COMPLETION_TOKENIZE = {"model": str, "add_special_tokens": bool}
 _CHAT_TOKENIZE = {**_COMPLETION_TOKENIZE, "add_generation_prompt": bool, "continue_final_message": bool,
-                  "chat_template_kwargs": dict, "tools": list}
+                  "chat_template": str, "chat_template_kwargs": dict, "tools": list}
 
 
 def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:

@@ -118,7 +118,7 @@ class Handlers:
             body = await read_json_object(request)
             self._authorize(request, body)
             asked = parse_responses_request(body, self._engine, self._config.served_model_name,
-                                            self._config.tool_parsing)
+                                            self._config.tool_parsing, self._config.templating)
             return await self._serve(request, asked.parsed, span,
                                      lambda parsed: self._response_answers(request, replace(asked, parsed=parsed)))
 
@@ -128,14 +128,14 @@ class Handlers:
             body = await read_json_object(request)
             self._authorize(request, body)
             parsed = parse_messages_request(body, self._engine, self._config.served_model_name,
-                                            self._config.tool_parsing,
+                                            self._config.tool_parsing, self._config.templating,
                                             merge_inline_system=self._merges_inline_system())
             return await self._serve(request, parsed, span, lambda parsed: self._message_answers(request, parsed))
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's `/v1/messages/count_tokens`: the prompt's tokens (`context_management` as vLLM adds it)."""
         body = await read_json_object(request)
-        count = count_tokens(body, self._engine, self._config.served_model_name,
+        count = count_tokens(body, self._engine, self._config.served_model_name, self._config.templating,
                              merge_inline_system=self._merges_inline_system())
         return web.json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})
 
@@ -158,7 +158,7 @@ class Handlers:
             body = await read_json_object(request)
             self._authorize(request, body)
             requests = parse_choices(body, endpoint, self._engine, self._config.served_model_name,
-                                     self._config.tool_parsing)
+                                     self._config.tool_parsing, self._config.templating)
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
             return await self._serve(request, requests[0], span,
@@ -247,7 +247,7 @@ class Handlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        asked = parse_tokenize_request(body, self._engine, self._config.served_model_name)
+        asked = parse_tokenize_request(body, self._engine, self._config.served_model_name, self._config.templating)
         strings = self._engine.tokenizer.token_strings(asked.tokens) if asked.token_strs else None
         return web.json_response(tokenize_response(asked.tokens, strings, self._engine.max_model_len))
 

@@ -35,6 +35,7 @@ from hybridpd.engine.dtype_choice import DTYPES, choose_dtype, this_cpus_flags
 from hybridpd.engine.model.config_fields import checkpoint_dtype
 from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
+from hybridpd.server.chat_templating import ChatTemplating, default_kwargs_argument, template_argument
 from hybridpd.server.config import ServerConfig
 from hybridpd.server.tool_fields import TOOL_CALL_PARSERS, ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
@@ -101,6 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                       help="how the model writes tool calls, read into the answer's tool_calls (vLLM's flag; "
                            "granite4: <tool_call>{\"name\", \"arguments\"}</tool_call>, Granite 4.0's)")
+    http.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE",
+                      help="the chat template to render chat with instead of the checkpoint's: a file's path, or the "
+                           "jinja2 template itself in one line (vLLM's flag)")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="render a request with the template it sends (`chat_template`, or "
+                           "`chat_template_kwargs.chat_template`); without it such requests are refused, as vLLM's")
+    http.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                      help="variables every chat template sees unless a request's chat_template_kwargs set them, as "
+                           "a JSON object, e.g. '{\"enable_thinking\": false}' (vLLM's flag)")
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -235,6 +245,9 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             tool_parsing=ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser),
             api_keys=ApiKeys.from_args(args, os.environ),
+            chat_template=template_argument(args.chat_template),
+            templating=ChatTemplating(args.trust_request_chat_template,
+                                      default_kwargs_argument(args.default_chat_template_kwargs)),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

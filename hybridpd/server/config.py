@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hybridpd.api_keys import ApiKeys
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.server.chat_templating import ChatTemplating
 from hybridpd.server.tool_fields import ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.tls import TLSConfig
@@ -31,6 +32,8 @@ class ServerConfig:
     tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint)
     tool_parsing: ToolParsing = ToolParsing()   # --enable-auto-tool-choice, --tool-call-parser
     api_keys: ApiKeys = ApiKeys()   # --api-key: the `/v1` routes ask for one (hybridpd/api_keys.py)
+    chat_template: str | None = None   # --chat-template's source: replaces the checkpoint's (chat_templating.py)
+    templating: ChatTemplating = ChatTemplating()   # request templates trusted or not, default template variables
 
     @property
     def scheme(self) -> str:

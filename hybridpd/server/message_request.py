@@ -10,6 +10,7 @@ from typing import Any
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.errors import InvalidRequestError, renamed
 from hybridpd.message_bodies import chat_body, count_tokens_body, messages_param
+from hybridpd.server.chat_templating import ChatTemplating
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.protocol import ParsedRequest, parse_chat_request, parse_tokenize_request
 from hybridpd.server.tool_fields import ToolParsing
@@ -32,22 +33,22 @@ def needs_system_first(tokenizer: Tokenizer) -> bool:
 
 
 def parse_messages_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
-                           tool_parsing: ToolParsing = ToolParsing(), *,
-                           merge_inline_system: bool = False) -> ParsedRequest:
+                           tool_parsing: ToolParsing = ToolParsing(), templating: ChatTemplating = ChatTemplating(),
+                           *, merge_inline_system: bool = False) -> ParsedRequest:
     chat = chat_body(body, merge_inline_system=merge_inline_system)
     try:
-        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing)
+        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing, templating)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None
     return replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"msg_{uuid.uuid4().hex}"))
 
 
-def count_tokens(body: dict[str, Any], engine: EngineClient, served_model_name: str, *,
-                 merge_inline_system: bool = False) -> int:
+def count_tokens(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+                 templating: ChatTemplating = ChatTemplating(), *, merge_inline_system: bool = False) -> int:
     """The tokens of the prompt a Messages body with this conversation, tools and template inputs would have (the
     chat template's generation prompt included)."""
     try:
         tokenize = count_tokens_body(body, merge_inline_system=merge_inline_system)
-        return len(parse_tokenize_request(tokenize, engine, served_model_name).tokens)
+        return len(parse_tokenize_request(tokenize, engine, served_model_name, templating).tokens)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None

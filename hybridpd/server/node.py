@@ -91,7 +91,8 @@ class Node:
         info = started.info
         keep_off(cfg.engine.cpus)
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.engine.model_dir, info.vocab_size,
-                                            skip_init=cfg.engine.skip_tokenizer_init)
+                                            skip_init=cfg.engine.skip_tokenizer_init,
+                                            chat_template=cfg.server.chat_template)
         engine = RemoteEngine(process.link, info, cfg.server.served_model_name, tokenizer, cfg.server.watchdog)
         engine.start()
 

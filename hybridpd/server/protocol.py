@@ -36,6 +36,7 @@ from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from hybridpd.errors import InvalidRequestError
 from hybridpd.samples import MAX_N, sample_seed
+from hybridpd.server.chat_templating import ChatTemplating
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.errors import ModelNotFoundError
 from hybridpd.server.fields import Fields
@@ -193,32 +194,40 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def template_kwargs(f: Fields) -> dict[str, Any] | None:
-    """vLLM's `chat_template_kwargs`: more variables for the chat template, none of those it is rendered with."""
+def template_kwargs(f: Fields) -> tuple[dict[str, Any] | None, str | None]:
+    """vLLM's `chat_template_kwargs` -> (more variables for the chat template, none of those it is rendered with;
+    the template it names as `chat_template`, if any)."""
     kwargs = f.optional_object("chat_template_kwargs")
     if kwargs is None:
-        return None
+        return None, None
     taken = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.obj.keys())
     if taken:
         raise f.fail("chat_template_kwargs", f"may not set {', '.join(taken)}")
-    return kwargs.obj
+    variables = {key: value for key, value in kwargs.obj.items() if key != "chat_template"}
+    return variables, kwargs.optional_str("chat_template")
 
 
 def chat_prompt(messages: list[dict[str, Any]], engine: EngineClient, f: Fields, *,
-                add_special_tokens: bool = False, tools: tuple[dict[str, Any], ...] | None = None) -> tuple[int, ...]:
-    """The conversation rendered by the chat template (which holds its special tokens already; with the generation
-    prompt unless `add_generation_prompt` is false, ending inside the final message with `continue_final_message`;
-    `chat_template_kwargs` and `tools` beside) and encoded."""
+                add_special_tokens: bool = False, tools: tuple[dict[str, Any], ...] | None = None,
+                templating: ChatTemplating = ChatTemplating()) -> tuple[int, ...]:
+    """The conversation rendered by the chat template (the request's own where `templating` trusts it; it holds its
+    special tokens already; with the generation prompt unless `add_generation_prompt` is false, ending inside the
+    final message with `continue_final_message`; `chat_template_kwargs` over the server's defaults, and `tools`
+    beside) and encoded."""
     generation_prompt = f.bool("add_generation_prompt", True)
     listed = list(tools) if tools else None
+    variables, named = template_kwargs(f)
+    asked = f.optional_str("chat_template")
+    tokenizer = templating.tokenizer_for(engine.tokenizer, asked if asked is not None else named)
+    variables = templating.kwargs(variables)
     if f.bool("continue_final_message", False):
         if generation_prompt:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True "
                                       "(add_generation_prompt is true unless the body sets it false)",
                                       "continue_final_message")
-        rendered = render_continuing(engine.tokenizer, messages, template_kwargs(f), listed)
+        rendered = render_continuing(tokenizer, messages, variables, listed)
     else:
-        rendered = engine.tokenizer.apply_chat_template(messages, generation_prompt, template_kwargs(f), listed)
+        rendered = tokenizer.apply_chat_template(messages, generation_prompt, variables, listed)
     ids = tuple(engine.tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("the conversation renders to an empty prompt", "messages")
@@ -318,7 +327,8 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
 
 
 def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
-                       tool_parsing: ToolParsing = ToolParsing()) -> ParsedRequest:
+                       tool_parsing: ToolParsing = ToolParsing(),
+                       templating: ChatTemplating = ChatTemplating()) -> ParsedRequest:
     f = Fields(body)
     check_model(f, served_model_name)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
@@ -330,7 +340,7 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
     tools = tool_use(f, tool_parsing)
     messages = parse_messages(f.raw("messages"))
     prompt = chat_prompt(messages, engine, f, add_special_tokens=f.bool("add_special_tokens", False),
-                         tools=tools.tools if tools is not None else None)
+                         tools=tools.tools if tools is not None else None, templating=templating)
     prompt = _truncated(prompt, f, engine.max_model_len)
     parsed = _common(f, Endpoint.CHAT, prompt, max_tokens=output_budget(len(prompt), max_tokens, param, engine,
                                                                          Endpoint.CHAT),
@@ -361,7 +371,8 @@ class TokenizeRequest:
     token_strs: bool   # the answer also names each token (`return_token_strs`)
 
 
-def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> TokenizeRequest:
+def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+                           templating: ChatTemplating = ChatTemplating()) -> TokenizeRequest:
     """vLLM's `/tokenize`: a prompt string (special tokens added unless `add_special_tokens` is false) or chat
     messages (rendered as a chat request renders them: `add_generation_prompt`, `continue_final_message`, `tools`;
     no special tokens beyond the template's unless `add_special_tokens`)."""
@@ -370,7 +381,8 @@ def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_mo
     token_strs = f.bool("return_token_strs", False)
     if f.raw("messages") is not None:
         tokens = chat_prompt(parse_messages(f.raw("messages")), engine, f,
-                             add_special_tokens=f.bool("add_special_tokens", False), tools=tools_field(f.raw("tools")))
+                             add_special_tokens=f.bool("add_special_tokens", False), tools=tools_field(f.raw("tools")),
+                             templating=templating)
         return TokenizeRequest(tokens, token_strs)
     prompt = f.optional_str("prompt")
     if prompt is None:
@@ -390,7 +402,8 @@ def parse_detokenize_request(body: dict[str, Any], engine: EngineClient, served_
 
 
 def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient, served_model_name: str,
-                  tool_parsing: ToolParsing = ToolParsing()) -> list[ParsedRequest]:
+                  tool_parsing: ToolParsing = ToolParsing(),
+                  templating: ChatTemplating = ChatTemplating()) -> list[ParsedRequest]:
     """A body's engine requests: one, or one per choice when it asks for several (`n` > 1, several prompts)."""
     f = Fields(body)
     n = f.int("n", 1, minimum=1, maximum=MAX_N)
@@ -399,7 +412,7 @@ def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient
     def parse(one: dict[str, Any]) -> ParsedRequest:
         if endpoint is Endpoint.COMPLETIONS:
             return parse_completion_request(one, engine, served_model_name)
-        return parse_chat_request(one, engine, served_model_name, tool_parsing)
+        return parse_chat_request(one, engine, served_model_name, tool_parsing, templating)
     if n == 1 and prompts is None:
         return [parse(body)]
     if f.raw("kv_transfer_params") is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridpd.errors import InvalidRequestError, renamed
 from hybridpd.response_bodies import chat_body, responses_param
+from hybridpd.server.chat_templating import ChatTemplating
 from hybridpd.server.engine_client import EngineClient
 from hybridpd.server.fields import Fields
 from hybridpd.server.protocol import ParsedRequest, parse_chat_request
@@ -51,14 +52,15 @@ def _checked(f: Fields) -> None:
 
 
 def parse_responses_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
-                            tool_parsing: ToolParsing = ToolParsing()) -> ResponsesRequest:
+                            tool_parsing: ToolParsing = ToolParsing(),
+                            templating: ChatTemplating = ChatTemplating()) -> ResponsesRequest:
     f = Fields(body)
     _checked(f)
     chat = chat_body(body)
     if chat.get("tools") and chat.get("tool_choice", "auto") == "auto" and not tool_parsing.auto:
         chat["tool_choice"] = "none"
     try:
-        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing)
+        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing, templating)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None
     parsed = replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"resp_{uuid.uuid4().hex}"))

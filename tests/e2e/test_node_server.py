@@ -27,9 +27,17 @@ def hf_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+# The node renders chat with this template (vLLM's --chat-template, from a file) and a default variable.
+TEMPLATE = "{{ bos_token }}{% for m in messages %}<{{ m.role }}|{{ tone }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
 @pytest.fixture(scope="module")
 def node(model_dir, tmp_path_factory):
-    n = start_node(model_dir, tmp_path_factory.mktemp("logs"), ["--num-blocks", "256", "--max-model-len", "512"])
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    n = start_node(model_dir, tmp_path_factory.mktemp("logs"), [
+        "--num-blocks", "256", "--max-model-len", "512", "--chat-template", str(template),
+        "--default-chat-template-kwargs", '{"tone": "calm"}'])
     try:
         yield n
     finally:
@@ -84,6 +92,21 @@ def test_chat(node):
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
     assert status == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_chat_renders_with_the_template_flag(node, hf_tokenizer):
+    """--chat-template replaces the checkpoint's template (the special tokens as transformers passes them), the
+    default variable applies unless the request sets it, and a request's own template is refused untrusted."""
+    user = [{"role": "user", "content": "hi"}]
+    for kwargs, tone in ((None, "calm"), ({"tone": "loud"}, "loud")):
+        body = {"messages": user, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        status, tok = node.post_json("/tokenize", body)
+        text = hf_tokenizer.apply_chat_template(user, chat_template=TEMPLATE, tokenize=False, tone=tone)
+        assert status == 200 and tok["tokens"] == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        status, answer = node.post_json("/v1/chat/completions", {**body, "max_tokens": 2})
+        assert status == 200 and answer["usage"]["prompt_tokens"] == tok["count"]
+    status, refused = node.post_json("/v1/chat/completions", {"messages": user, "chat_template": "{{ 1 }}"})
+    assert status == 400 and "--trust-request-chat-template" in refused["error"]["message"]
 
 
 @pytest.mark.parametrize("body, fragment", [

@@ -141,6 +141,8 @@ def test_a_salted_prompt_does_not_hit_unsalted_blocks():
      {"messages": [], "add_generation_prompt": False}),
     ("/v1/chat/completions", {"messages": [], "chat_template_kwargs": {"thinking": True}}, None,
      {"messages": [], "chat_template_kwargs": {"thinking": True}}),
+    ("/v1/chat/completions", {"messages": [], "chat_template": "{{ x }}", "max_tokens": 3}, None,
+     {"messages": [], "chat_template": "{{ x }}"}),
     # a Responses body: the chat body it asks for, its tools in chat's shape
     ("/v1/responses", {"input": "x", "instructions": "be brief", "model": "m"}, None,
      {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}),
