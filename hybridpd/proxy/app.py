@@ -63,6 +63,7 @@ from hybridpd.tracing import Carrier, Span, carrier_of, start_tracing
 logger = logging.getLogger(__name__)
 
 _MAX_PREFILL_ATTEMPTS = 2  # the first node, then one retry on another
+_KEPT_ALIVE = ("/v1/completions", "/v1/chat/completions")   # as vLLM's flag: its typed event streams send none
 _FEEDS_INTERVAL_S = 1.0  # how often the KV event feeds follow the node list (and each checks its node)
 
 
@@ -160,7 +161,8 @@ class Proxy:
             return await merge_samples(
                 request, bodies, request_id,
                 lambda reply, one, one_id: self._route(reply, path, one, one_id, prompt, span))
-        return await self._route(ClientReply(request), path, body, request_id, prompt, span)
+        keep_alive = self.config.sse_keep_alive if wants_stream(body) and path in _KEPT_ALIVE else None
+        return await self._route(ClientReply(request, keep_alive, request_id), path, body, request_id, prompt, span)
 
     async def _route(self, reply: Reply, path: str, body: dict[str, Any], request_id: str,
                      prompt: PromptHashes | None, span: Span) -> web.StreamResponse:
@@ -170,7 +172,7 @@ class Proxy:
                 with self.tracer.span("whole call", span.carrier()) as call:
                     return await self._whole(reply, path, body, request_id, prompt, call.carrier())
             with self.tracer.span("prefill call", span.carrier()) as call:
-                answer = await self._prefill_or_fall_back(path, body, request_id, prompt, call.carrier())
+                answer = await reply.wait(self._prefill_or_fall_back(path, body, request_id, prompt, call.carrier()))
             kv_params = answer.kv_transfer_params if answer is not None else None
             lease = answer.lease if answer is not None else None
             with self.tracer.span("decode call", span.carrier()) as call:
@@ -181,12 +183,25 @@ class Proxy:
                 return await self._decode(reply, path, decode_body(body, kv_params), request_id, prompt, lease,
                                           call.carrier())
         except UpstreamRejectedError as exc:
+            if reply.started:   # keep-alive comments went out with status 200
+                return await self._end_started(reply, sse_rejected_event(exc))
             return upstream_rejected(exc, request_id)
         except NoUpstreamError as exc:
+            if reply.started:
+                return await self._end_started(reply, sse_error_event(exc))
             return no_upstream(str(exc), request_id, path)
         except UpstreamError as exc:
             logger.warning("request %s: %s", request_id, exc)
+            if reply.started:
+                return await self._end_started(reply, sse_error_event(exc))
             return upstream_failed(exc, request_id, path)
+
+    @staticmethod
+    async def _end_started(reply: Reply, event: bytes) -> web.StreamResponse:
+        """A stream that keep-alive comments started, ended by the failure's error event."""
+        with contextlib.suppress(ConnectionResetError):
+            await reply.write(event)
+        return await reply.close()
 
     async def _prompt(self, path: str, body: dict[str, Any]) -> PromptHashes | None:
         """The request's prompt, hashed as the nodes hash it; None when it cannot be known (then no prediction)."""

@@ -112,6 +112,7 @@ class ProxyConfig:
     decode_timeout: float = 120.0    # streamed decode calls: seconds without a byte (idle gap, not total)
     decode_request_timeout: float = 1800.0   # non-streamed decode calls: seconds for the whole generation
     decode_first_byte_timeout: float = 5.0   # seconds for a decode node's first byte (its 100 Continue)
+    sse_keep_alive: float | None = None   # seconds a chat or completions stream may go quiet before a comment
     probe_interval: float = 1.0      # seconds between active probes of every node
     outliers: OutlierPolicy = field(default_factory=OutlierPolicy)
     connect_timeout: float = 5.0     # seconds to open a connection to any node

@@ -15,6 +15,7 @@ from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierPolicy
+from hybridpd.sse_keep_alive import interval_argument
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-first-byte-timeout", type=float, default=5.0,
                         help="seconds for a decode node's first byte (its 100 Continue); a node silent that long "
                              "never read the call, which goes to another decode node")
+    parser.add_argument("--sse-keep-alive-interval", type=float, default=0, metavar="SECONDS",
+                        help="send clients an SSE comment (`: keep-alive`) whenever a chat or completions stream has "
+                             "been quiet this long (the prefill call, the pull, slow tokens), so that proxies with "
+                             "read timeouts keep the connection (vLLM's flag; 0, the default: none)")
     parser.add_argument("--probe-interval", type=float, default=1.0,
                         help="seconds between active probes (GET /health) of every node")
     parser.add_argument("--eject-after", type=int, default=3, metavar="N",
@@ -156,6 +161,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_timeout=args.decode_timeout,
         decode_request_timeout=args.decode_request_timeout,
         decode_first_byte_timeout=args.decode_first_byte_timeout,
+        sse_keep_alive=interval_argument(args.sse_keep_alive_interval),
         probe_interval=args.probe_interval,
         outliers=OutlierPolicy(threshold=args.eject_after, base_ejection_s=args.ejection_time,
                                max_ejection_s=args.max_ejection_time),

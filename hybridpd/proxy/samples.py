@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -26,6 +26,7 @@ from hybridpd.proxy.replies import Reply
 from hybridpd.proxy.responses import error_body, error_response
 
 Route = Callable[[Reply, dict[str, Any], str], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -45,6 +46,13 @@ class _SampleReply:
 
     async def close(self) -> web.StreamResponse:
         return web.StreamResponse()   # a placeholder: the merged stream is what the client gets
+
+    @property
+    def started(self) -> bool:
+        return False   # the merged stream opens when a sample's does
+
+    async def wait(self, pending: Awaitable[T]) -> T:
+        return await pending
 
 
 async def merge_samples(request: web.Request, bodies: list[dict[str, Any]], request_id: str,

@@ -48,7 +48,7 @@ from hybridpd.server.responses import (
     FinalOutput, choices_response, final_response, models_response, tokenize_response,
 )
 from hybridpd.server.outputs import EngineOutputs
-from hybridpd.server.streaming import ChunkBuilder, failure, stream_outputs
+from hybridpd.server.streaming import ChunkBuilder, SseStream, end_stream, failure, stream_outputs
 from hybridpd.server.request_trace import record_request
 from hybridpd.tracing import NoTracer, Span, Tracer, carrier_of
 from hybridpd.wire_headers import CACHED_TOKENS_HEADER, CLUSTER_TOKEN_HEADER
@@ -61,7 +61,8 @@ HEALTH_KEY = web.AppKey("health_handler", Callable[[web.Request], Awaitable[web.
 
 EngineMetrics = Callable[[], Awaitable[bytes]]
 # How one request is answered: its stream (from the first output on), or its whole answer's JSON object.
-StreamAnswer = Callable[[RequestOutput, EngineOutputs, RequestTracker, dict[str, str]], Awaitable[web.StreamResponse]]
+StreamAnswer = Callable[[RequestOutput, EngineOutputs, RequestTracker, dict[str, str], SseStream],
+                        Awaitable[web.StreamResponse]]
 WholeAnswer = Callable[[FinalOutput], dict[str, Any]]
 Answers = tuple[StreamAnswer, WholeAnswer]
 log = logging.getLogger(__name__)
@@ -162,27 +163,37 @@ class Handlers:
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
             return await self._serve(request, requests[0], span,
-                                     lambda parsed: self._completion_answers(request, parsed))
+                                     lambda parsed: self._completion_answers(request, parsed), keep_alive=True)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, span: Span,
-                     answers: Callable[[ParsedRequest], Answers]) -> web.StreamResponse:
+                     answers: Callable[[ParsedRequest], Answers], keep_alive: bool = False) -> web.StreamResponse:
         """One engine request, answered as `answers` shape it: the first output decides the status (a failure
-        before it is an HTTP error), then a stream or one JSON answer; the engine generator always closed."""
+        before it is an HTTP error), then a stream or one JSON answer; the engine generator always closed. With
+        `keep_alive` (chat and completions, as vLLM's) and `--sse-keep-alive-interval`, a stream whose first output
+        takes longer than the interval starts at 200 with keep-alive comments (a failure is then an error event)."""
         self._check_peer(parsed)
         tracker = self._metrics.tracker()
         parsed = replace(parsed, engine_request=replace(parsed.engine_request,
                                                         trace_context=tuple(span.carrier().items())))
         stream, whole = answers(parsed)
         outputs = EngineOutputs(self._engine.generate(parsed.engine_request))
+        sse = SseStream(request, self._config.sse_keep_alive if keep_alive and parsed.stream else None)
         try:
-            first = await outputs.next()
+            try:
+                first = await sse.wait(outputs.next())
+            except Exception as exc:  # noqa: BLE001 - after keep-alive comments the status went out already
+                if sse.response is None:
+                    raise
+                return await end_stream(sse.response, exc)
             error = failure(first)
             if error is not None:
                 tracker.observe(first)
-                raise error
+                if sse.response is None:
+                    raise error
+                return await end_stream(sse.response, error)
             headers = {CACHED_TOKENS_HEADER: str(first.num_cached_tokens)}
             if parsed.stream:
-                return await stream(first, outputs, tracker, headers)
+                return await stream(first, outputs, tracker, headers, sse)
             return await _answer(request, first, outputs, tracker, headers, whole)
         finally:
             await outputs.close()
@@ -191,22 +202,22 @@ class Handlers:
     def _completion_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
         """A completions or chat request's stream of chunks, or its answer object."""
         model, tokenizer = self._config.served_model_name, self._engine.tokenizer
-        return (lambda first, rest, tracker, headers: stream_outputs(
-                    request, parsed, first, rest, ChunkBuilder(parsed, model, tokenizer), tracker, headers),
+        return (lambda first, rest, tracker, headers, sse: stream_outputs(
+                    request, parsed, first, rest, ChunkBuilder(parsed, model, tokenizer), tracker, headers, sse),
                 lambda final: final_response(parsed, final, model, tokenizer))
 
     def _response_answers(self, request: web.Request, asked: ResponsesRequest) -> Answers:
         """A Responses request's stream of events, or its `response` object."""
         model, tokenizer = self._config.served_model_name, self._engine.tokenizer
-        return (lambda first, rest, tracker, headers: stream_events(
-                    request, first, rest, ResponseEvents(asked, model, tokenizer), tracker, headers),
+        return (lambda first, rest, tracker, headers, sse: stream_events(
+                    sse, first, rest, ResponseEvents(asked, model, tokenizer), tracker, headers),
                 lambda final: whole_response(asked, final, model, tokenizer))
 
     def _message_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
         """A Messages request's stream of events, or its `message` object."""
         model = self._config.served_model_name
-        return (lambda first, rest, tracker, headers: stream_events(
-                    request, first, rest, MessageEvents(parsed, model, first), tracker, headers),
+        return (lambda first, rest, tracker, headers, sse: stream_events(
+                    sse, first, rest, MessageEvents(parsed, model, first), tracker, headers),
                 lambda final: whole_message(parsed, final, model))
 
     async def _choices(self, request: web.Request, requests: list[ParsedRequest],
@@ -220,7 +231,8 @@ class Handlers:
         try:
             if requests[0].stream:
                 builders = [ChunkBuilder(p, self._config.served_model_name, self._engine.tokenizer) for p in requests]
-                return await stream_choices(request, requests, outputs, builders, trackers, {})
+                sse = SseStream(request, self._config.sse_keep_alive)
+                return await stream_choices(sse, requests, outputs, builders, trackers, {})
             return await self._choices_answer(request, requests, outputs, trackers)
         finally:
             for one in outputs:

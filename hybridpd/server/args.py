@@ -39,6 +39,7 @@ from hybridpd.server.chat_templating import ChatTemplating, default_kwargs_argum
 from hybridpd.server.config import ServerConfig
 from hybridpd.server.tool_fields import TOOL_CALL_PARSERS, ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
+from hybridpd.sse_keep_alive import interval_argument
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                       help="variables every chat template sees unless a request's chat_template_kwargs set them, as "
                            "a JSON object, e.g. '{\"enable_thinking\": false}' (vLLM's flag)")
+    http.add_argument("--sse-keep-alive-interval", type=float, default=0, metavar="SECONDS",
+                      help="send an SSE comment (`: keep-alive`) whenever a chat or completions stream has been quiet "
+                           "this long (queued, prefilling, between tokens), so that proxies with read timeouts keep "
+                           "the connection (vLLM's flag; 0, the default: none)")
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -248,6 +253,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             chat_template=template_argument(args.chat_template),
             templating=ChatTemplating(args.trust_request_chat_template,
                                       default_kwargs_argument(args.default_chat_template_kwargs)),
+            sse_keep_alive=interval_argument(args.sse_keep_alive_interval),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

@@ -20,7 +20,7 @@ from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import ParsedRequest
 from hybridpd.server.responses import choices_usage
 from hybridpd.server.streaming import (
-    SSE_HEADERS, ChunkBuilder, RequestFailed, end_stream, failure, sse, write_output,
+    ChunkBuilder, RequestFailed, SseStream, end_stream, failure, sse, write_output,
 )
 
 Arrival = tuple[int, RequestOutput | Exception]   # a choice's position and its next output, or why it has none
@@ -42,30 +42,31 @@ def _error(item: RequestOutput | Exception) -> Exception | None:
     return item if isinstance(item, Exception) else failure(item)
 
 
-async def stream_choices(request: web.Request, requests: Sequence[ParsedRequest], outputs: Sequence[EngineOutputs],
+async def stream_choices(stream: SseStream, requests: Sequence[ParsedRequest], outputs: Sequence[EngineOutputs],
                          builders: Sequence[ChunkBuilder], trackers: Sequence[RequestTracker],
                          headers: dict[str, str]) -> web.StreamResponse:
     arrivals: asyncio.Queue[Arrival] = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(k, o, arrivals)) for k, o in enumerate(outputs)]
     try:
-        return await _stream(request, requests, arrivals, builders, trackers, headers)
+        return await _stream(stream, requests, arrivals, builders, trackers, headers)
     finally:
         for pump in pumps:
             pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-async def _stream(request: web.Request, requests: Sequence[ParsedRequest], arrivals: asyncio.Queue[Arrival],
+async def _stream(stream: SseStream, requests: Sequence[ParsedRequest], arrivals: asyncio.Queue[Arrival],
                   builders: Sequence[ChunkBuilder], trackers: Sequence[RequestTracker],
                   headers: dict[str, str]) -> web.StreamResponse:
-    position, item = await arrivals.get()
+    position, item = await stream.wait(arrivals.get())
     error = _error(item)
     if error is not None:
         if isinstance(item, RequestOutput):
             trackers[position].observe(item)
-        raise error
-    response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-    await response.prepare(request)
+        if stream.response is None:
+            raise error
+        return await end_stream(stream.response, error)   # keep-alive comments went out: the status with them
+    response = await stream.start(headers)
     last: list[RequestOutput | None] = [None] * len(requests)
     try:
         while True:
@@ -76,7 +77,7 @@ async def _stream(request: web.Request, requests: Sequence[ParsedRequest], arriv
                 last[position] = item
                 if all(output is not None for output in last):
                     break
-            position, item = await arrivals.get()
+            position, item = await stream.wait(arrivals.get())
         if requests[0].include_usage:
             finals = [output for output in last if output is not None]
             await response.write(sse(builders[0].usage_chunk(choices_usage(requests, finals))))

@@ -34,6 +34,7 @@ class ServerConfig:
     api_keys: ApiKeys = ApiKeys()   # --api-key: the `/v1` routes ask for one (hybridpd/api_keys.py)
     chat_template: str | None = None   # --chat-template's source: replaces the checkpoint's (chat_templating.py)
     templating: ChatTemplating = ChatTemplating()   # request templates trusted or not, default template variables
+    sse_keep_alive: float | None = None   # seconds a chat or completions stream may go quiet before a comment
 
     @property
     def scheme(self) -> str:

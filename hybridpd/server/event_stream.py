@@ -18,7 +18,7 @@ from hybridpd.server.errors import HTTPError, http_error_for
 from hybridpd.server.metrics import RequestTracker
 from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.response_objects import event_bytes
-from hybridpd.server.streaming import SSE_HEADERS, failure
+from hybridpd.server.streaming import SseStream, failure
 
 
 class Events(Protocol):
@@ -29,10 +29,9 @@ class Events(Protocol):
     def error(self, error: HTTPError) -> dict[str, Any]: ...
 
 
-async def stream_events(request: web.Request, first: RequestOutput, rest: EngineOutputs, events: Events,
-                          tracker: RequestTracker, headers: dict[str, str]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-    await response.prepare(request)
+async def stream_events(stream: SseStream, first: RequestOutput, rest: EngineOutputs, events: Events,
+                        tracker: RequestTracker, headers: dict[str, str]) -> web.StreamResponse:
+    response = await stream.start(headers)
     try:
         for event in events.start():
             await response.write(event_bytes(event))

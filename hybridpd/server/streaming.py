@@ -10,8 +10,9 @@ the handler's cancellation); either way the caller closes the engine generator, 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -25,6 +26,9 @@ from hybridpd.server.outputs import EngineOutputs
 from hybridpd.server.protocol import Endpoint, ParsedRequest
 from hybridpd.server.responses import completion_part, finish_reason_value, header, usage
 from hybridpd.server.tool_calls import finish_reason as tool_finish_reason, read_output, tool_call_reader
+from hybridpd.sse_keep_alive import KEEP_ALIVE, awaited
+
+T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -32,6 +36,37 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, allow_nan=False).encode("utf-8") + b"\n\n"
+
+
+class SseStream:
+    """A request's server-sent-events response: prepared (status 200) when the first bytes are written or, with a
+    keep-alive interval, as soon as a wait for them has lasted it (then a keep-alive comment goes out, and again
+    each interval the stream waits)."""
+
+    def __init__(self, request: web.Request, keep_alive: float | None = None) -> None:
+        self._request = request
+        self._interval = keep_alive
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def start(self, headers: dict[str, str] | None = None) -> web.StreamResponse:
+        """The prepared response (`headers` go out only if it was not prepared yet)."""
+        if self.response is None:
+            response = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
+            await response.prepare(self._request)
+            self.response = response
+        return self.response
+
+    async def wait(self, pending: Awaitable[T]) -> T:
+        """`pending`'s result, with keep-alive comments while it takes longer than the interval."""
+        return await awaited(pending, self._interval, self._keep_alive)
+
+    async def _keep_alive(self) -> None:
+        response = await self.start()
+        await response.write(KEEP_ALIVE)
 
 
 class RequestFailed(Exception):
@@ -180,18 +215,20 @@ async def stream_outputs(
     builder: ChunkBuilder,
     tracker: RequestTracker,
     headers: dict[str, str] | None = None,
+    stream: SseStream | None = None,
 ) -> web.StreamResponse:
-    """Streams `first` and then `rest` until the finished output. Returns the prepared response; never raises
-    for a failed request (the error goes into the stream), only for cancellation."""
-    response = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
-    await response.prepare(request)
+    """Streams `first` and then `rest` until the finished output, onto `stream` (prepared already when keep-alive
+    comments went out before the first output). Returns the prepared response; never raises for a failed request
+    (the error goes into the stream), only for cancellation."""
+    stream = stream or SseStream(request)
+    response = await stream.start(headers)
     output = first
     try:
         while True:
             await write_output(response, builder, tracker, output)
             if output.finished:
                 break
-            output = await rest.next()
+            output = await stream.wait(rest.next())
         if parsed.include_usage:
             await response.write(sse(builder.usage_chunk(usage(output))))
     except ConnectionResetError:

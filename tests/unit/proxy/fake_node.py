@@ -118,6 +118,9 @@ class FakeNode:
         self.releases: list[dict[str, Any]] = []   # POST /kv_leases/release bodies
         self.arrived = asyncio.Event()
         self.cancelled = asyncio.Event()
+        self.hold: asyncio.Event | None = None             # when set here: a call waits for it before its answer
+        self.hold_mid_event: asyncio.Event | None = None   # a decode stream waits for it halfway into its first event
+        self.hold_after_event: asyncio.Event | None = None   # ... or after its first event
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -155,6 +158,8 @@ class FakeNode:
         self.arrived.set()
         if self.behavior is Behavior.HANG:
             await self._hang()
+        if self.hold is not None:
+            await self.hold.wait()
         if self.behavior is Behavior.REJECT:
             return web.Response(status=400, body=REJECT_BODY, content_type="application/json")
         if self.behavior is Behavior.FAIL:
@@ -174,7 +179,13 @@ class FakeNode:
         usage = (body.get("stream_options") or {}).get("include_usage") is True
         chunks = SSE_CHUNKS[:-1] + ((USAGE_CHUNK,) if usage else ()) + SSE_CHUNKS[-1:]
         for index, chunk in enumerate(chunks):
+            if index == 0 and self.hold_mid_event is not None:
+                await out.write(chunk[:10])
+                await self.hold_mid_event.wait()
+                chunk = chunk[10:]
             await out.write(chunk)
+            if index == 0 and self.hold_after_event is not None:
+                await self.hold_after_event.wait()
             if self.behavior is Behavior.HANG_MID_STREAM and index == 0:
                 await self._hang()
         await out.write_eof()

@@ -73,6 +73,7 @@ class FakeEngine:
     fail_request: int | None = None               # the request that arrived this many (0-based) fails at once
     endless: bool = False                         # ignore max_tokens: yield until closed
     stall_after_first: asyncio.Event | None = None  # after the first output, wait for this event
+    stall_before_first: asyncio.Event | None = None  # before the first output (queued, prefilling), wait for it
     num_cached_tokens: int = 0
     textless_outputs: frozenset[int] = frozenset()  # these outputs carry a token but no text (half a character)
     kv_transfer_params: dict | None = None        # put on the finished output (the prefill role's answer)
@@ -132,6 +133,8 @@ class FakeEngine:
         self.requests.append(request)
         finished = False
         try:
+            if self.stall_before_first is not None:
+                await self.stall_before_first.wait()
             index = 0
             while True:
                 output = self._output(request, index)
