@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hybridpd import __version__
 from hybridpd.api_keys import REFUSAL, ApiKeys
 from hybridpd.proxy.bodies import decode_body, prefill_body, sample_bodies, served_whole, wants_stream
 from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body, truncated
@@ -384,6 +385,10 @@ class Proxy:
             return upstream_failed(exc, request_id, request.path)
         return web.Response(status=status, body=data, headers={"Content-Type": content_type})
 
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's `GET /version`: this proxy's version."""
+        return web.json_response({"version": __version__})
+
     async def health(self, request: web.Request) -> web.StreamResponse:
         current = self.routers[Role.PREFILL].upstreams + self.routers[Role.DECODE].upstreams
         status, body = health_body(await check_all(self.client, current),
@@ -447,5 +452,8 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/detokenize", proxy.forward)
     app.router.add_get("/tokenizer_info", proxy.forward)
     app.router.add_get("/health", proxy.health)
+    app.router.add_get("/ping", proxy.health)     # vLLM's (SageMaker's) name for it
+    app.router.add_post("/ping", proxy.health)
+    app.router.add_get("/version", proxy.version)
     app.router.add_get("/metrics", proxy.prometheus)
     return app

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from hybridpd import __version__
 from hybridpd.api_keys import REFUSAL, ApiKeys
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
@@ -278,6 +280,15 @@ class Handlers:
             return web.json_response({"status": "unhealthy", "reason": self._engine.health_detail()}, status=503)
         return web.json_response({"status": "ok"})
 
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's `GET /version`: this server's version."""
+        return web.json_response({"version": __version__})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's `GET /load`: the generation requests in flight (completions, chat, Responses, Messages) with
+        `--enable-server-load-tracking`, else 0 (as vLLM answers without it)."""
+        return web.json_response({"server_load": self._admission.in_flight if self._config.load_tracking else 0})
+
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)
         if self._engine_metrics is not None:
@@ -347,6 +358,11 @@ def probe_app(app: web.Application) -> web.Application:
     return probes
 
 
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """vLLM's `--enable-request-id-headers`: every answer carries the request's X-Request-Id, or a new one."""
+    response.headers.setdefault("X-Request-Id", request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+
+
 def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry,
                extra_routes: Iterable[web.AbstractRouteDef] = (),
                engine_metrics: EngineMetrics | None = None, tracer: Tracer | None = None) -> web.Application:
@@ -377,8 +393,14 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
         web.post("/tokenize", h.tokenize),
         web.post("/detokenize", h.detokenize),
         web.get("/health", h.health),
+        web.get("/ping", h.health),    # vLLM's (SageMaker's) name for it
+        web.post("/ping", h.health),
+        web.get("/version", h.version),
+        web.get("/load", h.load),
         web.get("/metrics", h.metrics),
     ])
+    if config.request_id_headers:
+        app.on_response_prepare.append(_add_request_id)
     if config.tokenizer_info_endpoint:   # off by default, as vLLM's: it shows the tokenizer's config and template
         app.add_routes([web.get("/tokenizer_info", h.tokenizer_info)])
     app.add_routes(list(extra_routes))

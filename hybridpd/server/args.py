@@ -116,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="send an SSE comment (`: keep-alive`) whenever a chat or completions stream has been quiet "
                            "this long (queued, prefilling, between tokens), so that proxies with read timeouts keep "
                            "the connection (vLLM's flag; 0, the default: none)")
+    http.add_argument("--enable-server-load-tracking", action="store_true",
+                      help="GET /load answers the generation requests in flight (vLLM's flag; without it, 0)")
+    http.add_argument("--enable-request-id-headers", action="store_true",
+                      help="every answer carries an X-Request-Id header: the request's own, or a new one (vLLM's flag)")
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -254,6 +258,8 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             templating=ChatTemplating(args.trust_request_chat_template,
                                       default_kwargs_argument(args.default_chat_template_kwargs)),
             sse_keep_alive=interval_argument(args.sse_keep_alive_interval),
+            load_tracking=args.enable_server_load_tracking,
+            request_id_headers=args.enable_request_id_headers,
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

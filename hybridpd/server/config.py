@@ -35,6 +35,8 @@ class ServerConfig:
     chat_template: str | None = None   # --chat-template's source: replaces the checkpoint's (chat_templating.py)
     templating: ChatTemplating = ChatTemplating()   # request templates trusted or not, default template variables
     sse_keep_alive: float | None = None   # seconds a chat or completions stream may go quiet before a comment
+    load_tracking: bool = False   # GET /load counts the generation requests in flight (else 0), as vLLM's flag
+    request_id_headers: bool = False   # every answer carries X-Request-Id, as vLLM's flag
 
     @property
     def scheme(self) -> str:

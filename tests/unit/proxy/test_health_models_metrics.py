@@ -1,8 +1,11 @@
-"""/health, /v1/models and /metrics of the proxy."""
+"""/health (and vLLM's /ping, the same answer), /version, /v1/models and /metrics of the proxy."""
 
 from __future__ import annotations
 
 import pytest
+
+from hybridpd import __version__
+from hybridpd.api_keys import ApiKeys
 
 from .fake_node import Behavior
 
@@ -99,3 +102,13 @@ def test_the_series_of_a_node_that_left_are_forgotten():
     assert stay.address in text and leave.address not in text
     metrics.retain(set())
     assert "10.0.0.1" not in metrics.render().decode()
+
+
+@pytest.mark.parametrize("decode, status", [([Behavior.OK], 200), ([None], 503)])
+async def test_ping_is_health_and_version_is_ours(make_harness, decode, status):
+    h = await make_harness([Behavior.OK], decode, health_timeout=1.0, api_keys=ApiKeys(("k",)))
+    for method in ("GET", "POST"):
+        async with h.session.request(method, h.url + "/ping") as resp:
+            assert resp.status == status and (await resp.json())["status"] in ("healthy", "unhealthy")
+    async with h.session.get(h.url + "/version") as resp:
+        assert await resp.json() == {"version": __version__}

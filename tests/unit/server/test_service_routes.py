@@ -1,0 +1,95 @@
+"""vLLM's service routes on the node: `/ping` (GET and POST, SageMaker's health check: `/health`'s answer),
+`/version`, `/load` (the generation requests in flight under `--enable-server-load-tracking`, else 0), and
+`--enable-request-id-headers` (every answer carries X-Request-Id). None of them asks for an API key."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from hybridpd import __version__
+from hybridpd.api_keys import ApiKeys
+from hybridpd.server.args import add_arguments, configs_from_args
+
+from .conftest import make_app
+from .fake_engine import FakeEngine
+
+WAIT = 30   # a guard against a hang, never reached
+
+
+async def served(engine: FakeEngine, **config) -> TestClient:
+    client = TestClient(TestServer(make_app(engine, **config)))
+    await client.start_server()
+    return client
+
+
+@pytest.mark.parametrize("healthy, status", [(True, 200), (False, 503)])
+async def test_ping_answers_as_health(healthy, status):
+    client = await served(FakeEngine(is_healthy=healthy), api_keys=ApiKeys(("k",)))
+    try:
+        health = await client.get("/health")
+        for method in (client.get, client.post):
+            ping = await method("/ping")
+            assert (ping.status, await ping.json()) == (status, await health.json())
+    finally:
+        await client.close()
+
+
+async def test_version():
+    client = await served(FakeEngine(), api_keys=ApiKeys(("k",)))
+    try:
+        assert await (await client.get("/version")).json() == {"version": __version__}
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("tracking", [False, True])
+async def test_load_counts_the_generation_requests_in_flight(tracking):
+    engine = FakeEngine(stall_after_first=asyncio.Event())
+    client = await served(engine, load_tracking=tracking)
+    try:
+        assert await (await client.get("/load")).json() == {"server_load": 0}
+        streams = [await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+                   for _ in range(2)]
+        for stream in streams:   # both requests are past their first output, held there
+            await asyncio.wait_for(stream.content.readuntil(b"\n\n"), WAIT)
+        await client.post("/tokenize", json={"prompt": "x"})   # not a generation request
+        assert await (await client.get("/load")).json() == {"server_load": 2 if tracking else 0}
+        engine.stall_after_first.set()
+        for stream in streams:
+            await stream.read()
+        assert await (await client.get("/load")).json() == {"server_load": 0}
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_request_id_headers(stream):
+    body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+    plain, tagged = await served(FakeEngine()), await served(FakeEngine(), request_id_headers=True)
+    try:
+        assert "X-Request-Id" not in (await plain.post("/v1/completions", json=body)).headers
+        given = await tagged.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+        made = await tagged.post("/v1/completions", json=body)
+        refused = await tagged.post("/v1/completions", json={"max_tokens": 2})
+        assert given.headers["X-Request-Id"] == "abc-1"
+        assert len(made.headers["X-Request-Id"]) == 32 and refused.status == 400 and refused.headers["X-Request-Id"]
+    finally:
+        await plain.close()
+        await tagged.close()
+
+
+def test_the_flags():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def server(argv):
+        return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m")).server
+
+    assert (server([]).load_tracking, server([]).request_id_headers) == (False, False)
+    on = server(["--enable-server-load-tracking", "--enable-request-id-headers"])
+    assert (on.load_tracking, on.request_id_headers) == (True, True)
