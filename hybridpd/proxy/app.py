@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridpd import __version__
 from hybridpd.api_keys import REFUSAL, ApiKeys
+from hybridpd.cors import install as install_cors
 from hybridpd.proxy.bodies import decode_body, prefill_body, sample_bodies, served_whole, wants_stream
 from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body, truncated
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
@@ -432,6 +433,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     """The app factory. Run it with `handler_cancellation=True` so a client that leaves cancels its calls."""
     proxy = Proxy(config)
     app = web.Application(middlewares=[api_key_middleware(config.api_keys)])
+    install_cors(app, config.cors)
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.client_session)
     app.cleanup_ctx.append(periodic_context("node discovery", lambda: refresh_all(proxy.discoveries),

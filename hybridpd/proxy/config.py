@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpd.api_keys import ApiKeys
+from hybridpd.cors import CorsPolicy
 from hybridpd.proxy.outliers import OutlierPolicy
 from hybridpd.tls import TLSConfig
 
@@ -113,6 +114,7 @@ class ProxyConfig:
     decode_request_timeout: float = 1800.0   # non-streamed decode calls: seconds for the whole generation
     decode_first_byte_timeout: float = 5.0   # seconds for a decode node's first byte (its 100 Continue)
     sse_keep_alive: float | None = None   # seconds a chat or completions stream may go quiet before a comment
+    cors: CorsPolicy = CorsPolicy()       # vLLM's CORS flags (hybridpd/cors.py): every origin by default
     probe_interval: float = 1.0      # seconds between active probes of every node
     outliers: OutlierPolicy = field(default_factory=OutlierPolicy)
     connect_timeout: float = 5.0     # seconds to open a connection to any node

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
+from hybridpd.cors import add_cors_arguments, policy_from_args
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierPolicy
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send clients an SSE comment (`: keep-alive`) whenever a chat or completions stream has "
                              "been quiet this long (the prefill call, the pull, slow tokens), so that proxies with "
                              "read timeouts keep the connection (vLLM's flag; 0, the default: none)")
+    add_cors_arguments(parser)
     parser.add_argument("--probe-interval", type=float, default=1.0,
                         help="seconds between active probes (GET /health) of every node")
     parser.add_argument("--eject-after", type=int, default=3, metavar="N",
@@ -162,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_request_timeout=args.decode_request_timeout,
         decode_first_byte_timeout=args.decode_first_byte_timeout,
         sse_keep_alive=interval_argument(args.sse_keep_alive_interval),
+        cors=policy_from_args(args),
         probe_interval=args.probe_interval,
         outliers=OutlierPolicy(threshold=args.eject_after, base_ejection_s=args.ejection_time,
                                max_ejection_s=args.max_ejection_time),

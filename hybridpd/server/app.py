@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from hybridpd import __version__
 from hybridpd.api_keys import REFUSAL, ApiKeys
+from hybridpd.cors import install as install_cors
 from hybridpd.engine.request import RequestOutput
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.errors import ForbiddenError, HybridPDError, NotFoundError, UnauthorizedError
@@ -401,6 +402,7 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
     ])
     if config.request_id_headers:
         app.on_response_prepare.append(_add_request_id)
+    install_cors(app, config.cors)
     if config.tokenizer_info_endpoint:   # off by default, as vLLM's: it shows the tokenizer's config and template
         app.add_routes([web.get("/tokenizer_info", h.tokenizer_info)])
     app.add_routes(list(extra_routes))

@@ -30,6 +30,7 @@ from hybridpd.config import (
     SchedulerConfig,
 )
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.cors import add_cors_arguments, policy_from_args
 from hybridpd.engine.cpu_set import parse_cpu_list
 from hybridpd.engine.dtype_choice import DTYPES, choose_dtype, this_cpus_flags
 from hybridpd.engine.model.config_fields import checkpoint_dtype
@@ -120,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="GET /load answers the generation requests in flight (vLLM's flag; without it, 0)")
     http.add_argument("--enable-request-id-headers", action="store_true",
                       help="every answer carries an X-Request-Id header: the request's own, or a new one (vLLM's flag)")
+    add_cors_arguments(http)
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -260,6 +262,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             sse_keep_alive=interval_argument(args.sse_keep_alive_interval),
             load_tracking=args.enable_server_load_tracking,
             request_id_headers=args.enable_request_id_headers,
+            cors=policy_from_args(args),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

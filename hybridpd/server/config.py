@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hybridpd.api_keys import ApiKeys
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
+from hybridpd.cors import CorsPolicy
 from hybridpd.server.chat_templating import ChatTemplating
 from hybridpd.server.tool_fields import ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
@@ -37,6 +38,7 @@ class ServerConfig:
     sse_keep_alive: float | None = None   # seconds a chat or completions stream may go quiet before a comment
     load_tracking: bool = False   # GET /load counts the generation requests in flight (else 0), as vLLM's flag
     request_id_headers: bool = False   # every answer carries X-Request-Id, as vLLM's flag
+    cors: CorsPolicy = CorsPolicy()    # vLLM's CORS flags (hybridpd/cors.py): every origin by default
 
     @property
     def scheme(self) -> str:
