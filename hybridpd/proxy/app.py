@@ -134,6 +134,23 @@ class Proxy:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/chat/completions")
 
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's `POST /invocations`, as vLLM serves it: routed as the chat body (with `messages`) or the
+        completions body (with `prompt`) it is."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "messages" in body:
+            return await self._generate(request, "/v1/chat/completions")
+        if isinstance(body, dict) and "prompt" in body:
+            return await self._generate(request, "/v1/completions")
+        if not isinstance(body, dict):   # the answer to a body that does not read
+            return await self._generate(request, "/v1/completions")
+        return invalid_request("Cannot find suitable handler for request. Expected one of: a chat completions body "
+                               "(with messages) or a completions body (with prompt)",
+                               request.headers.get("X-Request-Id") or uuid.uuid4().hex, request.path)
+
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, RESPONSES_PATH)
 
@@ -457,5 +474,6 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/ping", proxy.health)     # vLLM's (SageMaker's) name for it
     app.router.add_post("/ping", proxy.health)
     app.router.add_get("/version", proxy.version)
+    app.router.add_post("/invocations", proxy.invocations)
     app.router.add_get("/metrics", proxy.prometheus)
     return app

@@ -40,7 +40,7 @@ from hybridpd.server.errors import error_middleware
 from hybridpd.server.metrics import RequestTracker, ServerMetrics, metrics_middleware
 from hybridpd.server.choice_streams import stream_choices
 from hybridpd.server.protocol import (
-    Endpoint, ParsedRequest, parse_choices, parse_detokenize_request, parse_tokenize_request,
+    Endpoint, ParsedRequest, invoked_endpoint, parse_choices, parse_detokenize_request, parse_tokenize_request,
 )
 from hybridpd.server.message_objects import MessageEvents, whole_message
 from hybridpd.server.message_request import count_tokens, needs_system_first, parse_messages_request
@@ -115,6 +115,11 @@ class Handlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, Endpoint.CHAT)
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's `POST /invocations`, as vLLM serves it: a chat body (it has `messages`) or a completions body
+        (it has `prompt`), answered as that route answers it."""
+        return await self._generate(request, invoked_endpoint(await read_json_object(request)))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API (`/v1/responses`), served as the chat request it asks for."""
@@ -397,6 +402,7 @@ def create_app(engine: EngineClient, config: ServerConfig, registry: CollectorRe
         web.get("/ping", h.health),    # vLLM's (SageMaker's) name for it
         web.post("/ping", h.health),
         web.get("/version", h.version),
+        web.post("/invocations", h.invocations, expect_handler=expect_continue),
         web.get("/load", h.load),
         web.get("/metrics", h.metrics),
     ])

@@ -401,6 +401,17 @@ def parse_detokenize_request(body: dict[str, Any], engine: EngineClient, served_
     return _token_ids(tokens, engine.vocab_size, "tokens")
 
 
+def invoked_endpoint(body: dict[str, Any]) -> Endpoint:
+    """The route a SageMaker `/invocations` body is for, as vLLM tells them apart: chat when it has `messages`, else
+    completions when it has `prompt`."""
+    if "messages" in body:
+        return Endpoint.CHAT
+    if "prompt" in body:
+        return Endpoint.COMPLETIONS
+    raise InvalidRequestError("Cannot find suitable handler for request. Expected one of: a chat completions body "
+                              "(with messages) or a completions body (with prompt)")
+
+
 def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient, served_model_name: str,
                   tool_parsing: ToolParsing = ToolParsing(),
                   templating: ChatTemplating = ChatTemplating()) -> list[ParsedRequest]:

@@ -112,3 +112,18 @@ async def test_ping_is_health_and_version_is_ours(make_harness, decode, status):
             assert resp.status == status and (await resp.json())["status"] in ("healthy", "unhealthy")
     async with h.session.get(h.url + "/version") as resp:
         assert await resp.json() == {"version": __version__}
+
+
+@pytest.mark.parametrize("body, route", [
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, "/v1/chat/completions"),
+    ({"prompt": "hi", "max_tokens": 3}, "/v1/completions"),
+    ({"input": "hi"}, None),
+    (None, None),   # a body that is not JSON
+])
+async def test_invocations_goes_the_way_of_its_body(make_harness, body, route):
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    kwargs = {"json": body} if body is not None else {"data": b"{"}
+    async with h.session.post(h.url + "/invocations", **kwargs) as resp:
+        assert resp.status == (200 if route else 400)
+    assert [r.path for r in h.decode[0].received] == ([route] if route else [])
+    assert [r.path for r in h.prefill[0].received] == ([route] if route else [])

@@ -93,3 +93,39 @@ def test_the_flags():
     assert (server([]).load_tracking, server([]).request_id_headers) == (False, False)
     on = server(["--enable-server-load-tracking", "--enable-request-id-headers"])
     assert (on.load_tracking, on.request_id_headers) == (True, True)
+
+
+@pytest.mark.parametrize("body, route", [
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, "/v1/chat/completions"),
+    ({"prompt": "x", "max_tokens": 2}, "/v1/completions"),
+    ({"prompt": "x", "max_tokens": 2, "stream": True}, "/v1/completions"),
+])
+async def test_invocations_answers_as_the_route_its_body_is_for(body, route):
+    """SageMaker's POST /invocations, as vLLM's: the same answer (ids and times aside) as the route's own."""
+    engine = FakeEngine()
+    client = await served(engine, api_keys=ApiKeys(("k",)))   # not a /v1 route: no key asked, as vLLM's
+    try:
+        invoked = await client.post("/invocations", json=body)
+        direct = await client.post(route, json=body, headers={"Authorization": "Bearer k"})
+        assert invoked.status == direct.status == 200
+        assert invoked.headers["Content-Type"] == direct.headers["Content-Type"]
+        assert engine.requests[0].prompt_token_ids == engine.requests[1].prompt_token_ids
+        if body.get("stream"):
+            assert (await invoked.text()).count("data: ") == (await direct.text()).count("data: ")
+        else:
+            one, two = await invoked.json(), await direct.json()
+            assert (one["object"], one["choices"], one["usage"]) == (two["object"], two["choices"], two["usage"])
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("body", [{"max_tokens": 2}, {"input": "x"}])
+async def test_invocations_refuses_a_body_for_no_route(body):
+    engine = FakeEngine()
+    client = await served(engine)
+    try:
+        resp = await client.post("/invocations", json=body)
+        assert resp.status == 400 and "Cannot find suitable handler" in (await resp.json())["error"]["message"]
+        assert engine.requests == []
+    finally:
+        await client.close()
