@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from hybridpd.access_log import add_access_log_arguments, excluded_paths, runner_kwargs
 from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.cors import add_cors_arguments, policy_from_args
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "been quiet this long (the prefill call, the pull, slow tokens), so that proxies with "
                              "read timeouts keep the connection (vLLM's flag; 0, the default: none)")
     add_cors_arguments(parser)
+    add_access_log_arguments(parser)
     parser.add_argument("--probe-interval", type=float, default=1.0,
                         help="seconds between active probes (GET /health) of every node")
     parser.add_argument("--eject-after", type=int, default=3, metavar="N",
@@ -191,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     )
     web.run_app(
         build_app(config), host=config.host, port=config.port, handler_cancellation=True,
-        access_log=None, print=lambda message: logger.info("%s", message.strip()),
+        print=lambda message: logger.info("%s", message.strip()),
+        **runner_kwargs(not args.disable_uvicorn_access_log, excluded_paths(args.disable_access_log_for_endpoints)),
     )
     return 0
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpd.access_log import add_access_log_arguments, excluded_paths
 from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.config import (
@@ -122,6 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--enable-request-id-headers", action="store_true",
                       help="every answer carries an X-Request-Id header: the request's own, or a new one (vLLM's flag)")
     add_cors_arguments(http)
+    add_access_log_arguments(http)
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
     http.add_argument("--engine-stall-timeout", type=float, default=60.0,
@@ -263,6 +265,8 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             load_tracking=args.enable_server_load_tracking,
             request_id_headers=args.enable_request_id_headers,
             cors=policy_from_args(args),
+            access_log=not args.disable_uvicorn_access_log,
+            access_log_excluded=excluded_paths(args.disable_access_log_for_endpoints),
         )
         if not 0 <= kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {kv_port}")

@@ -39,6 +39,8 @@ class ServerConfig:
     load_tracking: bool = False   # GET /load counts the generation requests in flight (else 0), as vLLM's flag
     request_id_headers: bool = False   # every answer carries X-Request-Id, as vLLM's flag
     cors: CorsPolicy = CorsPolicy()    # vLLM's CORS flags (hybridpd/cors.py): every origin by default
+    access_log: bool = True            # a line per request, as uvicorn's (hybridpd/access_log.py)
+    access_log_excluded: frozenset[str] = frozenset()   # paths left out of it
 
     @property
     def scheme(self) -> str:

@@ -23,6 +23,7 @@ import signal
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from hybridpd.access_log import runner_kwargs
 from hybridpd.engine.tokenizer import load_tokenizer
 from hybridpd.errors import EngineDeadError
 from hybridpd.server.app import ADMISSION_KEY, create_app, probe_app
@@ -103,7 +104,8 @@ class Node:
         tracer = start_tracing("hybridpd-node", cfg.server.otlp_traces_endpoint)
         app = create_app(engine, cfg.server, CollectorRegistry(), extra_routes=routes,
                          engine_metrics=engine.metrics_text, tracer=tracer)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(app, handler_cancellation=True,
+                               **runner_kwargs(cfg.server.access_log, cfg.server.access_log_excluded))
         await runner.setup()
         tls = cfg.server.tls
         site = web.TCPSite(runner, cfg.server.host, cfg.server.port,
