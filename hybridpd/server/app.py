@@ -166,12 +166,22 @@ class Handlers:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
-            requests = parse_choices(body, endpoint, self._engine, self._config.served_model_name,
-                                     self._config.tool_parsing, self._config.templating)
+            requests = [self._server_defaults(parsed) for parsed in parse_choices(
+                body, endpoint, self._engine, self._config.served_model_name, self._config.tool_parsing,
+                self._config.templating)]
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
             return await self._serve(request, requests[0], span,
                                      lambda parsed: self._completion_answers(request, parsed), keep_alive=True)
+
+    def _server_defaults(self, parsed: ParsedRequest) -> ParsedRequest:
+        """A chat or completions request with what vLLM's flags turn on for every request: the usage in every chunk
+        and at a stream's end (`--enable-force-include-usage`), tokens named by id (`--return-tokens-as-token-ids`)."""
+        if self._config.force_include_usage and parsed.stream:
+            parsed = replace(parsed, include_usage=True, continuous_usage=True)
+        if self._config.tokens_as_ids:
+            parsed = replace(parsed, tokens_as_ids=True)
+        return parsed
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, span: Span,
                      answers: Callable[[ParsedRequest], Answers], keep_alive: bool = False) -> web.StreamResponse:

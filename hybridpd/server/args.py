@@ -114,6 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                       help="variables every chat template sees unless a request's chat_template_kwargs set them, as "
                            "a JSON object, e.g. '{\"enable_thinking\": false}' (vLLM's flag)")
+    http.add_argument("--response-role", default="assistant",
+                      help="the role of a chat answer when the generation prompt opens its turn (vLLM's flag)")
+    http.add_argument("--enable-force-include-usage", action="store_true",
+                      help="every chat and completions stream carries the usage, in every chunk and at its end, "
+                           "whatever its stream_options (vLLM's flag)")
+    http.add_argument("--return-tokens-as-token-ids", action="store_true",
+                      help="every chat and completions answer's logprobs name tokens `token_id:<id>` (vLLM's flag; "
+                           "without it a request asks with return_tokens_as_token_ids)")
     http.add_argument("--sse-keep-alive-interval", type=float, default=0, metavar="SECONDS",
                       help="send an SSE comment (`: keep-alive`) whenever a chat or completions stream has been quiet "
                            "this long (queued, prefilling, between tokens), so that proxies with read timeouts keep "
@@ -260,7 +268,9 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             api_keys=ApiKeys.from_args(args, os.environ),
             chat_template=template_argument(args.chat_template),
             templating=ChatTemplating(args.trust_request_chat_template,
-                                      default_kwargs_argument(args.default_chat_template_kwargs)),
+                                      default_kwargs_argument(args.default_chat_template_kwargs), args.response_role),
+            force_include_usage=args.enable_force_include_usage,
+            tokens_as_ids=args.return_tokens_as_token_ids,
             sse_keep_alive=interval_argument(args.sse_keep_alive_interval),
             load_tracking=args.enable_server_load_tracking,
             request_id_headers=args.enable_request_id_headers,

@@ -9,6 +9,8 @@
   the server.
 - `--default-chat-template-kwargs`: variables every request's template sees unless its own `chat_template_kwargs`
   set them (`{"enable_thinking": false}`, say).
+- `--response-role`: the role a chat answer carries when the template's generation prompt opened the turn (the
+  default, `add_generation_prompt` true); without one the answer continues the last turn and carries its role.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ _JINJA_CHARACTERS = "{}\n"
 class ChatTemplating:
     trust_request_template: bool = False
     default_kwargs: tuple[tuple[str, Any], ...] = ()   # (name, JSON value) pairs
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
         taken = sorted((RESERVED_TEMPLATE_VARIABLES | {"chat_template"}) & {name for name, _ in self.default_kwargs})
         if taken:
             raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(taken)}")
+        if not self.response_role:
+            raise ValueError("--response-role must not be empty")
 
     def kwargs(self, asked: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """The template's variables: the defaults, then the request's own over them."""

@@ -36,6 +36,8 @@ class ServerConfig:
     chat_template: str | None = None   # --chat-template's source: replaces the checkpoint's (chat_templating.py)
     templating: ChatTemplating = ChatTemplating()   # request templates trusted or not, default template variables
     sse_keep_alive: float | None = None   # seconds a chat or completions stream may go quiet before a comment
+    force_include_usage: bool = False   # every chat and completions stream carries usage (vLLM's flag)
+    tokens_as_ids: bool = False   # return_tokens_as_token_ids by default (vLLM's --return-tokens-as-token-ids)
     load_tracking: bool = False   # GET /load counts the generation requests in flight (else 0), as vLLM's flag
     request_id_headers: bool = False   # every answer carries X-Request-Id, as vLLM's flag
     cors: CorsPolicy = CorsPolicy()    # vLLM's CORS flags (hybridpd/cors.py): every origin by default

@@ -86,6 +86,7 @@ class ParsedRequest:
     echo: Echo | None = None
     choice: Choice | None = None   # one of several choices of one body
     tool_use: ToolUse | None = None   # the chat body's tools and tool choice (tool_fields.py)
+    role: str = "assistant"   # a chat answer's role: --response-role's, or without a generation prompt the last turn's
 
     @property
     def request_id(self) -> str:
@@ -347,6 +348,10 @@ def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_
                      logprobs=(top_logprobs or 0) if wants_logprobs else None, engine=engine)
     if f.bool("echo", False) and messages[-1]["role"] == "assistant" and messages[-1]["content"]:
         parsed = replace(parsed, echo=Echo(messages[-1]["content"], without_output=False))
+    if f.bool("add_generation_prompt", True):   # as vLLM: the role the generation prompt opened, else the last turn's
+        parsed = replace(parsed, role=templating.response_role)
+    else:
+        parsed = replace(parsed, role=messages[-1]["role"])
     return parsed if tools is None else _with_tools(parsed, tools, f)
 
 

@@ -107,7 +107,7 @@ def _completion(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer
 
 def _chat(parsed: ParsedRequest, final: FinalOutput, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
     name = token_names(tokenizer, parsed.tokens_as_ids)
-    message: dict[str, Any] = {"role": "assistant", "content": final.text}
+    message: dict[str, Any] = {"role": parsed.role, "content": final.text}
     called = False
     tools = read_whole(parsed.tool_use, final.text) if parsed.tool_use is not None else None
     if tools is not None:

@@ -168,7 +168,7 @@ class ChunkBuilder:
         chunks = []
         is_chat = self._parsed.endpoint is Endpoint.CHAT
         if is_chat and not self._started:
-            chunks.append(self._chat_head({"role": "assistant", "content": ""}))
+            chunks.append(self._chat_head({"role": self._parsed.role, "content": ""}))
             if self._parsed.echo is not None:   # the final message's text, before the output (vLLM's chat echo)
                 chunks.append(self._chat_head({"content": self._parsed.echo.text}))
         completion_echo = not is_chat and self._parsed.echo is not None and not self._started   # on the first output

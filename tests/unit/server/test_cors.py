@@ -12,7 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from hybridpd.api_keys import ApiKeys
-from hybridpd.cors import PREFLIGHT_VARY, CorsPolicy
+from hybridpd.cors import ALL_METHODS, PREFLIGHT_VARY, CorsPolicy
 from hybridpd.server.args import add_arguments, configs_from_args
 
 from .conftest import make_app
@@ -26,11 +26,11 @@ NARROW = CorsPolicy(origins=(SITE,), methods=("POST",), headers=("Authorization"
 # (policy, request headers, status, the CORS headers of the answer): preflights of /v1/chat/completions
 PREFLIGHTS = [
     (CorsPolicy(), PREFLIGHT, 200, {"Access-Control-Allow-Origin": "*",
-                                    "Access-Control-Allow-Methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT, QUERY",
+                                    "Access-Control-Allow-Methods": ", ".join(ALL_METHODS),
                                     "Access-Control-Allow-Headers": "authorization, content-type",
                                     "Access-Control-Max-Age": "600"}),
-    (CorsPolicy(credentials=True), PREFLIGHT, 200, {"Access-Control-Allow-Origin": SITE,
-                                                    "Access-Control-Allow-Credentials": "true", "Vary": PREFLIGHT_VARY}),
+    (CorsPolicy(credentials=True), PREFLIGHT, 200,
+     {"Access-Control-Allow-Origin": SITE, "Access-Control-Allow-Credentials": "true", "Vary": PREFLIGHT_VARY}),
     (NARROW, PREFLIGHT, 200, {"Access-Control-Allow-Origin": SITE, "Access-Control-Allow-Methods": "POST",
                               "Access-Control-Allow-Headers": "Accept, Accept-Language, Authorization, "
                                                               "Content-Language, Content-Type"}),
