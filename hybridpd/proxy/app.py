@@ -145,7 +145,7 @@ class Proxy:
             return await self._generate(request, "/v1/chat/completions")
         if isinstance(body, dict) and "prompt" in body:
             return await self._generate(request, "/v1/completions")
-        if not isinstance(body, dict):   # the answer to a body that does not read
+        if not isinstance(body, dict):   # not a JSON object: the route's own 400 says so
             return await self._generate(request, "/v1/completions")
         return invalid_request("Cannot find suitable handler for request. Expected one of: a chat completions body "
                                "(with messages) or a completions body (with prompt)",

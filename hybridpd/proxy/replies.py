@@ -85,12 +85,14 @@ class ClientReply:
         return self._response
 
     async def wait(self, pending: Awaitable[T]) -> T:
-        return await awaited(pending, self._interval, self._keep_alive_early)
+        if self._interval is None or self._response is not None:   # once open, the ticker keeps it alive
+            return await pending
+        return await awaited(pending, self._interval, self._open_early)
 
-    async def _keep_alive_early(self) -> None:
+    async def _open_early(self) -> None:
         if self._response is None:
             await self.open(200, {**SSE_HEADERS, "X-Request-Id": self._request_id})
-        await self._keep_alive()
+            await self._keep_alive()
 
     async def _keep_alive(self) -> None:
         async with self._lock:
@@ -102,7 +104,7 @@ class ClientReply:
     async def _tick(self, interval: float) -> None:
         """Keep-alive comments whenever nothing was written for `interval` seconds (a client gone ends it)."""
         with contextlib.suppress(ConnectionResetError):
-            while True:
+            while self._request.transport is not None and not self._request.transport.is_closing():
                 quiet = time.monotonic() - self._last_write
                 if quiet < interval:
                     await asyncio.sleep(interval - quiet)
