@@ -437,6 +437,53 @@ async def _post_through_inprocess_proxy(info: ClusterInfo, token: str | None) ->
         await runner.cleanup()
 
 
+async def _through_keep_alive_proxy(info: ClusterInfo, path: str, body: dict[str, Any]) -> tuple[str, bytes]:
+    """A stream through a second proxy (in this process) sending keep-alive comments every millisecond of quiet:
+    (the text the `openai` client reads from it, the raw stream read again)."""
+    config = ProxyConfig(
+        prefillers=tuple(Upstream(role=Role.PREFILL, host="127.0.0.1", port=n.port) for n in info.prefill),
+        decoders=tuple(Upstream(role=Role.DECODE, host="127.0.0.1", port=n.port) for n in info.decode),
+        prefill_timeout=60.0, decode_timeout=60.0, cluster_token=CLUSTER_TOKEN, sse_keep_alive=0.001,
+    )
+    runner = web.AppRunner(build_app(config), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=REQUEST_TIMEOUT)
+        model = (await client.models.list()).data[0].id
+        extra = {k: v for k, v in body.items() if k not in ("messages", "prompt", "max_tokens", "temperature",
+                                                             "max_completion_tokens")}
+        if path.endswith("chat/completions"):
+            stream = await client.chat.completions.create(
+                model=model, messages=body["messages"], max_completion_tokens=body["max_completion_tokens"],
+                temperature=0, stream=True, extra_body=extra)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        else:
+            stream = await client.completions.create(model=model, prompt=body["prompt"], max_tokens=body["max_tokens"],
+                                                     temperature=0, stream=True, extra_body=extra)
+            text = "".join([c.choices[0].text async for c in stream if c.choices])
+        await client.close()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as resp:
+                return text, await resp.read()
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_keep_alive_comments_through_real_nodes_leave_the_stream_the_clients_read(cluster, path, body):
+    """A proxy with --sse-keep-alive-interval in front of real nodes: the `openai` client reads from its stream what
+    a colocated node answers, and the stream is whole events and comments only (none inside an event)."""
+    _, info = cluster
+    text, raw = await _through_keep_alive_proxy(info, path, body)
+    local_status, local_raw = await asyncio.to_thread(_post, info.decode[0].url + path, {**body, "stream": True})
+    assert local_status == 200 and text == _text(path, local_raw, True) != ""
+    blocks = raw.decode().split("\n\n")
+    assert blocks[-1] == "" and all(b == ": keep-alive" or b.startswith("data: ") for b in blocks[:-1])
+    assert _text(path, raw, True) == text
+
+
 @pytest.mark.parametrize("token, status", [
     (None, 401),                   # the node's own 401 passes through the proxy as a 4xx, not a 502
     ("not-the-token", 401),
