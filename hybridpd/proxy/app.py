@@ -230,7 +230,13 @@ class Proxy:
             router = self.routers[Role.DECODE]
             if tokenize is None or not router.upstreams:
                 return None
-            tokens = await self.client.tokenize(router.pick(), tokenize)
+            upstream = router.pick()
+            tokens = await self.client.tokenize(upstream, tokenize)
+            joined = tokenize_body(path, body, merge_inline_system=True) if path == MESSAGES_PATH else None
+            if tokens is None and joined is not None and joined != tokenize:
+                # A chat template that wants the system prompt first refused it: the node joins a Messages body's
+                # system messages into the first for such a template (server/message_request.py), so ask for that.
+                tokens = await self.client.tokenize(upstream, joined)
         tokens = truncated(body, tokens) if tokens else tokens
         return PromptHashes(tokens, cache_salt(body)) if tokens else None
 

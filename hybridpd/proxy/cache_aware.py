@@ -108,12 +108,15 @@ _CHAT_TOKENIZE = {**_COMPLETION_TOKENIZE, "add_generation_prompt": bool, "contin
                   "chat_template": str, "chat_template_kwargs": dict, "tools": list}
 
 
-def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+def tokenize_body(path: str, body: dict[str, Any], *, merge_inline_system: bool = False) -> dict[str, Any] | None:
     """The `/tokenize` body that yields this request's prompt tokens; None when there is nothing to tokenize (or
-    the node will refuse the body). A Responses or Messages body is tokenized as the chat body it asks for."""
+    the node will refuse the body). A Responses or Messages body is tokenized as the chat body it asks for (a
+    Messages body's system messages joined into the first with `merge_inline_system`, as a node whose template
+    wants the system prompt first converts it)."""
     if path in (RESPONSES_PATH, MESSAGES_PATH):
         try:
-            body = chat_body(body) if path == RESPONSES_PATH else count_tokens_body(body)
+            body = (chat_body(body) if path == RESPONSES_PATH
+                    else count_tokens_body(body, merge_inline_system=merge_inline_system))
         except HybridPDError:
             return None
         path = "/v1/chat/completions"

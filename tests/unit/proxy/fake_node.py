@@ -7,7 +7,7 @@ import enum
 import json
 import socket
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -121,6 +121,7 @@ class FakeNode:
         self.hold: asyncio.Event | None = None             # when set here: a call waits for it before its answer
         self.hold_mid_event: asyncio.Event | None = None   # a decode stream waits for it halfway into its first event
         self.hold_after_event: asyncio.Event | None = None   # ... or after its first event
+        self.tokenizer: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None   # /tokenize's answer
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -132,7 +133,7 @@ class FakeNode:
         app.router.add_post("/v1/messages", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/detokenize", self._echo)
-        app.router.add_post("/tokenize", self._echo)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         app.router.add_post("/kv_leases/release", self._release)
         self._runner = web.AppRunner(app, handler_cancellation=True)
@@ -204,6 +205,14 @@ class FakeNode:
     async def _release(self, request: web.Request) -> web.Response:
         self.releases.append(await request.json())
         return web.json_response({"status": "accepted"}, status=202)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenizer is None:
+            return await self._echo(request)
+        body = await request.json()
+        self.received.append(Received(path=request.path, body=body, headers=request.headers.copy()))
+        status, answer = self.tokenizer(body)
+        return web.json_response(answer, status=status)
 
     async def _echo(self, request: web.Request) -> web.Response:
         """A tokenizer endpoint's stand-in: the body it got, and which node it is."""

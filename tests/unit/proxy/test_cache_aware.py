@@ -219,3 +219,35 @@ def test_token_ids_in_a_body_are_taken_only_within_range(prompt, expected):
     from hybridpd.proxy.cache_aware import token_ids_in_body
 
     assert token_ids_in_body("/v1/completions", {"prompt": prompt}) == expected
+
+
+def _system_first_tokenizer(body):
+    """A node whose chat template wants the system prompt first (Qwen's): a later system message is refused; else
+    each message's text as its bytes."""
+    messages = body["messages"]
+    if any(m["role"] == "system" for m in messages[1:]):
+        return 400, {"error": {"message": "chat template: System message must be at the beginning.",
+                               "type": "invalid_request_error", "param": "messages", "code": 400}}
+    return 200, {"tokens": [b for m in messages for b in str(m["content"]).encode()]}
+
+
+@pytest.mark.parametrize("system", ["be brief", [{"type": "text", "text": "be brief"}]])
+async def test_a_messages_prompt_is_tokenized_as_a_system_first_node_renders_it(make_harness, system):
+    from .fake_node import Behavior
+
+    h = await make_harness([Behavior.OK], [Behavior.OK])
+    h.decode[0].tokenizer = _system_first_tokenizer
+    inline = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+              {"role": "user", "content": [{"type": "text", "text": "again"}]}]
+    body = {"model": "m", "max_tokens": 5, "system": system, "messages": inline}
+    prompt = await h.proxy._prompt("/v1/messages", body)
+    assert prompt is not None and bytes(prompt.token_ids) == b"be briefhiyesagain"
+    assert len(h.decode[0].received) == 1
+
+    # Claude Code's shape: a system reminder inside the conversation; refused as written, asked again joined
+    reminder = [*inline[:2], {"role": "system", "content": "remember"}, inline[2]]
+    body = {"model": "m", "max_tokens": 5, "system": system, "messages": reminder}
+    prompt = await h.proxy._prompt("/v1/messages", body)
+    assert prompt is not None and bytes(prompt.token_ids) == b"be briefrememberhiyesagain"   # as the node joins it
+    assert [r.body["messages"][0]["role"] for r in h.decode[0].received[1:]] == ["system", "system"]
+    assert len(h.decode[0].received) == 3
