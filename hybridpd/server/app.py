@@ -190,7 +190,8 @@ class Handlers:
         `keep_alive` (chat and completions, as vLLM's) and `--sse-keep-alive-interval`, a stream whose first output
         takes longer than the interval starts at 200 with keep-alive comments (a failure is then an error event)."""
         self._check_peer(parsed)
-        tracker = self._metrics.tracker()
+        tracker = self._metrics.tracker(keep_output=self._config.request_logging.outputs)
+        self._config.request_logging.inputs(parsed, self._engine.tokenizer)
         parsed = replace(parsed, engine_request=replace(parsed.engine_request,
                                                         trace_context=tuple(span.carrier().items())))
         stream, whole = answers(parsed)
@@ -216,6 +217,7 @@ class Handlers:
         finally:
             await outputs.close()
             record_request(self._tracer, span, parsed, tracker)
+            self._config.request_logging.outputs_of(parsed, tracker)
 
     def _completion_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
         """A completions or chat request's stream of chunks, or its answer object."""
@@ -242,7 +244,9 @@ class Handlers:
                        span: Span) -> web.StreamResponse:
         """A body of several choices (`n` > 1, several prompts): each its own engine request, all queued at once; one
         answer, or one stream. A failure of one ends the others (their generators closed: aborted, blocks freed)."""
-        trackers = [self._metrics.tracker() for _ in requests]
+        trackers = [self._metrics.tracker(keep_output=self._config.request_logging.outputs) for _ in requests]
+        for parsed in requests:
+            self._config.request_logging.inputs(parsed, self._engine.tokenizer)
         requests = [replace(p, engine_request=replace(p.engine_request, trace_context=tuple(span.carrier().items())))
                     for p in requests]
         outputs = [EngineOutputs(self._engine.generate(p.engine_request)) for p in requests]
@@ -257,6 +261,7 @@ class Handlers:
                 await one.close()
             for parsed, tracker in zip(requests, trackers):
                 record_request(self._tracer, span, parsed, tracker)
+                self._config.request_logging.outputs_of(parsed, tracker)
 
     async def _choices_answer(self, request: web.Request, requests: list[ParsedRequest],
                               outputs: list[EngineOutputs], trackers: list[RequestTracker]) -> web.StreamResponse:

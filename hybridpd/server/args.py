@@ -39,6 +39,7 @@ from hybridpd.errors import HybridPDError
 from hybridpd.kv_events.config import KVEventsConfig
 from hybridpd.server.chat_templating import ChatTemplating, default_kwargs_argument, template_argument
 from hybridpd.server.config import ServerConfig
+from hybridpd.server.request_log import RequestLogging
 from hybridpd.server.tool_fields import TOOL_CALL_PARSERS, ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.sse_keep_alive import interval_argument
@@ -131,6 +132,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--enable-request-id-headers", action="store_true",
                       help="every answer carries an X-Request-Id header: the request's own, or a new one (vLLM's flag)")
     add_cors_arguments(http)
+    http.add_argument("--enable-log-requests", action="store_true",
+                      help="log each generation request as it arrives: its id and sampling params at INFO, its "
+                           "prompt and token ids at DEBUG (vLLM's flag)")
+    http.add_argument("--enable-log-outputs", action="store_true",
+                      help="with --enable-log-requests, also log what each request generated once it ends (vLLM's "
+                           "flag)")
+    http.add_argument("--max-log-len", type=int, default=None,
+                      help="characters of a prompt or output, and token ids, that the request log shows (vLLM's "
+                           "flag; default: all)")
     add_access_log_arguments(http)
     http.add_argument("--engine-heartbeat-timeout", type=float, default=10.0,
                       help="seconds without a heartbeat from the engine process before /health answers 503")
@@ -275,6 +285,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             load_tracking=args.enable_server_load_tracking,
             request_id_headers=args.enable_request_id_headers,
             cors=policy_from_args(args),
+            request_logging=RequestLogging(args.enable_log_requests, args.enable_log_outputs, args.max_log_len),
             access_log=not args.disable_uvicorn_access_log,
             access_log_excluded=excluded_paths(args.disable_access_log_for_endpoints),
         )

@@ -8,6 +8,7 @@ from hybridpd.api_keys import ApiKeys
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.cors import CorsPolicy
 from hybridpd.server.chat_templating import ChatTemplating
+from hybridpd.server.request_log import RequestLogging
 from hybridpd.server.tool_fields import ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
 from hybridpd.tls import TLSConfig
@@ -41,6 +42,7 @@ class ServerConfig:
     load_tracking: bool = False   # GET /load counts the generation requests in flight (else 0), as vLLM's flag
     request_id_headers: bool = False   # every answer carries X-Request-Id, as vLLM's flag
     cors: CorsPolicy = CorsPolicy()    # vLLM's CORS flags (hybridpd/cors.py): every origin by default
+    request_logging: RequestLogging = RequestLogging()   # vLLM's request log (server/request_log.py): off
     access_log: bool = True            # a line per request, as uvicorn's (hybridpd/access_log.py)
     access_log_excluded: frozenset[str] = frozenset()   # paths left out of it
 

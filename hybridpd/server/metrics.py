@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from hybridpd import vllm_metrics as vm
-from hybridpd.engine.request import RequestOutput
+from hybridpd.engine.request import FinishReason, RequestOutput
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -54,15 +54,15 @@ class ServerMetrics:
     def request_success(self, finished_reason: str) -> Counter:
         return self._request_success.labels(**self._labels, finished_reason=finished_reason)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self, time.monotonic)
+    def tracker(self, keep_output: bool = False) -> RequestTracker:
+        return RequestTracker(self, time.monotonic, keep_output)
 
 
 class RequestTracker:
     """Watches one request's outputs as they pass: TTFT at the first output with tokens, ITL between later ones,
     token counts and e2e latency at the finished one."""
 
-    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float]) -> None:
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float], keep_output: bool = False) -> None:
         self._metrics = metrics
         self._clock = clock
         self._arrival = clock()
@@ -75,6 +75,10 @@ class RequestTracker:
         self.scheduled_at: float | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # with `keep_output`, the output's text and token ids as they pass (what --enable-log-outputs logs)
+        self.texts: list[str] | None = [] if keep_output else None
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
 
     @property
     def arrival(self) -> float:
@@ -92,6 +96,9 @@ class RequestTracker:
             self._metrics.prefix_cache_hits.inc(output.num_cached_tokens)
             self.scheduled_at = output.scheduled_at
             self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
+        if self.texts is not None:
+            self.texts.append(output.new_text)
+            self.token_ids.extend(output.new_token_ids)
         if output.new_token_ids:
             self._metrics.generation_tokens.inc(len(output.new_token_ids))
             self._generated += len(output.new_token_ids)
@@ -103,6 +110,7 @@ class RequestTracker:
             self._last_token_time = now
         if output.finished:
             self.finished_at = now
+            self.finish_reason = output.finish_reason
             self._metrics.prompt_tokens.inc(output.num_prompt_tokens)
             self._metrics.request_prompt_tokens.observe(output.num_prompt_tokens)
             self._metrics.request_generation_tokens.observe(self._generated)
