@@ -6,6 +6,7 @@ timeout) from closing the connection.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import math
@@ -15,6 +16,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 KEEP_ALIVE = b": keep-alive\n\n"
+
+
+def add_keep_alive_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, quiet: str) -> None:
+    """vLLM's flag; `quiet` says when a stream goes quiet there."""
+    parser.add_argument("--sse-keep-alive-interval", type=float, default=0, metavar="SECONDS",
+                        help=f"send an SSE comment (`: keep-alive`) whenever a chat or completions stream has been "
+                             f"quiet this long ({quiet}), so that proxies and load balancers with read timeouts keep "
+                             f"the connection (vLLM's flag; 0, the default: none)")
 
 
 def interval_argument(value: float) -> float | None:

@@ -42,8 +42,7 @@ from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
 from hybridpd.proxy.metrics import ProxyMetrics
-from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
-from hybridpd.proxy.replies import ClientReply, Reply
+from hybridpd.proxy.replies import ClientReply, Reply, sse_headers
 from hybridpd.proxy.samples import merge_samples
 from hybridpd.proxy.responses import (
     EventCount, error_response, invalid_request, no_upstream, relay_error_event, sse_error_event, sse_rejected_event,
@@ -337,8 +336,7 @@ class Proxy:
         except NoUpstreamError:
             self._release(lease)
             raise
-        await reply.open(200, {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
-                               "X-Request-Id": request_id})
+        await reply.open(200, sse_headers(request_id))
         await reply.write(head)
         async with contextlib.AsyncExitStack() as stack:
             try:

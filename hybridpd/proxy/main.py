@@ -17,7 +17,7 @@ from hybridpd.cors import add_cors_arguments, policy_from_args
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierPolicy
-from hybridpd.sse_keep_alive import interval_argument
+from hybridpd.sse_keep_alive import add_keep_alive_argument, interval_argument
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
 logger = logging.getLogger(__name__)
@@ -75,10 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-first-byte-timeout", type=float, default=5.0,
                         help="seconds for a decode node's first byte (its 100 Continue); a node silent that long "
                              "never read the call, which goes to another decode node")
-    parser.add_argument("--sse-keep-alive-interval", type=float, default=0, metavar="SECONDS",
-                        help="send clients an SSE comment (`: keep-alive`) whenever a chat or completions stream has "
-                             "been quiet this long (the prefill call, the pull, slow tokens), so that proxies with "
-                             "read timeouts keep the connection (vLLM's flag; 0, the default: none)")
+    add_keep_alive_argument(parser, "the prefill call, the pull, slow tokens")
     add_cors_arguments(parser)
     add_access_log_arguments(parser)
     parser.add_argument("--probe-interval", type=float, default=1.0,

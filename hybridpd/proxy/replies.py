@@ -17,10 +17,15 @@ from typing import Protocol, TypeVar
 
 from aiohttp import web
 
+from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE
 from hybridpd.sse_keep_alive import KEEP_ALIVE, awaited
 
 T = TypeVar("T")
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def sse_headers(request_id: str) -> dict[str, str]:
+    """The headers of a stream the proxy opens to its client itself."""
+    return {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache", "X-Request-Id": request_id}
 
 
 class Reply(Protocol):
@@ -91,7 +96,7 @@ class ClientReply:
 
     async def _open_early(self) -> None:
         if self._response is None:
-            await self.open(200, {**SSE_HEADERS, "X-Request-Id": self._request_id})
+            await self.open(200, sse_headers(self._request_id))
             await self._keep_alive()
 
     async def _keep_alive(self) -> None:

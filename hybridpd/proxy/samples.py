@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from hybridpd.proxy.bodies import wants_stream
-from hybridpd.proxy.prefill_stream import SSE_CONTENT_TYPE, sse_payloads
-from hybridpd.proxy.replies import Reply
+from hybridpd.proxy.prefill_stream import sse_payloads
+from hybridpd.proxy.replies import Reply, sse_headers
 from hybridpd.proxy.responses import error_body, error_response
 
 Route = Callable[[Reply, dict[str, Any], str], Awaitable[web.StreamResponse]]
@@ -144,8 +144,7 @@ class _SampleStreams:
                 return _as_client_answer(await self._tasks[0], self._request_id)
             for index in range(1, len(self._bodies)):
                 self._start(index)
-            out = web.StreamResponse(status=200, headers={"Content-Type": SSE_CONTENT_TYPE,
-                                                          "Cache-Control": "no-cache", "X-Request-Id": self._request_id})
+            out = web.StreamResponse(status=200, headers=sse_headers(self._request_id))
             await out.prepare(self._request)
             try:
                 await self._relay(out)

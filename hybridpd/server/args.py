@@ -42,7 +42,7 @@ from hybridpd.server.config import ServerConfig
 from hybridpd.server.request_log import RequestLogging
 from hybridpd.server.tool_fields import TOOL_CALL_PARSERS, ToolParsing
 from hybridpd.server.watchdog import WatchdogBounds
-from hybridpd.sse_keep_alive import interval_argument
+from hybridpd.sse_keep_alive import add_keep_alive_argument, interval_argument
 from hybridpd.tls import TLSConfig, add_tls_arguments
 
 log = logging.getLogger(__name__)
@@ -123,10 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--return-tokens-as-token-ids", action="store_true",
                       help="every chat and completions answer's logprobs name tokens `token_id:<id>` (vLLM's flag; "
                            "without it a request asks with return_tokens_as_token_ids)")
-    http.add_argument("--sse-keep-alive-interval", type=float, default=0, metavar="SECONDS",
-                      help="send an SSE comment (`: keep-alive`) whenever a chat or completions stream has been quiet "
-                           "this long (queued, prefilling, between tokens), so that proxies with read timeouts keep "
-                           "the connection (vLLM's flag; 0, the default: none)")
+    add_keep_alive_argument(http, "queued, prefilling, between tokens")
     http.add_argument("--enable-server-load-tracking", action="store_true",
                       help="GET /load answers the generation requests in flight (vLLM's flag; without it, 0)")
     http.add_argument("--enable-request-id-headers", action="store_true",
