@@ -176,17 +176,19 @@ class HFTokenizer:
     decodes_text = True
 
     def __init__(
-        self, path: Path, vocab_size: int, eos_token_id: int | None, chat_template: ChatTemplate | None,
+        self, path: Path, vocab_size: int, eos_token_id: int | None, chat_template: str | None,
         config: dict[str, Any] | None = None,
     ) -> None:
+        """`chat_template`: the template's source (the checkpoint's), rendered with the config's special tokens."""
         from tokenizers import Tokenizer as RustTokenizer
 
         self._tok = RustTokenizer.from_file(str(path))
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._chat = chat_template
         self._config = config or {}   # tokenizer_config.json
-        self._special = {name: _token_text(self._config.get(name)) or "" for name in SPECIAL_TOKEN_NAMES}
+        # bos_token, eos_token, pad_token, unk_token as text: what a chat template is rendered with
+        self.special_tokens = {name: _token_text(self._config.get(name)) or "" for name in SPECIAL_TOKEN_NAMES}
+        self._chat = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As `AutoTokenizer(dir)(text)`: the tokenizer.json post-processor adds its special tokens (a BOS, say) unless
@@ -216,7 +218,7 @@ class HFTokenizer:
     def with_chat_template(self, source: str) -> HFTokenizer:
         """The same tokenizer (its vocabulary shared, not loaded again) with another chat template."""
         templated = copy.copy(self)
-        templated._chat = compiled_template(source, tuple(sorted(self._special.items())))
+        templated._chat = compiled_template(source, tuple(sorted(self.special_tokens.items())))
         return templated
 
     def describe(self) -> dict[str, Any]:
@@ -311,11 +313,8 @@ def _checkpoint_tokenizer(model_dir: Path, vocab_size: int, skip_init: bool) -> 
             bos_token_id=config.get("bos_token_id"),
         )
     tok_config = _read_json(model_dir / "tokenizer_config.json")
-    special = {name: _token_text(tok_config.get(name)) or "" for name in SPECIAL_TOKEN_NAMES}
-    eos_text = special["eos_token"]
-    source = _template_source(model_dir, tok_config)
-    chat = ChatTemplate(source, special) if source else None
-    tokenizer = HFTokenizer(tokenizer_file, vocab_size, eos, chat, tok_config)
+    tokenizer = HFTokenizer(tokenizer_file, vocab_size, eos, _template_source(model_dir, tok_config), tok_config)
+    eos_text = tokenizer.special_tokens["eos_token"]
     if eos is None and eos_text:
         tokenizer.eos_token_id = tokenizer.token_to_id(eos_text)
     return tokenizer
