@@ -28,6 +28,9 @@ from hybridpd.proxy.config import Role
 
 _POLL_SECONDS = 0.2
 _PROBE_TIMEOUT = 2.0
+# The proxy probes every node's /health each second, and this launcher polls them too: kept out of the access logs
+# (a flag given in serve_args or proxy_args comes later and wins).
+_QUIET_ACCESS_LOG = ("--disable-access-log-for-endpoints", "/health,/metrics")
 
 
 def _connect_host(host: str) -> str:
@@ -74,7 +77,7 @@ class LocalCluster:
         if self.spec.model_dir is not None:
             argv.append(str(self.spec.model_dir))
         argv += ["--host", self.spec.host, "--port", str(port), "--kv-port", str(kv_port),
-                 "--threads", str(self.spec.threads)]
+                 "--threads", str(self.spec.threads), *_QUIET_ACCESS_LOG]
         if self.spec.kv_events:
             offset = port - self.spec.base_port
             # the node binds these wildcards on its own --host (hybridpd/kv_events/config.py: listen_endpoint)
@@ -94,7 +97,7 @@ class LocalCluster:
             self.spec.python, "-m", "hybridpd.proxy", "--host", self.spec.host, "--port", str(self.spec.port),
             "--prefiller-hosts", *[host] * len(prefill), "--prefiller-ports", *[str(n.port) for n in prefill],
             "--decoder-hosts", *[host] * len(decode), "--decoder-ports", *[str(n.port) for n in decode],
-            *self.spec.proxy_args,
+            *_QUIET_ACCESS_LOG, *self.spec.proxy_args,
         ]
 
     def _spawn(self, name: str, argv: list[str], run_dir: Path) -> ChildProcess:
