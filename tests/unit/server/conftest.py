@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from hybridpd.server.app import create_app
+from hybridpd.server.args import NodeConfigs, add_arguments, configs_from_args
 from hybridpd.server.config import ServerConfig
 
 from .fake_engine import FakeEngine
@@ -26,6 +29,18 @@ def typed_events(raw: str) -> list[dict[str, Any]]:
         assert kind == f"event: {event['type']}"
         events.append(event)
     return events
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`hybridpd serve`'s flags."""
+    parser = argparse.ArgumentParser(prog="hybridpd serve")
+    add_arguments(parser)
+    return parser
+
+
+def serve_configs(argv: list[str]) -> NodeConfigs:
+    """What `hybridpd serve ARGV` configures (the model directory, unless given: /models/default-preset)."""
+    return configs_from_args(serve_parser().parse_args(argv), default_model_dir=lambda: Path("/models/default-preset"))
 
 
 def make_app(engine: FakeEngine, **config: Any):

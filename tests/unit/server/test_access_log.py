@@ -4,19 +4,16 @@ listening runner; paths left out by `--disable-access-log-for-endpoints`, none a
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
-from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from hybridpd.access_log import LOGGER, runner_kwargs
-from hybridpd.server.args import add_arguments, configs_from_args
 
-from .conftest import make_app
+from .conftest import make_app, serve_configs
 from .fake_engine import FakeEngine
 
 LINE = re.compile(r'^127\.0\.0\.1:\d+ - "(GET|POST) (\S+) HTTP/1\.1" (\d{3})$')
@@ -56,11 +53,8 @@ async def test_access_lines(caplog, enabled, excluded, expected):
 
 
 def test_the_flags():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-
     def server(argv):
-        return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m")).server
+        return serve_configs(argv).server
 
     assert (server([]).access_log, server([]).access_log_excluded) == (True, frozenset())
     off = server(["--disable-uvicorn-access-log", "--disable-access-log-for-endpoints", "/health, /metrics,"])

@@ -9,21 +9,13 @@ from pathlib import Path
 import pytest
 
 from hybridpd.config import KVLoadFailurePolicy, MambaCacheMode
-from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args, parse_size
+from hybridpd.server.args import BadArgumentsError, parse_size
 
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hybridpd serve")
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-def configs(argv: list[str]):
-    return configs_from_args(parse(argv), default_model_dir=lambda: Path("/models/default-preset"))
+from .conftest import serve_configs, serve_parser
 
 
 def test_defaults():
-    c = configs([])
+    c = serve_configs([])
     assert c.engine.model_dir == Path("/models/default-preset")
     assert (c.server.host, c.server.port, c.server.served_model_name) == ("127.0.0.1", 8100, "default-preset")
     assert (c.engine.cache.block_size, c.engine.cache.enable_prefix_caching) == (16, True)
@@ -41,15 +33,16 @@ def test_engine_cpus(text, cpus):
     available = os.sched_getaffinity(0)
     if not cpus <= available:
         pytest.skip(f"this machine lets the process use CPUs {sorted(available)}")
-    assert configs(["--engine-cpus", text]).engine.cpus == cpus
+    assert serve_configs(["--engine-cpus", text]).engine.cpus == cpus
 
 
 def test_no_prefill_cap_while_decoding():
-    assert configs(["--max-prefill-tokens-while-decoding", "0"]).engine.scheduler.max_prefill_tokens_while_decoding is None
+    scheduler = serve_configs(["--max-prefill-tokens-while-decoding", "0"]).engine.scheduler
+    assert scheduler.max_prefill_tokens_while_decoding is None
 
 
 def test_every_flag(tmp_path):
-    c = configs([str(tmp_path), "--host", "0.0.0.0", "--port", "8200", "--served-model-name", "m",
+    c = serve_configs([str(tmp_path), "--host", "0.0.0.0", "--port", "8200", "--served-model-name", "m",
                  "--block-size", "32", "--kv-cache-memory", "512MiB", "--max-num-seqs", "4",
                  "--max-num-batched-tokens", "256", "--max-model-len", "1024", "--no-enable-prefix-caching",
                  "--mamba-cache-mode", "none", "--mamba-cache-interval", "64", "--dtype", "bfloat16",
@@ -70,7 +63,7 @@ def test_every_flag(tmp_path):
 def test_cluster_token_file_and_ephemeral_port(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
-    c = configs(["--cluster-token-file", str(token_file), "--port", "0", "--num-blocks", "64"])
+    c = serve_configs(["--cluster-token-file", str(token_file), "--port", "0", "--num-blocks", "64"])
     assert c.kv_transfer.cluster_token == "from-file" and c.kv_transfer.kv_port == 0
     assert c.engine.cache.num_blocks == 64
 
@@ -104,7 +97,7 @@ def test_parse_size_rejects(text):
 )
 def test_argparse_rejects(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse(argv)
+        serve_parser().parse_args(argv)
     assert exit_info.value.code == 2
 
 
@@ -135,4 +128,4 @@ def test_argparse_rejects(argv, capsys):
 )
 def test_config_rejects_with_typed_error(argv, words):
     with pytest.raises(BadArgumentsError, match=words):
-        configs(argv)
+        serve_configs(argv)

@@ -5,29 +5,21 @@ Messages."""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from hybridpd.engine.tokenizer import ByteTokenizer, load_tokenizer
 from hybridpd.presets.checkpoints import write_checkpoint
-from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
+from hybridpd.server.args import BadArgumentsError
 from hybridpd.server.chat_templating import UNTRUSTED, ChatTemplating
 
-from .conftest import MODEL, make_app
+from .conftest import MODEL, make_app, serve_configs as configs
 from .fake_engine import FakeEngine
 
 USER = [{"role": "user", "content": "x"}]
 BRACKETS = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 GREETING = "{{ greeting | default('none') }}:" + BRACKETS
-
-
-def configs(argv: list[str]):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m"))
 
 
 async def prompt_or_error(templating: ChatTemplating, path: str, body: dict) -> tuple[int, bytes | dict]:

@@ -5,17 +5,14 @@ and CORS headers are what it answers the same request with the same settings."""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from hybridpd.api_keys import ApiKeys
 from hybridpd.cors import ALL_METHODS, PREFLIGHT_VARY, CorsPolicy
-from hybridpd.server.args import add_arguments, configs_from_args
 
-from .conftest import make_app
+from .conftest import make_app, serve_configs, serve_parser
 from .fake_engine import FakeEngine
 
 SITE = "https://app.example"
@@ -115,15 +112,12 @@ async def test_answers_carry_the_allowed_origin(policy, headers, allow_origin, s
 
 
 def test_the_flags():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-
     def cors(argv):
-        return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m")).server.cors
+        return serve_configs(argv).server.cors
 
     assert cors([]) == CorsPolicy()
     assert cors(["--allowed-origins", f'["{SITE}"]', "--allow-credentials", "--allowed-methods", '["POST"]',
                  "--allowed-headers", '["Authorization"]']) == CorsPolicy((SITE,), True, ("POST",), ("Authorization",))
     for bad in ('"*"', "[1]", "["):
         with pytest.raises(SystemExit):
-            parser.parse_args(["--allowed-origins", bad])
+            serve_parser().parse_args(["--allowed-origins", bad])

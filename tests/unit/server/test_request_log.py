@@ -4,18 +4,16 @@ default."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
+from hybridpd.server.args import BadArgumentsError
 from hybridpd.server.request_log import LOGGER, RequestLogging
 
-from .conftest import make_app
+from .conftest import make_app, serve_configs
 from .fake_engine import FakeEngine
 
 
@@ -60,11 +58,8 @@ async def test_request_log(caplog, policy, level, stream, expected):
 
 
 def test_the_flags():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-
     def server(argv):
-        return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m")).server
+        return serve_configs(argv).server
 
     assert server([]).request_logging == RequestLogging()
     assert server(["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "8"]).request_logging == \

@@ -4,16 +4,13 @@ answer whose turn the generation prompt opened; without a generation prompt the 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from hybridpd.server.args import add_arguments, configs_from_args
 from hybridpd.server.chat_templating import ChatTemplating
 
-from .conftest import make_app, parse_sse
+from .conftest import make_app, parse_sse, serve_configs
 from .fake_engine import FakeEngine
 
 USER = [{"role": "user", "content": "x"}]
@@ -65,11 +62,8 @@ async def test_tokens_as_ids_by_default():
 
 
 def test_the_flags():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-
     def server(argv):
-        return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m")).server
+        return serve_configs(argv).server
 
     plain = server([])
     assert (plain.templating.response_role, plain.force_include_usage, plain.tokens_as_ids) == ("assistant", False,

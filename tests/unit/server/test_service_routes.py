@@ -4,18 +4,15 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from hybridpd import __version__
 from hybridpd.api_keys import ApiKeys
-from hybridpd.server.args import add_arguments, configs_from_args
 
-from .conftest import make_app
+from .conftest import make_app, serve_configs
 from .fake_engine import FakeEngine
 
 WAIT = 30   # a guard against a hang, never reached
@@ -84,11 +81,8 @@ async def test_request_id_headers(stream):
 
 
 def test_the_flags():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-
     def server(argv):
-        return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m")).server
+        return serve_configs(argv).server
 
     assert (server([]).load_tracking, server([]).request_id_headers) == (False, False)
     on = server(["--enable-server-load-tracking", "--enable-request-id-headers"])

@@ -5,18 +5,16 @@ Messages streams send none (as vLLM's). Every request ends in the engine: none i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from hybridpd.server.args import BadArgumentsError, add_arguments, configs_from_args
+from hybridpd.server.args import BadArgumentsError
 from hybridpd.sse_keep_alive import KEEP_ALIVE, awaited
 
-from .conftest import MODEL, make_app, parse_sse
+from .conftest import MODEL, make_app, parse_sse, serve_configs as configs
 from .fake_engine import FakeEngine
 
 INTERVAL = 0.02   # seconds: keep-alive comments come quickly; nothing below depends on how many
@@ -173,12 +171,6 @@ async def test_awaited_passes_results_and_errors_through():
 
     with pytest.raises(ValueError):
         await awaited(fails(), INTERVAL, idle)
-
-
-def configs(argv: list[str]):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return configs_from_args(parser.parse_args(argv), default_model_dir=lambda: Path("/models/m"))
 
 
 @pytest.mark.parametrize("argv, interval", [([], None), (["--sse-keep-alive-interval", "0"], None),
