@@ -129,7 +129,7 @@ class Handlers:
             asked = parse_responses_request(body, self._engine, self._config.served_model_name,
                                             self._config.tool_parsing, self._config.templating)
             return await self._serve(request, asked.parsed, span,
-                                     lambda parsed: self._response_answers(request, replace(asked, parsed=parsed)))
+                                     lambda parsed: self._response_answers(replace(asked, parsed=parsed)))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API (`/v1/messages`), served as the chat request it asks for."""
@@ -139,7 +139,7 @@ class Handlers:
             parsed = parse_messages_request(body, self._engine, self._config.served_model_name,
                                             self._config.tool_parsing, self._config.templating,
                                             merge_inline_system=self._merges_inline_system())
-            return await self._serve(request, parsed, span, lambda parsed: self._message_answers(request, parsed))
+            return await self._serve(request, parsed, span, self._message_answers)
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's `/v1/messages/count_tokens`: the prompt's tokens (`context_management` as vLLM adds it)."""
@@ -172,7 +172,7 @@ class Handlers:
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
             return await self._serve(request, requests[0], span,
-                                     lambda parsed: self._completion_answers(request, parsed), keep_alive=True)
+                                     self._completion_answers, keep_alive=True)
 
     def _server_defaults(self, parsed: ParsedRequest) -> ParsedRequest:
         """A chat or completions request with what vLLM's flags turn on for every request: the usage in every chunk
@@ -219,21 +219,21 @@ class Handlers:
             record_request(self._tracer, span, parsed, tracker)
             self._config.request_logging.outputs_of(parsed, tracker)
 
-    def _completion_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
+    def _completion_answers(self, parsed: ParsedRequest) -> Answers:
         """A completions or chat request's stream of chunks, or its answer object."""
         model, tokenizer = self._config.served_model_name, self._engine.tokenizer
         return (lambda first, rest, tracker, headers, sse: stream_outputs(
-                    request, parsed, first, rest, ChunkBuilder(parsed, model, tokenizer), tracker, headers, sse),
+                    sse, parsed, first, rest, ChunkBuilder(parsed, model, tokenizer), tracker, headers),
                 lambda final: final_response(parsed, final, model, tokenizer))
 
-    def _response_answers(self, request: web.Request, asked: ResponsesRequest) -> Answers:
+    def _response_answers(self, asked: ResponsesRequest) -> Answers:
         """A Responses request's stream of events, or its `response` object."""
         model, tokenizer = self._config.served_model_name, self._engine.tokenizer
         return (lambda first, rest, tracker, headers, sse: stream_events(
                     sse, first, rest, ResponseEvents(asked, model, tokenizer), tracker, headers),
                 lambda final: whole_response(asked, final, model, tokenizer))
 
-    def _message_answers(self, request: web.Request, parsed: ParsedRequest) -> Answers:
+    def _message_answers(self, parsed: ParsedRequest) -> Answers:
         """A Messages request's stream of events, or its `message` object."""
         model = self._config.served_model_name
         return (lambda first, rest, tracker, headers, sse: stream_events(

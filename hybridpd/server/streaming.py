@@ -208,19 +208,17 @@ class ChunkBuilder:
 
 
 async def stream_outputs(
-    request: web.Request,
+    stream: SseStream,
     parsed: ParsedRequest,
     first: RequestOutput,
     rest: EngineOutputs,
     builder: ChunkBuilder,
     tracker: RequestTracker,
-    headers: dict[str, str] | None = None,
-    stream: SseStream | None = None,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     """Streams `first` and then `rest` until the finished output, onto `stream` (prepared already when keep-alive
     comments went out before the first output). Returns the prepared response; never raises for a failed request
     (the error goes into the stream), only for cancellation."""
-    stream = stream or SseStream(request)
     response = await stream.start(headers)
     output = first
     try:
