@@ -1,9 +1,11 @@
 """How close the engine runs to this machine's bounds, on the `granite-350m` preset, per dtype, in one run.
 
 The machine, measured here: memory bandwidth (a copy of 1 GiB: bytes read + written over its time) and matmul peak
-(the model's own projection shapes, 2,048 rows, FLOPs over time), each per dtype. bfloat16's peak is the better of
-torch's bfloat16 product and the same product widened to float32 (what a CPU without bfloat16 units must do, and
-does faster: on the AVX2 guest torch's emulated bfloat16 runs at a tenth of float32's rate). The engine, measured in
+(the model's own projection shapes, 2,048 rows, FLOPs over time), each per dtype: the best of torch's product
+(MKL), oneDNN's through a packed weight where the build packs the dtype (the engine's path on some CPUs: on the EPYC
+with AVX-512 MKL's float32 products ran at half of oneDNN's, and the engine's prefill at 1.7x "the peak" MKL alone
+gave), and for bfloat16 the product widened to float32 (what a CPU without bfloat16 units must do, and does faster:
+on the AVX2 guest torch's emulated bfloat16 runs at a tenth of float32's rate). The engine, measured in
 the same run through `LLMEngine` (one thread, the serving defaults): a decode step at batch 1, 8 and 32 (prompts of
 256 tokens; the median of the steps after the prefill) and one 2,048-token prefill step.
 
@@ -37,6 +39,7 @@ from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.host_memory import keep_freed_memory
 from hybridpd.engine.kv_cache.spec import MambaSpec, SlidingWindowSpec
 from hybridpd.engine.model.config_fields import checkpoint_dtype
+from hybridpd.engine.model.kernels.packed import packed_linear, packing_works
 from hybridpd.presets.checkpoints import write_checkpoint
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
@@ -53,23 +56,26 @@ def bandwidth_gbps(dtype: torch.dtype, nbytes: int = 2**30, repeats: int = 5) ->
 
 
 def matmul_gflops(dtype: torch.dtype, shapes: list[tuple[int, int]], rows: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of `rows x in @ in x out` over the model's projection shapes, the best of `repeats` passes (for
-    bfloat16, the better of torch's product and the widened one)."""
+    """FLOP/s of `rows x in @ in x out` over the model's projection shapes, the best of `repeats` passes of each way
+    a product can run here: torch's `F.linear` (MKL), oneDNN through a packed weight where this build packs the
+    dtype (packed.py), and for bfloat16 the product widened to float32."""
     weights = [torch.randn(out, inp).to(dtype) for inp, out in shapes]
     inputs = {inp: torch.randn(rows, inp).to(dtype) for inp, _ in shapes}
     flops = sum(2 * rows * inp * out for inp, out in shapes)
+    ways = {"torch": lambda x, w: torch.nn.functional.linear(x, w)}
+    if packing_works(dtype):
+        ways["packed"] = packed_linear
+    if dtype == torch.bfloat16:
+        ways["widened"] = lambda x, w: torch.nn.functional.linear(x.float(), w.float()).to(dtype)
 
-    def run(widen: bool) -> None:
+    def run(product) -> None:
         for (inp, _), weight in zip(shapes, weights):
-            if widen:
-                torch.nn.functional.linear(inputs[inp].float(), weight.float()).to(dtype)
-            else:
-                torch.nn.functional.linear(inputs[inp], weight)
+            product(inputs[inp], weight)
 
     best = float("inf")
-    for widen in ((False, True) if dtype == torch.bfloat16 else (False,)):
-        run(widen)
-        best = min(best, *(_timed(lambda: run(widen)) for _ in range(repeats)))
+    for product in ways.values():
+        run(product)
+        best = min(best, *(_timed(lambda: run(product)) for _ in range(repeats)))
     return flops / best / 1e9
 
 

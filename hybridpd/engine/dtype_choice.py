@@ -28,15 +28,25 @@ def this_cpus_flags() -> frozenset[str]:
         return frozenset()
 
 
-def this_cpus_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (what every benchmark report names its machine by)."""
+def _cpuinfo_field(name: str) -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
-    return "unknown"
+    return None
+
+
+def this_cpus_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (what every benchmark report names its machine by)."""
+    return _cpuinfo_field("model name") or "unknown"
+
+
+def this_cpus_vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo gives it (`GenuineIntel`, `AuthenticAMD`), empty where it says none."""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def choose_dtype(requested: str, checkpoint_dtype: str, flags: frozenset[str]) -> tuple[str, str]:

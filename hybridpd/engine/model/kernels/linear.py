@@ -1,7 +1,8 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
 decode step's few rows times a large weight through the few-rows kernel (few_rows.py). In bfloat16 on a CPU without
 bfloat16 units, see `bf16_linear`; on one with them, every product goes through the weight packed for oneDNN
-(packed_bf16.py).
+(packed.py), as do float32's on a CPU whose MKL runs generic code (not Intel's), but for one row by a large weight
+(the few-rows kernel reads it faster there: 29 against 25 GB/s on the EPYC with AVX-512).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -32,9 +33,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags
+from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags, this_cpus_vendor
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16
-from hybridpd.engine.model.kernels.packed_bf16 import packed_linear, packing_works
+from hybridpd.engine.model.kernels.packed import float32_packs_pay, packed_linear, packing_works
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
@@ -63,6 +64,7 @@ def _find_onednn() -> Callable[..., torch.Tensor] | None:
 _onednn = _find_onednn()
 _bf16_units = bool(this_cpus_flags() & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
+_f32_packing = float32_packs_pay(this_cpus_vendor()) and packing_works(torch.float32)
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,11 +102,12 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` itself, except in bfloat16: on a CPU without bfloat16 units through `bf16_linear`, on one with them
-    through the packed weight (packed_bf16.py). The products that stay with MKL in float32 (the router,
-    the experts outside the fused kernel, the decode-only attention output, the head)."""
+    through the packed weight (packed.py), float32 too where its products pack. The products that stay with MKL
+    in float32 elsewhere (the router, the experts outside the fused kernel, the decode-only attention output, the
+    head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
-    if _packed_bf16(x, weight):
+    if _packs(x, weight):
         return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -114,30 +117,36 @@ def _emulated_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[0] > 0)
 
 
-def _packed_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_bf16_packing and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
-            and weight.dim() == 2 and x.shape[0] > 0)
+def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (packs_products(x.dtype) and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2
+            and x.shape[0] > 0)
 
 
 def packs_products(dtype: torch.dtype) -> bool:
-    """Whether products of `dtype` run through packed weights here (bfloat16 on a CPU with bfloat16 units)."""
-    return _bf16_packing and dtype == torch.bfloat16
+    """Whether products of `dtype` run through packed weights here (bfloat16 on a CPU with bfloat16 units, float32
+    on one whose MKL runs generic code)."""
+    return (_bf16_packing and dtype == torch.bfloat16) or (_f32_packing and dtype == torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a [T, K] `x`: through oneDNN when T is a multiple of ONEDNN_ROWS, through the
-    few-rows kernel for 2..FEW_ROWS_MAX rows and a large weight (both: float32, contiguous), bfloat16 on a CPU without
-    bfloat16 units through `bf16_linear`, bfloat16 on a CPU with them through the packed weight, else MKL."""
+    """`F.linear(x, weight, bias)` for a [T, K] `x`: bfloat16 on a CPU without bfloat16 units through `bf16_linear`;
+    a float32 product of a few rows by a large weight through the few-rows kernel (2..FEW_ROWS_MAX rows, or one row
+    where float32 products pack); a product whose dtype packs here through the packed weight; a float32 one of a
+    multiple of ONEDNN_ROWS rows through oneDNN; else MKL."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
-    if _packed_bf16(x, weight):
-        return packed_linear(x, weight, bias)
-    rows = x.shape[0]
-    if (1 < rows <= FEW_ROWS_MAX and x.dim() == 2 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
-            and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()
-            and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+    if _few_rows(x, weight, bias):
         return few_rows_linear(x, weight, bias)
-    if (rows % ONEDNN_ROWS or not rows or _onednn is None or x.dim() != 2 or x.dtype != torch.float32
+    if _packs(x, weight):
+        return packed_linear(x, weight, bias)
+    if (x.shape[0] % ONEDNN_ROWS or not x.shape[0] or _onednn is None or x.dim() != 2 or x.dtype != torch.float32
             or weight.dtype != torch.float32 or not (x.is_contiguous() and weight.is_contiguous())):
         return F.linear(x, weight, bias)
     return _onednn(x, weight, bias, "none", [], "")
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    fewest, most = (1, 1) if _f32_packing else (2, FEW_ROWS_MAX)
+    return (fewest <= x.shape[0] <= most and x.dim() == 2 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()
+            and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))

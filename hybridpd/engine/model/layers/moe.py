@@ -24,7 +24,8 @@ preset's layer (16 experts of 128 x 64, top-4), ms at 24 / 32 / 48 / 256 / 1,024
 against 21.2 at 2,048). A layer whose experts stream from memory reads them once per step either way, but its
 arithmetic grows faster than the reads save (64 experts of 256 x 128, top-6: 55 against 16 ms at 1,024 rows), so it
 keeps the grouped dispatch. In float32, MKL's products gave no such margin (2.5 against 3.1 and 2.5 ms at 256 rows,
-slower from 1,024).
+slower from 1,024), nor did packed float32 products on the EPYC with AVX-512 (packed.py): there an engine on the
+preset served 0.91x the tokens a second with every expert at once allowed from 24 rows (`moe_paths.py`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class GraniteMoE(nn.Module):
 
     def _w_out_side_by_side(self) -> torch.Tensor:
         """`output_linear.weight` [E, H, I] as [H, E * I], copied again only when the parameter was replaced or
-        written in place (a reloaded checkpoint). Made outside inference mode: its pack (packed_bf16.py) reads
+        written in place (a reloaded checkpoint). Made outside inference mode: its pack (packed.py) reads
         its version counter."""
         weight = self.output_linear.weight
         held = self._side_by_side_of
@@ -132,8 +133,8 @@ class GraniteMoE(nn.Module):
         top_ids, top_weights = self.router.forward(x)
         w_in, w_out = self.input_linear.weight, self.output_linear.weight
         every_from = self.every_expert_min_rows
-        if (every_from is not None and x.shape[0] >= every_from and packs_products(x.dtype)
-                and x.dtype == w_in.dtype == w_out.dtype):
+        if (every_from is not None and x.shape[0] >= every_from and x.dtype == torch.bfloat16
+                and packs_products(x.dtype) and x.dtype == w_in.dtype == w_out.dtype):
             return every_expert(x, top_ids, top_weights, w_in, self._w_out_side_by_side())
         if (x.shape[0] <= self.fused_max_rows and x.dtype in FUSED_DTYPES and x.dtype == w_in.dtype == w_out.dtype
                 and x.is_contiguous() and w_in.is_contiguous() and w_out.is_contiguous()):

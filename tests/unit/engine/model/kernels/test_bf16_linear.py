@@ -1,7 +1,7 @@
 """bfloat16 products on a CPU without bfloat16 units: the bfloat16 few-rows kernel and the widened product agree with
 `F.linear` summed in float32 and rounded once to bfloat16, a row's result does not depend on the rows beside it,
 `bf16_linear` sends each to what it is for, and `linear` / `plain_linear` take that route only where torch would
-emulate bfloat16 (on a CPU with the units, oneDNN's products: test_packed_bf16.py)."""
+emulate bfloat16 (on a CPU with the units, oneDNN's products: test_packed.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The few-rows kernel: it agrees with `F.linear` to float32 rounding, a row's result does not depend on the rows
-beside it, and `linear` sends it only what it is for (2..FEW_ROWS_MAX float32 contiguous rows, a large weight)."""
+beside it, and `linear` sends it only what it is for (2..FEW_ROWS_MAX float32 contiguous rows, a large weight; one
+row where float32 products pack)."""
 
 from __future__ import annotations
 
@@ -43,22 +44,28 @@ def kernel_calls(monkeypatch):
         return F.linear(x, weight, bias)
 
     monkeypatch.setattr(linear_module, "few_rows_linear", recorder)
+    monkeypatch.setattr(linear_module, "packed_linear", lambda x, weight, bias=None: F.linear(x, weight, bias))
     return calls
 
 
 LARGE = (FEW_ROWS_MIN_WEIGHT // 64, 64)
 
 
-@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, taken", [
-    (2, LARGE, torch.float32, True, True),
-    (FEW_ROWS_MAX, LARGE, torch.float32, True, True),
-    (1, LARGE, torch.float32, True, False),                 # one row: MKL is as fast
-    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, False),  # MKL catches up
-    (4, (LARGE[0] // 2, 64), torch.float32, True, False),   # a small weight: the call costs more than it saves
-    (4, LARGE, torch.float64, True, False),
-    (4, LARGE, torch.float32, False, False),                # strided rows
+@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, float32_packs, taken", [
+    (2, LARGE, torch.float32, True, False, True),
+    (FEW_ROWS_MAX, LARGE, torch.float32, True, False, True),
+    (1, LARGE, torch.float32, True, False, False),                 # one row: MKL is as fast
+    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, False, False),  # MKL catches up
+    (4, (LARGE[0] // 2, 64), torch.float32, True, False, False),   # a small weight: the call costs more than it saves
+    (4, LARGE, torch.float64, True, False, False),
+    (4, LARGE, torch.float32, False, False, False),                # strided rows
+    (1, LARGE, torch.float32, True, True, True),     # where float32 packs: one row reads faster here than packed
+    (2, LARGE, torch.float32, True, True, False),    # from two rows the pack
+    (1, (LARGE[0] // 2, 64), torch.float32, True, True, False),
 ])
-def test_linear_sends_the_kernel_only_what_it_is_for(kernel_calls, rows, weight_shape, dtype, contiguous, taken):
+def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, rows, weight_shape, dtype, contiguous,
+                                                     float32_packs, taken):
+    monkeypatch.setattr(linear_module, "_f32_packing", float32_packs)
     weight = torch.randn(*weight_shape, dtype=dtype) / 8
     x = torch.randn(rows, 128, dtype=dtype)[:, :64] if not contiguous else torch.randn(rows, 64, dtype=dtype)
     out = linear(x, weight)

@@ -22,6 +22,7 @@ def onednn_calls(monkeypatch):
         return F.linear(x, weight, bias)
 
     monkeypatch.setattr(linear_module, "_onednn", recorder)
+    monkeypatch.setattr(linear_module, "_f32_packing", False)   # a CPU whose float32 products stay with MKL
     return calls
 
 

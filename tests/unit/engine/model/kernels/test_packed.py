@@ -1,6 +1,7 @@
-"""bfloat16 products through oneDNN's packed weight (a CPU with bfloat16 units): the row buckets, agreement with
-`F.linear` summed in float32 and rounded once, a pack per view of a weight, a new pack after an in-place write, and
-`linear` / `plain_linear` sending every bfloat16 product there and no other."""
+"""Products through oneDNN's packed weight: the row buckets; bfloat16 (a CPU with bfloat16 units) agreeing with
+`F.linear` summed in float32 and rounded once, float32 (a CPU whose MKL runs generic code) agreeing with `F.linear`;
+a pack per view of a weight, a new pack after an in-place write; `linear` / `plain_linear` sending every bfloat16
+product there, and float32 ones only where float32 packs pay."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.packed_bf16 import (EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
-                                                       TINY_WORK, packed_linear, packing_works, row_bucket)
+from hybridpd.engine.model.kernels.packed import (EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX, TINY_WORK,
+                                                  float32_packs_pay, packed_linear, packing_works, row_bucket)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
+needs_float32_packing = pytest.mark.skipif(not packing_works(torch.float32),
+                                           reason="this torch build packs no float32 weights")
 
 
 @pytest.mark.parametrize("rows, bucket", [
@@ -109,8 +112,9 @@ def test_every_bfloat16_product_takes_the_pack(monkeypatch, product, rows):
 
 
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
-def test_float32_and_cpus_without_units_never_pack(monkeypatch, product):
+def test_float32_where_mkl_is_intels_and_cpus_without_units_never_pack(monkeypatch, product):
     monkeypatch.setattr(linear_module, "packed_linear", lambda *a: pytest.fail("packed a product"))
+    monkeypatch.setattr(linear_module, "_f32_packing", False)
     weight = torch.randn(48, 32)
     product(torch.randn(4, 32), weight)
     monkeypatch.setattr(linear_module, "_bf16_units", False)
@@ -118,3 +122,41 @@ def test_float32_and_cpus_without_units_never_pack(monkeypatch, product):
     product(torch.randn(4, 32).to(BF16), weight.to(BF16))
 
 
+
+
+@pytest.mark.parametrize("vendor, pays", [
+    ("GenuineIntel", False), ("AuthenticAMD", True), ("HygonGenuine", True), ("", False),
+])
+def test_float32_packs_where_mkl_runs_generic_code(vendor, pays):
+    assert float32_packs_pay(vendor) is pays
+
+
+@needs_float32_packing
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 65, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_agrees_with_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(640, 80, generator=gen) / 80 ** 0.5   # through oneDNN from 11 rows, below through MKL
+    x = torch.randn(rows, 80, generator=gen)
+    bias = torch.randn(640, generator=gen) if with_bias else None
+    out = packed_linear(x, weight, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 640)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert bool(getattr(weight, PACKS_ATTRIBUTE, None)) is (rows * weight.numel() > TINY_WORK)
+
+
+@needs_float32_packing
+@pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+def test_float32_products_take_the_pack_where_it_pays(monkeypatch, product, rows):
+    monkeypatch.setattr(linear_module, "_f32_packing", True)
+    taken: list[int] = []
+
+    def record(x, weight, bias=None):
+        taken.append(x.shape[0])
+        return packed_linear(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "packed_linear", record)
+    weight, x = torch.randn(48, 32), torch.randn(rows, 32)
+    torch.testing.assert_close(product(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert taken == [rows]

@@ -1,4 +1,5 @@
-"""bfloat16 products on a CPU with bfloat16 units: through oneDNN with the weight packed once.
+"""Products through oneDNN with the weight packed once: bfloat16 on a CPU with bfloat16 units, and float32 on a CPU
+whose MKL runs its generic code (not Intel's: `float32_packs_pay`).
 
 There torch's own bfloat16 `F.linear` runs on oneDNN but hands it the weight as stored, which oneDNN reorders into
 its blocked layout inside every call: at a decode step's few rows that reorder is most of the product. Measured on
@@ -6,6 +7,12 @@ an Intel Xeon with AMX and AVX512-BF16 (benchmarks/README.md), one thread, 60 we
 the L3): torch's product read them at 7.9 / 7.0 / 5.8 / 4.3 GB/s at 1 / 8 / 16 / 32 rows, no faster than float32's
 at one row (the machine copies at ~10-11 GB/s); with the weight packed beforehand (`_reorder_linear_weight`) and
 multiplied by `_linear_pointwise`, 12.3 / 11.8 / 11.1 / 8.6 GB/s.
+
+float32's products go to MKL (`F.linear`), which picks its code by the CPU's maker: on an AMD EPYC with AVX-512
+(Zen 5, benchmarks/README.md), one thread, granite-350m's 136 projections took 2.2-3.3x as long through MKL as through
+the packed weight from 2 rows up (at 512 rows 2,417 against 1,054 ms, 8 rows 97 against 41), and 1.3x at one row
+(where the few-rows kernel reads faster still); MKL read at 5-20 GB/s where the machine reads 40. On Intel's CPUs
+MKL's float32 products were measured at the machine's read rate (benchmarks/README.md) and stay.
 
 oneDNN builds (and caches) a primitive, with scratch memory, for every row count it meets, and a process that meets
 every count grows without bound: torch's own bfloat16 products over 1,200 random row counts of 65-2,048 (a server's
@@ -16,19 +23,19 @@ rows zeros: at most 22 counts up to 64 rows and one per 64 rows above, per weigh
 buckets of 64 held the process at +259 MB from the 300th on. Past 64 rows the padding costs at most 63 rows'
 arithmetic; the packed products ran at 0.9-1.4x torch's rate there (100-2,048 rows).
 
-A small product pays oneDNN's fixed cost per call instead, ~20 us on the same CPU: a 128 x 128 weight at one row
-took 20 us packed against 10 as a float32 copy through MKL with both conversions, a 776 x 128 one 24 against 17; at
-8 rows a 512 x 128 one was even (24 and 24), a 584 x 128 one 29 against 31. So a product of at most TINY_WORK
-rows x weight elements multiplies as a float32 copy of the weight, through MKL, the result rounded once to bfloat16
-as oneDNN's is.
+A small product pays oneDNN's fixed cost per call instead, ~20 us on the Xeon (~11 on the EPYC): a 128 x 128
+bfloat16 weight at one row took 20 us packed against 10 as a float32 copy through MKL with both conversions, a
+776 x 128 one 24 against 17; at 8 rows a 512 x 128 one was even (24 and 24), a 584 x 128 one 29 against 31. So a
+product of at most TINY_WORK rows x weight elements multiplies through MKL: a bfloat16 one as a float32 copy of the
+weight, the result rounded once to bfloat16 as oneDNN's is, a float32 one as it is (small-vllm's projections at 16
+rows took as long either way on the EPYC, at 4 rows 1.7x as long packed).
 
 The packs live on the weight they come from (an attribute of its base tensor, so a view of a weight, such as the
 gate's rows of a fused projection, has its own), made at the first product and made again when the weight was
 written in place (its version counter moved): a reloaded weight never multiplies through a stale pack. They cost
-the weight's bytes once more (granite-350m: 497 MB of packs for 505 MB of weights; a fused projection is one product,
-not two halves, which would need 330 MB more); a granite-350m engine in bfloat16 held
-2.7 GB after serving against 1.9 without packs (measured). The plain weights stay for the compiled kernels and the
-other dtypes' paths.
+the weight's bytes once more (granite-350m: 497 MB of packs for 505 MB of weights in bfloat16; a fused projection is
+one product, not two halves, which would need 330 MB more); a granite-350m engine in bfloat16 held 2.7 GB after
+serving against 1.9 without packs (measured). The plain weights stay for the compiled kernels and the other paths.
 """
 
 from __future__ import annotations
@@ -54,8 +61,9 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def packing_works() -> bool:
-    """Whether this torch build packs and multiplies a bfloat16 weight through oneDNN (it needs bfloat16 units)."""
+def packing_works(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch build packs and multiplies a `dtype` weight through oneDNN (bfloat16 needs bfloat16
+    units)."""
     if not torch.backends.mkldnn.is_available():
         return False
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -63,11 +71,18 @@ def packing_works() -> bool:
     if reorder is None or multiply is None:
         return False
     try:
-        weight = torch.ones(4, 8, dtype=torch.bfloat16)
-        out = multiply(torch.ones(1, 8, dtype=torch.bfloat16), reorder(weight, 1), None, "none", [], "")
+        weight = torch.ones(4, 8, dtype=dtype)
+        out = multiply(torch.ones(1, 8, dtype=dtype), reorder(weight, 1), None, "none", [], "")
     except RuntimeError:
         return False
     return out.shape == (1, 4) and bool((out == 8).all())
+
+
+def float32_packs_pay(vendor: str) -> bool:
+    """Whether float32 products should go through packs on a CPU of this maker (/proc/cpuinfo's `vendor_id`): MKL
+    runs Intel's own at the machine's read rate and others through slower generic code (module docstring). An
+    unknown maker (another OS) keeps MKL."""
+    return vendor not in ("GenuineIntel", "")
 
 
 @dataclass(frozen=True)
@@ -80,8 +95,8 @@ PackKey = tuple[bool, int, tuple[int, ...], tuple[int, ...]]
 
 
 def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
-    """The pack of a 2-D bfloat16 `weight` (a view included): oneDNN's packed copy, or with `widened` a float32 copy;
-    made at the first call and again after the weight was written in place."""
+    """The pack of a 2-D `weight` (a view included): oneDNN's packed copy, or with `widened` (bfloat16) a float32
+    copy; made at the first call and again after the weight was written in place."""
     base = weight if weight._base is None else weight._base
     packs: dict[PackKey, Pack] | None = getattr(base, PACKS_ATTRIBUTE, None)
     if packs is None:
@@ -97,11 +112,13 @@ def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` of a [T, K] bfloat16 `x` (T >= 1) by a 2-D bfloat16 weight, through its pack
-    (T rounded up to its bucket with zero rows, which are cut off the result), or a small weight's few rows through
-    its float32 copy."""
+    """`F.linear` of a [T, K] `x` (T >= 1) by a 2-D weight of its dtype (bfloat16 or float32), through the weight's
+    pack (T rounded up to its bucket with zero rows, which are cut off the result), or a small product through MKL
+    (a bfloat16 weight's float32 copy)."""
     rows = x.shape[0]
     if rows * weight.numel() <= TINY_WORK:
+        if x.dtype == torch.float32:
+            return F.linear(x, weight, bias)
         return F.linear(x.float(), _pack_of(weight, widened=True),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     bucket = row_bucket(rows)
