@@ -126,7 +126,7 @@ class Handlers:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
-            asked = parse_responses_request(body, self._engine, self._config.served_model_name,
+            asked = parse_responses_request(body, self._engine, self._config.model_names,
                                             self._config.tool_parsing, self._config.templating)
             return await self._serve(request, asked.parsed, span,
                                      lambda parsed: self._response_answers(replace(asked, parsed=parsed)))
@@ -136,7 +136,7 @@ class Handlers:
         with self._admission.admit(), self._tracer.span("node request", carrier_of(request.headers)) as span:
             body = await read_json_object(request)
             self._authorize(request, body)
-            parsed = parse_messages_request(body, self._engine, self._config.served_model_name,
+            parsed = parse_messages_request(body, self._engine, self._config.model_names,
                                             self._config.tool_parsing, self._config.templating,
                                             merge_inline_system=self._merges_inline_system())
             return await self._serve(request, parsed, span, self._message_answers)
@@ -144,7 +144,7 @@ class Handlers:
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's `/v1/messages/count_tokens`: the prompt's tokens (`context_management` as vLLM adds it)."""
         body = await read_json_object(request)
-        count = count_tokens(body, self._engine, self._config.served_model_name, self._config.templating,
+        count = count_tokens(body, self._engine, self._config.model_names, self._config.templating,
                              merge_inline_system=self._merges_inline_system())
         return web.json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})
 
@@ -167,7 +167,7 @@ class Handlers:
             body = await read_json_object(request)
             self._authorize(request, body)
             requests = [self._server_defaults(parsed) for parsed in parse_choices(
-                body, endpoint, self._engine, self._config.served_model_name, self._config.tool_parsing,
+                body, endpoint, self._engine, self._config.model_names, self._config.tool_parsing,
                 self._config.templating)]
             if len(requests) > 1:
                 return await self._choices(request, requests, span)
@@ -278,17 +278,17 @@ class Handlers:
         return web.json_response(body, dumps=_dumps, headers={CACHED_TOKENS_HEADER: str(cached)})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(models_response(self._engine, self._config.served_model_name, self._created))
+        return web.json_response(models_response(self._engine, self._config.model_names, self._created))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        asked = parse_tokenize_request(body, self._engine, self._config.served_model_name, self._config.templating)
+        asked = parse_tokenize_request(body, self._engine, self._config.model_names, self._config.templating)
         strings = self._engine.tokenizer.token_strings(asked.tokens) if asked.token_strs else None
         return web.json_response(tokenize_response(asked.tokens, strings, self._engine.max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        tokens = parse_detokenize_request(body, self._engine, self._config.served_model_name)
+        tokens = parse_detokenize_request(body, self._engine, self._config.model_names)
         return web.json_response({"prompt": self._engine.tokenizer.decode(tokens, skip_special_tokens=False)})
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:

@@ -88,7 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8100)
-    http.add_argument("--served-model-name", default=None, help="the model name in the API (default: the dir name)")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="the model's names in the API: answers and metrics carry the first, requests may give any "
+                           "(default: the dir's name, and the dir as given, as vLLM names a model by its --model)")
     http.add_argument("--shutdown-grace", type=float, default=10.0,
                       help="seconds to let running requests finish on SIGTERM before aborting them")
     http.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -216,6 +218,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"kv-events"}\'')
 
 
+def model_names(served: list[str] | None, model_dir: Path, given: Path | None) -> tuple[str, ...]:
+    """The model's names in the API, the one answers carry first: `--served-model-name`'s, or the checkpoint
+    directory's name and, where it differs, the directory as given (vLLM's name for a model served without the flag:
+    a client written for `vllm serve DIR` sends `"model": "DIR"`)."""
+    if served:
+        return tuple(dict.fromkeys(served))
+    return tuple(dict.fromkeys([model_dir.resolve().name, *([str(given)] if given is not None else [])]))
+
+
 def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], Path]) -> NodeConfigs:
     """The node's configs; `default_model_dir()` is called only when no MODEL_DIR was given.
 
@@ -258,10 +269,12 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
             ),
         )
         cluster_token = read_token(args)
+        names = model_names(args.served_model_name, model_dir, args.model_dir)
         server = ServerConfig(
             host=args.host,
             port=args.port,
-            served_model_name=args.served_model_name or Path(model_dir).resolve().name,
+            served_model_name=names[0],
+            model_aliases=names[1:],
             shutdown_grace=args.shutdown_grace,
             health_port=args.health_port,
             otlp_traces_endpoint=args.otlp_traces_endpoint,

@@ -20,7 +20,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
-    served_model_name: str
+    served_model_name: str           # the name answers and metrics carry
+    model_aliases: tuple[str, ...] = ()   # more names a request may give the model (listed in /v1/models too)
     shutdown_grace: float = 10.0
     health_port: int | None = None   # a plain-HTTP listener for /health alone (probes under mutual TLS)
     otlp_traces_endpoint: str | None = None   # OpenTelemetry traces (hybridpd/tracing.py); None: off
@@ -47,6 +48,11 @@ class ServerConfig:
     access_log_excluded: frozenset[str] = frozenset()   # paths left out of it
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give the model: the served name first."""
+        return (self.served_model_name, *self.model_aliases)
+
+    @property
     def scheme(self) -> str:
         return "https" if self.tls is not None else "http"
 
@@ -55,7 +61,7 @@ class ServerConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.health_port is not None and not 0 < self.health_port < 65536:
             raise ValueError(f"--health-port must be in [1, 65535], got {self.health_port}")
-        if not self.served_model_name:
+        if not self.served_model_name or not all(self.model_aliases):
             raise ValueError("--served-model-name must not be empty")
         if self.shutdown_grace < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace}")

@@ -8,6 +8,7 @@ Anything not listed is a bug on our side: 500 "internal error", logged with its 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 class ModelNotFoundError(NotFoundError):
     """The body names a model this node does not serve (404 `model_not_found`, like vLLM)."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.")
+    def __init__(self, model: str, served: Collection[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@ a count_tokens body -> the number of tokens of the prompt it describes. Errors n
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -32,23 +33,23 @@ def needs_system_first(tokenizer: Tokenizer) -> bool:
     return False
 
 
-def parse_messages_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+def parse_messages_request(body: dict[str, Any], engine: EngineClient, model_names: Collection[str],
                            tool_parsing: ToolParsing = ToolParsing(), templating: ChatTemplating = ChatTemplating(),
                            *, merge_inline_system: bool = False) -> ParsedRequest:
     chat = chat_body(body, merge_inline_system=merge_inline_system)
     try:
-        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing, templating)
+        parsed = parse_chat_request(chat, engine, model_names, tool_parsing, templating)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None
     return replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"msg_{uuid.uuid4().hex}"))
 
 
-def count_tokens(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+def count_tokens(body: dict[str, Any], engine: EngineClient, model_names: Collection[str],
                  templating: ChatTemplating = ChatTemplating(), *, merge_inline_system: bool = False) -> int:
     """The tokens of the prompt a Messages body with this conversation, tools and template inputs would have (the
     chat template's generation prompt included)."""
     try:
         tokenize = count_tokens_body(body, merge_inline_system=merge_inline_system)
-        return len(parse_tokenize_request(tokenize, engine, served_model_name, templating).tokens)
+        return len(parse_tokenize_request(tokenize, engine, model_names, templating).tokens)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None

@@ -23,6 +23,8 @@ A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that samplin
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import enum
 import time
 import uuid
@@ -118,10 +120,11 @@ class ParsedRequest:
         return self.engine_request.sampling.logprobs is not None
 
 
-def check_model(fields: Fields, served_model_name: str) -> None:
+def check_model(fields: Fields, model_names: Collection[str]) -> None:
+    """A body's `model`, when it names one, must be one of the node's names (`ServerConfig.model_names`)."""
     model = fields.optional_str("model")
-    if model is not None and model != served_model_name:
-        raise ModelNotFoundError(model)
+    if model is not None and model not in model_names:
+        raise ModelNotFoundError(model, model_names)
 
 
 def _token_ids(value: list[Any], vocab_size: int, param: str) -> tuple[int, ...]:
@@ -307,9 +310,9 @@ def _common(f: Fields, endpoint: Endpoint, prompt: tuple[int, ...], *, max_token
     )
 
 
-def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> ParsedRequest:
+def parse_completion_request(body: dict[str, Any], engine: EngineClient, model_names: Collection[str]) -> ParsedRequest:
     f = Fields(body)
-    check_model(f, served_model_name)
+    check_model(f, model_names)
     echoes = f.bool("echo", False)
     logprobs = f.optional_int("logprobs", minimum=0, maximum=MAX_LOGPROBS)
     given_prompt = parse_prompt(f.raw("prompt"), engine, f.bool("add_special_tokens", True))
@@ -327,11 +330,11 @@ def parse_completion_request(body: dict[str, Any], engine: EngineClient, served_
     return _common(f, Endpoint.COMPLETIONS, prompt, max_tokens=budget, logprobs=logprobs, engine=engine, echo=echo)
 
 
-def parse_chat_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+def parse_chat_request(body: dict[str, Any], engine: EngineClient, model_names: Collection[str],
                        tool_parsing: ToolParsing = ToolParsing(),
                        templating: ChatTemplating = ChatTemplating()) -> ParsedRequest:
     f = Fields(body)
-    check_model(f, served_model_name)
+    check_model(f, model_names)
     top_logprobs = f.optional_int("top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
     wants_logprobs = f.bool("logprobs", False)
     if top_logprobs is not None and not wants_logprobs:
@@ -376,13 +379,13 @@ class TokenizeRequest:
     token_strs: bool   # the answer also names each token (`return_token_strs`)
 
 
-def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, model_names: Collection[str],
                            templating: ChatTemplating = ChatTemplating()) -> TokenizeRequest:
     """vLLM's `/tokenize`: a prompt string (special tokens added unless `add_special_tokens` is false) or chat
     messages (rendered as a chat request renders them: `add_generation_prompt`, `continue_final_message`, `tools`;
     no special tokens beyond the template's unless `add_special_tokens`)."""
     f = Fields(body)
-    check_model(f, served_model_name)
+    check_model(f, model_names)
     token_strs = f.bool("return_token_strs", False)
     if f.raw("messages") is not None:
         tokens = chat_prompt(parse_messages(f.raw("messages")), engine, f,
@@ -396,10 +399,10 @@ def parse_tokenize_request(body: dict[str, Any], engine: EngineClient, served_mo
     return TokenizeRequest(tuple(engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), token_strs)
 
 
-def parse_detokenize_request(body: dict[str, Any], engine: EngineClient, served_model_name: str) -> tuple[int, ...]:
+def parse_detokenize_request(body: dict[str, Any], engine: EngineClient, model_names: Collection[str]) -> tuple[int, ...]:
     """vLLM's `/detokenize`: `tokens`, ids of the model's vocabulary (an empty list decodes to "")."""
     f = Fields(body)
-    check_model(f, served_model_name)
+    check_model(f, model_names)
     tokens = f.raw("tokens")
     if not isinstance(tokens, list):
         raise InvalidRequestError("tokens must be a list of token ids", "tokens")
@@ -417,7 +420,7 @@ def invoked_endpoint(body: dict[str, Any]) -> Endpoint:
                               "(with messages) or a completions body (with prompt)")
 
 
-def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient, served_model_name: str,
+def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient, model_names: Collection[str],
                   tool_parsing: ToolParsing = ToolParsing(),
                   templating: ChatTemplating = ChatTemplating()) -> list[ParsedRequest]:
     """A body's engine requests: one, or one per choice when it asks for several (`n` > 1, several prompts)."""
@@ -427,8 +430,8 @@ def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient
 
     def parse(one: dict[str, Any]) -> ParsedRequest:
         if endpoint is Endpoint.COMPLETIONS:
-            return parse_completion_request(one, engine, served_model_name)
-        return parse_chat_request(one, engine, served_model_name, tool_parsing, templating)
+            return parse_completion_request(one, engine, model_names)
+        return parse_chat_request(one, engine, model_names, tool_parsing, templating)
     if n == 1 and prompts is None:
         return [parse(body)]
     if f.raw("kv_transfer_params") is not None:

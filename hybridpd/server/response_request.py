@@ -10,6 +10,7 @@ sets one). Errors name the Responses field (`input`, not `messages[0]`).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,7 +52,7 @@ def _checked(f: Fields) -> None:
         raise f.fail("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}")
 
 
-def parse_responses_request(body: dict[str, Any], engine: EngineClient, served_model_name: str,
+def parse_responses_request(body: dict[str, Any], engine: EngineClient, model_names: Collection[str],
                             tool_parsing: ToolParsing = ToolParsing(),
                             templating: ChatTemplating = ChatTemplating()) -> ResponsesRequest:
     f = Fields(body)
@@ -60,7 +61,7 @@ def parse_responses_request(body: dict[str, Any], engine: EngineClient, served_m
     if chat.get("tools") and chat.get("tool_choice", "auto") == "auto" and not tool_parsing.auto:
         chat["tool_choice"] = "none"
     try:
-        parsed = parse_chat_request(chat, engine, served_model_name, tool_parsing, templating)
+        parsed = parse_chat_request(chat, engine, model_names, tool_parsing, templating)
     except InvalidRequestError as exc:
         raise _renamed(exc) from None
     parsed = replace(parsed, engine_request=replace(parsed.engine_request, request_id=f"resp_{uuid.uuid4().hex}"))

@@ -167,15 +167,17 @@ def choices_response(requests: Sequence[ParsedRequest], finals: Sequence[FinalOu
     return {**body, "kv_transfer_params": None}
 
 
-def models_response(engine: EngineClient, model: str, created: int) -> dict[str, Any]:
+def models_response(engine: EngineClient, names: Sequence[str], created: int) -> dict[str, Any]:
+    """/v1/models: a card for each of the model's names, the served one first (as vLLM lists its served names)."""
     return {
         "object": "list",
         "data": [
             {
-                "id": model, "object": "model", "created": created, "owned_by": "hybridpd", "root": model,
+                "id": name, "object": "model", "created": created, "owned_by": "hybridpd", "root": names[0],
                 "parent": None, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                 "permission": [],
             }
+            for name in names
         ],
     }
 
