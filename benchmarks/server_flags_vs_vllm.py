@@ -13,6 +13,8 @@ Not a speed figure: an agreement check. Both serve `--preset`'s checkpoint in fl
 - SageMaker's `/invocations` with a chat body, a completions body and a body for neither; `/ping` (GET, POST),
   `/version` (has one), `/load` (idle);
 - `X-Request-Id` on answers (the request's own echoed, one made up otherwise);
+- the model named by the directory both were given (vLLM's served name without `--served-model-name`), and by
+  another name (refused: the status, the error's type and the start of its message);
 - CORS: preflights from the allowed origin and another, and a request from the allowed origin (the status and every
   `Access-Control-*` header).
 
@@ -70,8 +72,9 @@ def chat_view(status: int, raw: bytes) -> dict[str, Any]:
             "usage": [answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]]}
 
 
-def cases(model: str) -> dict[str, tuple[str, str, Any, dict[str, str], Any]]:
-    """name -> (method, path, body, headers, what of the answer is compared: a function of (status, headers, raw))."""
+def cases(model: str, model_dir: str) -> dict[str, tuple[str, str, Any, dict[str, str], Any]]:
+    """name -> (method, path, body, headers, what of the answer is compared: a function of (status, headers, raw));
+    `model`: the side's served name, `model_dir`: the directory both serve, as given to both."""
     chat = {"model": model, "messages": USER, "max_tokens": 4, "temperature": 0}
     cors = ("access-control-allow-origin", "access-control-allow-methods", "access-control-allow-headers",
             "access-control-allow-credentials", "access-control-max-age")
@@ -106,6 +109,10 @@ def cases(model: str) -> dict[str, tuple[str, str, Any, dict[str, str], Any]]:
         given = {k.lower(): v for k, v in headers.items()}.get("x-request-id")
         return {"status": status, "echoed": given == "rid-1"}
 
+    def error_kind(status, headers, raw):
+        error = json.loads(raw).get("error") or {}
+        return {"status": status, "type": error.get("type"), "starts": str(error.get("message"))[:28]}
+
     def made_id(status, headers, raw):
         return {"status": status, "has_id": bool({k.lower(): v for k, v in headers.items()}.get("x-request-id"))}
 
@@ -126,6 +133,12 @@ def cases(model: str) -> dict[str, tuple[str, str, Any, dict[str, str], Any]]:
         "invocations_completion": ("POST", "/invocations", {"model": model, "prompt": "Caches are",
                                                             "max_tokens": 4, "temperature": 0}, {}, object_kind),
         "invocations_neither": ("POST", "/invocations", {"model": model, "input": "x"}, {}, status_only),
+        "completion_naming_the_model_dir": ("POST", "/v1/completions", {"model": model_dir, "prompt": "Caches are",
+                                                                         "max_tokens": 4, "temperature": 0}, {},
+                                            object_kind),
+        "completion_naming_another_model": ("POST", "/v1/completions", {"model": f"{model_dir}-other",
+                                                                         "prompt": "Caches are", "max_tokens": 4},
+                                            {}, error_kind),
         "ping_get": ("GET", "/ping", None, {}, status_only),
         "ping_post": ("POST", "/ping", None, {}, status_only),
         "version": ("GET", "/version", None, {}, version),
@@ -152,12 +165,13 @@ def main() -> int:
              "--response-role", "model", "--enable-force-include-usage", "--enable-server-load-tracking",
              "--enable-request-id-headers", "--sse-keep-alive-interval", "5", "--allowed-origins", f'["{SITE}"]']
     differing = []
-    with both_served(model_dir_of(args.preset), args.venv, flags, flags) as sides:
-        names = list(cases(""))
+    model_dir = model_dir_of(args.preset)
+    with both_served(model_dir, args.venv, flags, flags) as sides:
+        names = list(cases("", ""))
         for name in names:
             views = {}
             for side, (url, model) in sides.items():
-                method, path, body, headers, view = cases(model)[name]
+                method, path, body, headers, view = cases(model, str(model_dir))[name]
                 views[side] = view(*call(url, method, path, body, headers))
             print(json.dumps({"case": name, **views}), flush=True)
             if views["ours"] != views["vllm"]:

@@ -19,9 +19,13 @@ every count grows without bound: torch's own bfloat16 products over 1,200 random
 prefill steps) on granite-350m's four projection shapes grew it by 2.3-2.4 GB and still growing (with or without
 the glibc settings of host_memory.py; with oneDNN's cache capped at 8 primitives still 1.3 GB). So every count is
 rounded up to a bucket (`row_bucket`: exact up to 16 rows, then multiples of 8 up to 64, then of 64), the padding
-rows zeros: at most 22 counts up to 64 rows and one per 64 rows above, per weight shape; the same 1,200 steps in
-buckets of 64 held the process at +259 MB from the 300th on. Past 64 rows the padding costs at most 63 rows'
-arithmetic; the packed products ran at 0.9-1.4x torch's rate there (100-2,048 rows).
+rows zeros; the same 1,200 steps in buckets of 64 held the process at +259 MB from the 300th on. A primitive costs
+~0.6 MB whatever the weight's shape (measured on the EPYC with AVX-512, float32 and bfloat16 alike), so buckets of
+64 up to a step's 2,048 rows still came to ~54 primitives and ~30 MB per weight shape, more with a larger
+`--max-num-batched-tokens`. So more than CHUNK_ROWS rows are multiplied CHUNK_ROWS at a time (the last chunk in its
+bucket): at most 25 row counts per weight shape whatever the step's size. Past 64 rows the padding costs at most 63
+rows' arithmetic; the packed products ran at 0.9-1.4x torch's rate there (100-2,048 rows), and a product of 1,000 or
+2,048 rows took 1.02-1.05x as long in chunks of 256 as whole (granite-350m's shapes, the EPYC).
 
 A small product pays oneDNN's fixed cost per call instead, ~20 us on the Xeon (~11 on the EPYC): a 128 x 128
 bfloat16 weight at one row took 20 us packed against 10 as a float32 copy through MKL with both conversions, a
@@ -50,11 +54,14 @@ EXACT_ROWS_MAX = 16
 ROW_STEP = 8
 SMALL_ROWS_MAX = 64
 LARGE_ROW_STEP = 64
+CHUNK_ROWS = 256   # more rows are multiplied this many at a time
 PACKS_ATTRIBUTE = "_hybridpd_bf16_packs"
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a product of `rows` rows runs at (the rest zeros)."""
+    """The row count a product of `rows` (at most CHUNK_ROWS) rows runs at (the rest zeros)."""
+    if not 0 < rows <= CHUNK_ROWS:
+        raise ValueError(f"a bucket holds 1 to {CHUNK_ROWS} rows, not {rows}")
     if rows <= EXACT_ROWS_MAX:
         return rows
     step = ROW_STEP if rows <= SMALL_ROWS_MAX else LARGE_ROW_STEP
@@ -113,18 +120,30 @@ def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of a [T, K] `x` (T >= 1) by a 2-D weight of its dtype (bfloat16 or float32), through the weight's
-    pack (T rounded up to its bucket with zero rows, which are cut off the result), or a small product through MKL
-    (a bfloat16 weight's float32 copy)."""
+    pack (CHUNK_ROWS rows at a time, the last chunk rounded up to its bucket with zero rows, which are cut off the
+    result), or a small product through MKL (a bfloat16 weight's float32 copy)."""
     rows = x.shape[0]
     if rows * weight.numel() <= TINY_WORK:
         if x.dtype == torch.float32:
             return F.linear(x, weight, bias)
         return F.linear(x.float(), _pack_of(weight, widened=True),
                         None if bias is None else bias.float()).to(torch.bfloat16)
+    pack = _pack_of(weight, widened=False)
+    if rows <= CHUNK_ROWS:
+        return _bucketed(x, pack, bias)
+    out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+    for start in range(0, rows, CHUNK_ROWS):
+        out[start : start + CHUNK_ROWS] = _bucketed(x[start : start + CHUNK_ROWS], pack, bias)
+    return out
+
+
+def _bucketed(x: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T <= CHUNK_ROWS, K] by a packed weight, T padded with zero rows to its bucket."""
+    rows = x.shape[0]
     bucket = row_bucket(rows)
     if bucket != rows:
         padded = x.new_zeros((bucket, x.shape[1]))
         padded[:rows] = x
         x = padded
-    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), _pack_of(weight, widened=False), bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), pack, bias, "none", [], "")
     return out if bucket == rows else out[:rows]

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.packed import (EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX, TINY_WORK,
-                                                  float32_packs_pay, packed_linear, packing_works, row_bucket)
+from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
+                                                  TINY_WORK, float32_packs_pay, packed_linear, packing_works,
+                                                  row_bucket)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -20,16 +21,40 @@ needs_float32_packing = pytest.mark.skipif(not packing_works(torch.float32),
 
 
 @pytest.mark.parametrize("rows, bucket", [
-    (1, 1), (7, 7), (16, 16), (17, 24), (24, 24), (25, 32), (63, 64), (64, 64), (65, 128), (128, 128), (2000, 2048),
+    (1, 1), (7, 7), (16, 16), (17, 24), (24, 24), (25, 32), (63, 64), (64, 64), (65, 128), (128, 128), (200, 256),
+    (256, 256),
 ])
 def test_row_buckets(rows, bucket):
     assert row_bucket(rows) == bucket
 
 
-def test_a_bounded_number_of_row_counts_reach_onednn():
-    buckets = [row_bucket(rows) for rows in range(1, 4097)]
-    assert len(set(buckets)) == EXACT_ROWS_MAX + (SMALL_ROWS_MAX - EXACT_ROWS_MAX) // 8 + (4096 - SMALL_ROWS_MAX) // 64
-    assert all(rows <= bucket < rows + 64 for rows, bucket in enumerate(buckets, start=1))
+@pytest.mark.parametrize("rows", [0, CHUNK_ROWS + 1])
+def test_a_bucket_holds_at_most_a_chunk(rows):
+    with pytest.raises(ValueError, match="a bucket holds"):
+        row_bucket(rows)
+
+
+@needs_packing
+def test_a_bounded_number_of_row_counts_reach_onednn(monkeypatch):
+    """Every step size up to 4,096 rows meets at most 25 row counts per weight: chunks of CHUNK_ROWS, the last one in
+    its bucket (each bucket within 64 rows of what it holds)."""
+    seen: list[int] = []
+    multiply = torch.ops.mkldnn._linear_pointwise
+
+    class Recording:
+        _reorder_linear_weight = torch.ops.mkldnn._reorder_linear_weight
+
+        def _linear_pointwise(self, x, *rest):
+            seen.append(x.shape[0])
+            return multiply(x, *rest)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Recording())
+    weight = _weight(TINY_WORK // 64, 64)    # every product of 2 rows or more through the pack
+    for rows in (*range(2, 300), 511, 512, 513, 1000, 2048, 4096):
+        x = torch.randn(rows, 64).to(BF16)
+        _assert_rounds_alike(packed_linear(x, weight), _reference(x, weight, None))
+    assert len(set(seen)) <= EXACT_ROWS_MAX + (SMALL_ROWS_MAX - EXACT_ROWS_MAX) // 8 + (CHUNK_ROWS - SMALL_ROWS_MAX) // 64
+    assert max(seen) == CHUNK_ROWS
 
 
 def _weight(outputs: int, inputs: int, seed: int = 0) -> torch.nn.Parameter:
