@@ -8,6 +8,7 @@ Anything not listed is a bug on our side: 500 "internal error", logged with its 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,16 @@ log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(NotFoundError):
-    """The body names a model this node does not serve (404 `model_not_found`, like vLLM)."""
+    """The body names a model this node does not serve (404 `model_not_found`): vLLM's message, the names the node
+    does serve included, with every absolute path in it shown as `<path>` (a model named by its directory is, and
+    vLLM keeps the server's paths out of its error messages too)."""
 
     def __init__(self, model: str, served: Collection[str]) -> None:
-        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
+        super().__init__(_ABSOLUTE_PATH.sub("<path>", f"The model `{model}` does not exist. Valid aliases: "
+                                                      f"{', '.join(served)}."))
+
+
+_ABSOLUTE_PATH = re.compile(r"/[\w.\-]+(?:/[\w.\-]+)+(?<!\.)")   # a sentence's full stop is not in it
 
 
 @dataclass(frozen=True, kw_only=True)
