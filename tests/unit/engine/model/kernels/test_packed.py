@@ -119,11 +119,9 @@ def test_a_weight_written_in_place_is_packed_again(rows, outputs):
     _assert_rounds_alike(packed_linear(x, weight), _reference(x, weight, None))
 
 
-@needs_packing
-@pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
-@pytest.mark.parametrize("rows", [1, 8, 64, 65, 300])
-def test_every_bfloat16_product_takes_the_pack(monkeypatch, product, rows):
-    monkeypatch.setattr(linear_module, "_bf16_units", True)
+@pytest.fixture
+def packed_rows(monkeypatch) -> list[int]:
+    """The row counts `linear` / `plain_linear` hand the packed product (which still computes them)."""
     taken: list[int] = []
 
     def record(x, weight, bias=None):
@@ -131,9 +129,17 @@ def test_every_bfloat16_product_takes_the_pack(monkeypatch, product, rows):
         return packed_linear(x, weight, bias)
 
     monkeypatch.setattr(linear_module, "packed_linear", record)
+    return taken
+
+
+@needs_packing
+@pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
+@pytest.mark.parametrize("rows", [1, 8, 64, 65, 300])
+def test_every_bfloat16_product_takes_the_pack(monkeypatch, packed_rows, product, rows):
+    monkeypatch.setattr(linear_module, "_bf16_units", True)
     weight, x = _weight(48, 32), torch.randn(rows, 32).to(BF16)
     _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
-    assert taken == [rows]
+    assert packed_rows == [rows]
 
 
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
@@ -173,15 +179,8 @@ def test_float32_agrees_with_f_linear(rows, with_bias):
 @needs_float32_packing
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
 @pytest.mark.parametrize("rows", [1, 8, 64, 300])
-def test_float32_products_take_the_pack_where_it_pays(monkeypatch, product, rows):
+def test_float32_products_take_the_pack_where_it_pays(monkeypatch, packed_rows, product, rows):
     monkeypatch.setattr(linear_module, "_f32_packing", True)
-    taken: list[int] = []
-
-    def record(x, weight, bias=None):
-        taken.append(x.shape[0])
-        return packed_linear(x, weight, bias)
-
-    monkeypatch.setattr(linear_module, "packed_linear", record)
     weight, x = torch.randn(48, 32), torch.randn(rows, 32)
     torch.testing.assert_close(product(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
-    assert taken == [rows]
+    assert packed_rows == [rows]
