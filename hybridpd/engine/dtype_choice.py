@@ -12,41 +12,39 @@ DTYPES = ("auto", "float32", "bfloat16")
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
+def cpuinfo_field(cpuinfo: str, *names: str) -> str | None:
+    """The first processor's value of the first field called one of `names` in /proc/cpuinfo's text (None: none)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in names:
+            return value.strip()
+    return None
+
+
 def cpu_flags(cpuinfo: str) -> frozenset[str]:
     """The flags of the first processor in /proc/cpuinfo's text (empty when it has none: another OS)."""
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset((cpuinfo_field(cpuinfo, "flags", "Features") or "").split())
+
+
+def _this_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def this_cpus_flags() -> frozenset[str]:
-    try:
-        return cpu_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return frozenset()
-
-
-def _cpuinfo_field(name: str) -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == name:
-                return value.strip()
-    except OSError:
-        pass
-    return None
+    return cpu_flags(_this_cpuinfo())
 
 
 def this_cpus_model() -> str:
     """The CPU's model name as /proc/cpuinfo gives it (what every benchmark report names its machine by)."""
-    return _cpuinfo_field("model name") or "unknown"
+    return cpuinfo_field(_this_cpuinfo(), "model name") or "unknown"
 
 
 def this_cpus_vendor() -> str:
     """The CPU's maker as /proc/cpuinfo gives it (`GenuineIntel`, `AuthenticAMD`), empty where it says none."""
-    return _cpuinfo_field("vendor_id") or ""
+    return cpuinfo_field(_this_cpuinfo(), "vendor_id") or ""
 
 
 def choose_dtype(requested: str, checkpoint_dtype: str, flags: frozenset[str]) -> tuple[str, str]:
