@@ -55,7 +55,7 @@ ROW_STEP = 8
 SMALL_ROWS_MAX = 64
 LARGE_ROW_STEP = 64
 CHUNK_ROWS = 256   # more rows are multiplied this many at a time
-PACKS_ATTRIBUTE = "_hybridpd_bf16_packs"
+PACKS_ATTRIBUTE = "_hybridpd_packs"
 
 
 def row_bucket(rows: int) -> int:
