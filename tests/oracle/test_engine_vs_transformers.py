@@ -104,15 +104,18 @@ def test_one_request(tiny):
     assert_drained(engine)
 
 
-@pytest.mark.parametrize("few_rows_kernel", [False, True])
-def test_eight_concurrent_requests_of_different_lengths(tiny, monkeypatch, few_rows_kernel):
-    """With `few_rows_kernel`, every projection of 2-8 rows goes through the few-rows kernel (on the tiny preset's
-    weights, which are below the size it is used for)."""
+@pytest.mark.parametrize("kernel", [None, "few_rows_linear", "one_row_linear"])
+def test_eight_concurrent_requests_of_different_lengths(tiny, monkeypatch, kernel):
+    """With a `kernel`, every projection it is for goes through it (on the tiny preset's weights, which are below the
+    sizes the kernels are used for): the few-rows kernel takes 2-8 rows where float32 does not pack, the one-row
+    kernel one row where it does (the rest then through the packed products)."""
     calls = []
-    if few_rows_kernel:
+    if kernel is not None:
         monkeypatch.setattr(linear_module, "FEW_ROWS_MIN_WEIGHT", 0)
-        kernel = linear_module.few_rows_linear
-        monkeypatch.setattr(linear_module, "few_rows_linear", lambda *a: calls.append(1) or kernel(*a))
+        monkeypatch.setattr(linear_module, "ONE_ROW_MIN_WEIGHT", 0)
+        monkeypatch.setattr(linear_module, "_f32_packing", kernel == "one_row_linear")
+        original = getattr(linear_module, kernel)
+        monkeypatch.setattr(linear_module, kernel, lambda *a: calls.append(1) or original(*a))
     model_dir, reference = tiny
     recorder = Recorder()
     engine = make_engine(model_dir, recorder)
@@ -120,7 +123,7 @@ def test_eight_concurrent_requests_of_different_lengths(tiny, monkeypatch, few_r
     outputs = run(engine, requests, max_tokens=6)
     check_against_reference(reference, requests, outputs, recorder)
     assert_drained(engine)
-    assert bool(calls) is few_rows_kernel
+    assert bool(calls) is (kernel is not None)
 
 
 def test_one_large_batched_prefill_step(tiny):

@@ -1,8 +1,10 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
 decode step's few rows times a large weight through the few-rows kernel (few_rows.py). In bfloat16 on a CPU without
 bfloat16 units, see `bf16_linear`; on one with them, every product goes through the weight packed for oneDNN
-(packed.py), as do float32's on a CPU whose MKL runs generic code (not Intel's), but for one row by a large weight
-(the few-rows kernel reads it faster there: 29 against 25 GB/s on the EPYC with AVX-512).
+(packed.py), as do float32's on a CPU whose MKL runs generic code (not Intel's), but for one row by a large weight:
+where products pack, that goes through the one-row kernel (few_rows.py), which reads the weight faster (on the EPYC
+with AVX-512 and bfloat16 units: 34-35 against the packed product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in
+float32).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -34,13 +36,16 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags, this_cpus_vendor
-from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16, one_row_linear
 from hybridpd.engine.model.kernels.packed import float32_packs_pay, packed_linear, packing_works
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
 FEW_ROWS_MAX = 8
 FEW_ROWS_MIN_WEIGHT = 2**20
+# One row by a weight of at least this many elements goes through the one-row kernel where products pack (below,
+# the packed product's call costs less: 5-9 against 9-10 us up to 256 x 256 on the EPYC with AVX-512).
+ONE_ROW_MIN_WEIGHT = 2**17
 # bfloat16 without bfloat16 units: up to this many rows the bfloat16 few-rows kernel (a small weight: from 2 rows).
 BF16_FEW_ROWS_MAX = 32
 BF16_FEW_ROWS_MAX_SMALL_WEIGHT = 16
@@ -107,6 +112,8 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
+    if _one_row(x, weight, bias):
+        return one_row_linear(x, weight, bias)
     if _packs(x, weight):
         return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -130,11 +137,13 @@ def packs_products(dtype: torch.dtype) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: bfloat16 on a CPU without bfloat16 units through `bf16_linear`;
-    a float32 product of a few rows by a large weight through the few-rows kernel (2..FEW_ROWS_MAX rows, or one row
-    where float32 products pack); a product whose dtype packs here through the packed weight; a float32 one of a
-    multiple of ONEDNN_ROWS rows through oneDNN; else MKL."""
+    one row by a large weight where its dtype's products pack through the one-row kernel; elsewhere a float32
+    product of 2..FEW_ROWS_MAX rows by a large weight through the few-rows kernel; a product whose dtype packs here
+    through the packed weight; a float32 one of a multiple of ONEDNN_ROWS rows through oneDNN; else MKL."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
+    if _one_row(x, weight, bias):
+        return one_row_linear(x, weight, bias)
     if _few_rows(x, weight, bias):
         return few_rows_linear(x, weight, bias)
     if _packs(x, weight):
@@ -145,8 +154,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _onednn(x, weight, bias, "none", [], "")
 
 
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.dim() == 2 and x.shape[0] == 1 and packs_products(x.dtype) and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.numel() >= ONE_ROW_MIN_WEIGHT and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype))
+
+
 def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    fewest, most = (1, 1) if _f32_packing else (2, FEW_ROWS_MAX)
-    return (fewest <= x.shape[0] <= most and x.dim() == 2 and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+    return (not _f32_packing and 2 <= x.shape[0] <= FEW_ROWS_MAX and x.dim() == 2
+            and weight.numel() >= FEW_ROWS_MIN_WEIGHT
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()
             and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))

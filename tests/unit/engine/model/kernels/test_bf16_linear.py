@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.few_rows import few_rows_linear_bf16
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear_bf16, one_row_linear
 from hybridpd.engine.model.kernels.linear import (BF16_FEW_ROWS_MAX, BF16_FEW_ROWS_MAX_SMALL_WEIGHT,
                                                   FEW_ROWS_MIN_WEIGHT, bf16_linear, linear, plain_linear,
                                                   widened_linear)
@@ -48,6 +48,12 @@ def test_agrees_with_f_linear_rounded_once(product, rows, inputs, outputs, with_
     _assert_rounds_alike(product(x, weight, bias), _reference(x, weight, bias))
 
 
+@pytest.mark.parametrize("inputs, outputs, with_bias", [(64, 40, False), (7, 5, True), (768, 130, True)])
+def test_one_row_agrees_with_f_linear_rounded_once(inputs, outputs, with_bias):
+    x, weight, bias = _case(1, inputs, outputs, with_bias)
+    _assert_rounds_alike(one_row_linear(x, weight, bias), _reference(x, weight, bias))
+
+
 def test_the_kernel_reads_bfloat16_bits_exactly():
     """Weights that are small integers times powers of two: every product and sum is exact in float32, so the
     kernel's result must equal the reference bit for bit (a wrong widening of the bits would not)."""
@@ -55,6 +61,7 @@ def test_the_kernel_reads_bfloat16_bits_exactly():
     weight = (torch.randint(-8, 8, (24, 40), generator=gen).float() * 2.0 ** -3).to(BF16)
     x = (torch.randint(-8, 8, (5, 40), generator=gen).float() * 2.0 ** 4).to(BF16)
     assert torch.equal(few_rows_linear_bf16(x, weight), _reference(x, weight, None))
+    assert torch.equal(one_row_linear(x[:1], weight), _reference(x[:1], weight, None))
 
 
 def test_the_widened_product_goes_a_slice_of_the_weight_at_a_time(monkeypatch):

@@ -1,6 +1,7 @@
 """The few-rows kernel: it agrees with `F.linear` to float32 rounding, a row's result does not depend on the rows
-beside it, and `linear` sends it only what it is for (2..FEW_ROWS_MAX float32 contiguous rows, a large weight; one
-row where float32 products pack)."""
+beside it, and `linear` sends it only what it is for (2..FEW_ROWS_MAX float32 contiguous rows, a large weight, where
+float32 products do not pack); the one-row kernel agrees too (in bfloat16: test_bf16_linear.py), and takes one row by
+a large weight where the row's dtype packs."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.few_rows import few_rows_linear
-from hybridpd.engine.model.kernels.linear import FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, linear
+from hybridpd.engine.model.kernels.few_rows import few_rows_linear, one_row_linear
+from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT, linear,
+                                                  plain_linear)
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
@@ -20,6 +22,18 @@ from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_lin
 ])
 def test_agrees_with_f_linear(rows, inputs, outputs, with_bias):
     check_agrees_with_f_linear(few_rows_linear, rows, inputs, outputs, with_bias)
+
+
+@pytest.mark.parametrize("inputs, outputs, with_bias", [(64, 40, False), (7, 5, True), (768, 130, True)])
+def test_one_row_agrees_with_f_linear(inputs, outputs, with_bias):
+    check_agrees_with_f_linear(one_row_linear, 1, inputs, outputs, with_bias)
+
+
+def test_the_one_row_kernel_takes_one_row_of_the_weights_dtype():
+    with pytest.raises(ValueError, match="not one row"):
+        one_row_linear(torch.zeros(2, 8), torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="bfloat16"):
+        one_row_linear(torch.zeros(1, 8), torch.zeros(3, 8, dtype=torch.bfloat16))
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
@@ -37,13 +51,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    calls: list[int] = []
+    """(kernel, rows) of each call `linear` hands a kernel ("few" or "one"; each still computes it)."""
+    calls: list[tuple[str, int]] = []
 
-    def recorder(x, weight, bias=None):
-        calls.append(x.shape[0])
-        return F.linear(x, weight, bias)
+    def recorder(name):
+        def record(x, weight, bias=None):
+            calls.append((name, x.shape[0]))
+            return F.linear(x, weight, bias)
+        return record
 
-    monkeypatch.setattr(linear_module, "few_rows_linear", recorder)
+    monkeypatch.setattr(linear_module, "few_rows_linear", recorder("few"))
+    monkeypatch.setattr(linear_module, "one_row_linear", recorder("one"))
     monkeypatch.setattr(linear_module, "packed_linear", lambda x, weight, bias=None: F.linear(x, weight, bias))
     return calls
 
@@ -51,26 +69,47 @@ def kernel_calls(monkeypatch):
 LARGE = (FEW_ROWS_MIN_WEIGHT // 64, 64)
 
 
-@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, float32_packs, taken", [
-    (2, LARGE, torch.float32, True, False, True),
-    (FEW_ROWS_MAX, LARGE, torch.float32, True, False, True),
-    (1, LARGE, torch.float32, True, False, False),                 # one row: MKL is as fast
-    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, False, False),  # MKL catches up
-    (4, (LARGE[0] // 2, 64), torch.float32, True, False, False),   # a small weight: the call costs more than it saves
-    (4, LARGE, torch.float64, True, False, False),
-    (4, LARGE, torch.float32, False, False, False),                # strided rows
-    (1, LARGE, torch.float32, True, True, True),     # where float32 packs: one row reads faster here than packed
-    (2, LARGE, torch.float32, True, True, False),    # from two rows the pack
-    (1, (LARGE[0] // 2, 64), torch.float32, True, True, False),
+BF16 = torch.bfloat16
+MIDDLE = (ONE_ROW_MIN_WEIGHT // 64, 64)
+SMALL = (ONE_ROW_MIN_WEIGHT // 128, 64)
+
+
+@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, packs, taken", [
+    (2, LARGE, torch.float32, True, False, "few"),
+    (FEW_ROWS_MAX, LARGE, torch.float32, True, False, "few"),
+    (1, LARGE, torch.float32, True, False, None),                 # one row: MKL is as fast
+    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, False, None),  # MKL catches up
+    (4, (LARGE[0] // 2, 64), torch.float32, True, False, None),   # a small weight: the call costs more than it saves
+    (4, LARGE, torch.float64, True, False, None),
+    (4, LARGE, torch.float32, False, False, None),                # strided rows
+    (1, LARGE, torch.float32, True, True, "one"),     # where products pack: one row reads faster here than packed
+    (2, LARGE, torch.float32, True, True, None),      # from two rows the pack
+    (1, MIDDLE, torch.float32, True, True, "one"),    # from ONE_ROW_MIN_WEIGHT elements
+    (1, SMALL, torch.float32, True, True, None),      # the packed product's call costs less
+    (1, LARGE, BF16, True, True, "one"),
+    (2, LARGE, BF16, True, True, None),
+    (1, MIDDLE, BF16, True, True, "one"),
+    (1, SMALL, BF16, True, True, None),
 ])
 def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, rows, weight_shape, dtype, contiguous,
-                                                     float32_packs, taken):
-    monkeypatch.setattr(linear_module, "_f32_packing", float32_packs)
-    weight = torch.randn(*weight_shape, dtype=dtype) / 8
-    x = torch.randn(rows, 128, dtype=dtype)[:, :64] if not contiguous else torch.randn(rows, 64, dtype=dtype)
+                                                     packs, taken):
+    monkeypatch.setattr(linear_module, "_f32_packing", packs)
+    monkeypatch.setattr(linear_module, "_bf16_packing", packs)
+    monkeypatch.setattr(linear_module, "_bf16_units", packs or linear_module._bf16_units)
+    weight = (torch.randn(*weight_shape) / 8).to(dtype)
+    x = (torch.randn(rows, 128)[:, :64] if not contiguous else torch.randn(rows, 64)).to(dtype)
     out = linear(x, weight)
-    assert kernel_calls == ([rows] if taken else [])
+    assert kernel_calls == ([(taken, rows)] if taken else [])
     torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("packs, taken", [(True, [("one", 1)]), (False, [])])
+def test_the_head_and_other_plain_products_take_the_one_row_kernel_where_products_pack(monkeypatch, kernel_calls,
+                                                                                      packs, taken):
+    monkeypatch.setattr(linear_module, "_f32_packing", packs)
+    weight, x = torch.randn(*LARGE) / 8, torch.randn(1, LARGE[1])
+    torch.testing.assert_close(plain_linear(x, weight), F.linear(x, weight))
+    assert kernel_calls == taken
 
 
 @pytest.mark.parametrize("x_shape, weight_shape, bias_shape", [((2, 5), (3, 6), None), ((2, 6), (3, 6), (4,))])
