@@ -15,8 +15,12 @@ from numba.extending import intrinsic, overload
 
 
 def kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` as the kernels take it: a bfloat16 tensor as its bits (uint16: the same memory and strides), else as is."""
-    return t.detach().view(torch.uint16) if t.dtype == torch.bfloat16 else t.detach()
+    """`t` as the kernels take it: a bfloat16 tensor as its bits (uint16: the same memory and strides), else as is
+    (detached only where it requires grad: a decode step makes ~1,000 of these calls, and a detach costs as much
+    as the view)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
 
 
 def kernel_array(t: torch.Tensor) -> np.ndarray:
