@@ -4,7 +4,7 @@ bfloat16 units, see `bf16_linear`; on one with them, every product goes through 
 (packed.py), as do float32's on a CPU whose MKL runs generic code (not Intel's), but for one row by a large weight:
 where products pack, that goes through the one-row kernel (few_rows.py), which reads the weight faster (on the EPYC
 with AVX-512 and bfloat16 units: 34-35 against the packed product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in
-float32).
+float32), but in bfloat16 on a CPU with AMX (`one_row_pays`).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -70,6 +70,7 @@ _onednn = _find_onednn()
 _bf16_units = bool(this_cpus_flags() & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
 _f32_packing = float32_packs_pay(this_cpus_vendor()) and packing_works(torch.float32)
+_amx = "amx_bf16" in this_cpus_flags()
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,8 +155,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _onednn(x, weight, bias, "none", [], "")
 
 
+def one_row_pays(dtype: torch.dtype) -> bool:
+    """Whether one row by a large weight of `dtype` goes through the one-row kernel rather than the packed product:
+    where the dtype's products pack, but for bfloat16 on a CPU with AMX, where a compiled loop of ours read a one-row
+    bfloat16 product at 7-8 GB/s against the packed product's 10-12.5 (the Xeon with AMX in benchmarks/README.md);
+    the one-row kernel was measured faster on the EPYC with AVX512-BF16 only."""
+    return packs_products(dtype) and not (dtype == torch.bfloat16 and _amx)
+
+
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and packs_products(x.dtype) and weight.dtype == x.dtype
+    return (x.dim() == 2 and x.shape[0] == 1 and one_row_pays(x.dtype) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.numel() >= ONE_ROW_MIN_WEIGHT and weight.is_contiguous()
             and (bias is None or bias.dtype == x.dtype))
 

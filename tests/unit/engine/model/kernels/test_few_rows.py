@@ -96,11 +96,26 @@ def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, 
     monkeypatch.setattr(linear_module, "_f32_packing", packs)
     monkeypatch.setattr(linear_module, "_bf16_packing", packs)
     monkeypatch.setattr(linear_module, "_bf16_units", packs or linear_module._bf16_units)
+    monkeypatch.setattr(linear_module, "_amx", False)
     weight = (torch.randn(*weight_shape) / 8).to(dtype)
     x = (torch.randn(rows, 128)[:, :64] if not contiguous else torch.randn(rows, 64)).to(dtype)
     out = linear(x, weight)
     assert kernel_calls == ([(taken, rows)] if taken else [])
     torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("dtype, amx, taken", [
+    (BF16, False, [("one", 1)]),
+    (BF16, True, []),                  # AMX's packed product read one row faster than a loop of ours
+    (torch.float32, True, [("one", 1)]),
+])
+def test_one_row_of_bfloat16_stays_packed_where_the_cpu_has_amx(monkeypatch, kernel_calls, dtype, amx, taken):
+    for flag in ("_f32_packing", "_bf16_packing", "_bf16_units"):
+        monkeypatch.setattr(linear_module, flag, True)
+    monkeypatch.setattr(linear_module, "_amx", amx)
+    weight, x = (torch.randn(*LARGE) / 8).to(dtype), torch.randn(1, LARGE[1]).to(dtype)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+    assert kernel_calls == taken
 
 
 @pytest.mark.parametrize("packs, taken", [(True, [("one", 1)]), (False, [])])
