@@ -79,6 +79,11 @@ def _one_row(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
 _NO_BIAS = np.zeros(0, dtype=np.float32)
 
 
+def _bias_array(bias: torch.Tensor | None) -> np.ndarray:
+    """The kernels' bias: float32, contiguous (an empty array for none; `has_bias` tells them apart)."""
+    return _NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
+
+
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.shape[1] != weight.shape[1] or (bias is not None and bias.shape != (weight.shape[0],)):
         raise ValueError(f"few_rows_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
@@ -89,8 +94,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """`F.linear(x, weight, bias)` for a contiguous float32 [T, K] `x` and [N, K] `weight` (a new [T, N] tensor)."""
     _check_shapes(x, weight, bias)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    b = _NO_BIAS if bias is None else bias.detach().numpy()
-    _few_rows(x.detach().numpy(), weight.detach().numpy(), b, bias is not None, out.numpy())
+    _few_rows(x.detach().numpy(), weight.detach().numpy(), _bias_array(bias), bias is not None, out.numpy())
     return out
 
 
@@ -100,8 +104,8 @@ def few_rows_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     an element: a decode step's time is that read."""
     _check_shapes(x, weight, bias)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    b = _NO_BIAS if bias is None else bias.detach().float().numpy()
-    _few_rows(x.detach().float().contiguous().numpy(), kernel_array(weight), b, bias is not None, out.numpy())
+    _few_rows(x.detach().float().contiguous().numpy(), kernel_array(weight), _bias_array(bias), bias is not None,
+              out.numpy())
     return out.to(torch.bfloat16)
 
 
@@ -115,6 +119,6 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dtype != weight.dtype:
         raise ValueError(f"one_row_linear: x is {x.dtype}, the weight {weight.dtype}")
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype)
-    b = _NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
-    _one_row(kernel_array(x.contiguous())[0], kernel_array(weight), b, bias is not None, kernel_array(out)[0])
+    _one_row(kernel_array(x.contiguous())[0], kernel_array(weight), _bias_array(bias), bias is not None,
+             kernel_array(out)[0])
     return out
