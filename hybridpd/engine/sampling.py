@@ -37,14 +37,26 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: f
     return logits
 
 
-def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None], seeded: list[bool] | None = None) -> list[int]:
     """One token per row of `probs` [R, vocab], drawn from that row's distribution: the argmax of p / E with E ~ Exp(1)
     per token (the exponential race, as vLLM's sampler draws), each row's noise from its own generator in one
-    `exponential_` call of the vocabulary's size (what `skip_draw` consumes). Modifies `probs`."""
+    `_exponential_` of the vocabulary's size (what `skip_draw` consumes). When no row's request gave a seed
+    (`seeded`), no stream owes anyone a sequence: the batch's noise comes in one call from the first row's generator
+    (a call per row was ~3% of a small model's served steps). Modifies `probs`."""
     noise = torch.empty_like(probs)
-    for row, generator in zip(noise, generators):
-        row.exponential_(generator=generator)
+    if len(generators) > 1 and seeded is not None and not any(seeded):
+        _exponential_(noise, generators[0])
+    else:
+        for row, generator in zip(noise, generators):
+            _exponential_(row, generator)
     return probs.div_(noise).argmax(dim=-1).tolist()
+
+
+def _exponential_(noise: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Fill `noise` with Exp(1) draws as -log(U), U uniform in [0, 1) (24-bit float32 steps: every draw is above 0,
+    so no p / E is 0 / 0; the largest is 16.6). torch's own `exponential_` ran 5x as long on a CPU: 22 against 4.3
+    ms for 16 rows of a 100,352-token vocabulary (EPYC-AVX512-BF16)."""
+    noise.uniform_(generator=generator).log_().neg_()
 
 
 def _unfiltered(params: SamplingParams, vocab_size: int) -> bool:
@@ -81,7 +93,7 @@ def _sample_row(chosen: torch.Tensor, raw: torch.Tensor, params: SamplingParams,
 def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
     """Advance `generator` past one draw, as if it had sampled a token (another node did: the prefill node of a P/D
     request samples the first token from the same seed). A draw consumes the generator by its noise's shape only."""
-    torch.empty(vocab_size).exponential_(generator=generator)
+    _exponential_(torch.empty(vocab_size), generator)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -119,7 +131,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if plain_random:
         temperatures = torch.tensor([params[i].temperature for i in plain_random], dtype=logits.dtype)
         probs = torch.softmax(logits[plain_random] / temperatures.unsqueeze(1), dim=-1)
-        tokens = _race(probs, [generators[i] for i in plain_random])
+        tokens = _race(probs, [generators[i] for i in plain_random], [params[i].seed is not None for i in plain_random])
         for i, token in zip(plain_random, tokens):
             out[i] = SampledToken(token, None)
     for i, p in enumerate(params):

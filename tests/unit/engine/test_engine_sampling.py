@@ -169,3 +169,27 @@ def test_batched_rows_follow_their_temperatures():
     for row, want in enumerate(expected):
         freq = torch.tensor([counts[row][i] / n for i in range(4)])
         assert torch.allclose(freq, want.float(), atol=0.03), (temperatures[row], freq, want)
+
+
+def test_unseeded_rows_of_a_batch_draw_apart():
+    """Rows without a generator of their own take their noise in one call: each row still races on its own noise
+    (rows with the same distribution pick the same token at the rate independent draws do: sum p^2 = 0.365)."""
+    torch.manual_seed(1)
+    logits = LOGITS.repeat(2, 1)
+    params = [SamplingParams(temperature=1.0)] * 2
+    n = 2000
+    same = sum(a.token_id == b.token_id for a, b in (sample(logits, params, [None, None]) for _ in range(n)))
+    assert abs(same / n - float((PROBS ** 2).sum())) < 0.05, same / n
+    own = [gen(7), gen(8)]   # unseeded requests' own generators: the batch's noise from the first
+    same = sum(a.token_id == b.token_id for a, b in (sample(logits, params, own) for _ in range(n)))
+    assert abs(same / n - float((PROBS ** 2).sum())) < 0.05, same / n
+
+
+def test_a_seeded_row_among_unseeded_ones_draws_what_it_draws_alone():
+    logits = torch.stack([random_logits(s) / 3 for s in range(4)])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=1.2), SamplingParams(temperature=1.0)]
+    for round_ in range(5):
+        out = sample(logits, params, [gen(100 + round_), gen(5 + round_), gen(200 + round_), gen(300 + round_)])
+        alone = sample_one(logits[1], params[1], gen(5 + round_))
+        assert out[1].token_id == alone.token_id
