@@ -42,7 +42,7 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator | None], seeded:
     per token (the exponential race, as vLLM's sampler draws), each row's noise from its own generator in one
     `_exponential_` of the vocabulary's size (what `skip_draw` consumes). When no row's request gave a seed
     (`seeded`), no stream owes anyone a sequence: the batch's noise comes in one call from the first row's generator
-    (a call per row was ~3% of a small model's served steps). Modifies `probs`."""
+    (16 calls' own cost was ~15 of the 175 us a draw of 16 rows of 512 tokens took). Modifies `probs`."""
     noise = torch.empty_like(probs)
     if len(generators) > 1 and seeded is not None and not any(seeded):
         _exponential_(noise, generators[0])

@@ -172,8 +172,9 @@ def test_batched_rows_follow_their_temperatures():
 
 
 def test_unseeded_rows_of_a_batch_draw_apart():
-    """Rows without a generator of their own take their noise in one call: each row still races on its own noise
-    (rows with the same distribution pick the same token at the rate independent draws do: sum p^2 = 0.365)."""
+    """Rows whose requests gave no seed take their noise in one call (from the default generator, or from the first
+    row's own): each row still races on noise of its own (rows with the same distribution pick the same token at the
+    rate independent draws do: sum p^2 = 0.365)."""
     torch.manual_seed(1)
     logits = LOGITS.repeat(2, 1)
     params = [SamplingParams(temperature=1.0)] * 2
