@@ -84,15 +84,15 @@ def _bias_array(bias: torch.Tensor | None) -> np.ndarray:
     return _NO_BIAS if bias is None else bias.detach().float().contiguous().numpy()
 
 
-def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> None:
     if x.shape[1] != weight.shape[1] or (bias is not None and bias.shape != (weight.shape[0],)):
-        raise ValueError(f"few_rows_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+        raise ValueError(f"{kernel}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit")   # the kernel reads unchecked
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a contiguous float32 [T, K] `x` and [N, K] `weight` (a new [T, N] tensor)."""
-    _check_shapes(x, weight, bias)
+    _check_shapes(x, weight, bias, "few_rows_linear")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     _few_rows(x.detach().numpy(), weight.detach().numpy(), _bias_array(bias), bias is not None, out.numpy())
     return out
@@ -102,7 +102,7 @@ def few_rows_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """`F.linear(x, weight, bias)` for a [T, K] `x` and a contiguous [N, K] bfloat16 `weight`, summed in float32 and
     rounded once to bfloat16 at the end (a new [T, N] bfloat16 tensor). The weight is read as it is stored, two bytes
     an element: a decode step's time is that read."""
-    _check_shapes(x, weight, bias)
+    _check_shapes(x, weight, bias, "few_rows_linear_bf16")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     _few_rows(x.detach().float().contiguous().numpy(), kernel_array(weight), _bias_array(bias), bias is not None,
               out.numpy())
@@ -113,7 +113,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear(x, weight, bias)` for one row `x` ([1, K]) by a contiguous [N, K] weight of its dtype, float32 or
     bfloat16 (read as stored), summed in float32 and rounded once to that dtype. Its sums run in another order than
     the four-row loop's: a row's result here may differ from the same row's among others in the last bit."""
-    _check_shapes(x, weight, bias)
+    _check_shapes(x, weight, bias, "one_row_linear")
     if x.shape[0] != 1:
         raise ValueError(f"one_row_linear: x {tuple(x.shape)} is not one row")
     if x.dtype != weight.dtype:

@@ -67,10 +67,11 @@ def _find_onednn() -> Callable[..., torch.Tensor] | None:
 
 
 _onednn = _find_onednn()
-_bf16_units = bool(this_cpus_flags() & BF16_FLAGS)
+_cpu_flags = this_cpus_flags()
+_bf16_units = bool(_cpu_flags & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
 _f32_packing = float32_packs_pay(this_cpus_vendor()) and packing_works(torch.float32)
-_amx = "amx_bf16" in this_cpus_flags()
+_amx = "amx_bf16" in _cpu_flags
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,8 +109,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` itself, except in bfloat16: on a CPU without bfloat16 units through `bf16_linear`, on one with them
-    through the packed weight (packed.py), float32 too where its products pack. The products that stay with MKL
-    in float32 elsewhere (the router, the experts outside the fused kernel, the decode-only attention output, the
+    through the packed weight (packed.py), float32 too where its products pack, one row by a large weight through
+    the one-row kernel where `one_row_pays`. The products that stay with MKL in float32 elsewhere (the router, the experts outside the fused kernel, the decode-only attention output, the
     head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
