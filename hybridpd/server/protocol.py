@@ -23,11 +23,10 @@ A temperature below 1e-5 is treated as greedy (0), as vLLM does, so that samplin
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import enum
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
