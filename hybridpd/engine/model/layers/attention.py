@@ -6,7 +6,8 @@ Each step first writes the new rows' K/V (after RoPE) into the cache at
 read their keys straight from this step's K/V instead, batched when they have the same length, in chunks of
 queries that each read only the keys they can see (`attention_meta._query_chunks`). Decode rows read their keys
 from contiguous buffers that keep them between steps (`decode_kv.py`), appending this step's keys there too,
-instead of gathering every block again; only a sequence the buffers do not hold yet gathers its blocks.
+instead of gathering every block again; only a sequence the buffers do not hold yet gathers its blocks. On one
+thread the decode rows attend over the buffers through a compiled kernel (`kernels/decode_attention.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
+from hybridpd.engine.model.kernels.decode_attention import decode_attention
 from hybridpd.engine.model.kernels.fused_decode_write import KERNEL_DTYPES, rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 from hybridpd.engine.model.shapes import AttentionShape
@@ -192,7 +194,10 @@ class Attention(nn.Module):
     def _attend_buffers(
         self, qkv: torch.Tensor, plan: DecodeKVPlan, k_buf: torch.Tensor, v_buf: torch.Tensor
     ) -> torch.Tensor:
-        """The decode rows' queries (qkv: theirs only, in the plan's row order) over the buffers in place."""
+        """The decode rows' queries (qkv: theirs only, in the plan's row order) over the buffers in place: on one
+        thread through the compiled kernel (each row over its own keys), else through SDPA."""
+        if _kernel_attends(qkv):
+            return decode_attention(qkv, k_buf, v_buf, plan.first_keys, plan.end_keys, self.num_heads, self.scale)
         rows, q_size = qkv.shape[0], self.q_size
         q_dec = qkv[:, :q_size].view(rows, self.num_kv_heads, -1, self.head_dim)
         if len(plan.runs) == 1:
@@ -209,6 +214,11 @@ class Attention(nn.Module):
                 attn_mask=plan.bias[run, :, :, first_key - plan.start : end_key - plan.start], scale=self.scale,
             )
         return att.reshape(rows, q_size)
+
+
+def _kernel_attends(qkv: torch.Tensor) -> bool:
+    """Decode attention through the compiled kernel: one thread (SDPA splits its work over more), a dtype it takes."""
+    return qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous() and torch.get_num_threads() == 1
 
 
 def _kernel_takes(*tensors: torch.Tensor) -> bool:

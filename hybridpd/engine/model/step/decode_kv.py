@@ -67,6 +67,8 @@ class DecodeKVPlan:
     start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
     length: int               # the largest position + 1
     bias: torch.Tensor        # [S, 1, 1, length - start]: 0 where the row sees that key, -inf where not
+    first_keys: torch.Tensor  # [S] the first column each row sees (0, or where its window starts)
+    end_keys: torch.Tensor    # [S] past the last: its position + 1
     # (first row, end row, first column, end column) of each run of rows attention reads in one call: one run over
     # [start, length), or two (`runs_of_rows`)
     runs: tuple[tuple[int, int, int, int], ...]
@@ -109,9 +111,12 @@ class DecodeKV:
         position_tensor = int64_tensor(positions)
         start = 0 if window is None else max(0, min(positions) - window + 1)
         bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
+        first_keys = (torch.zeros_like(position_tensor) if window is None
+                      else (position_tensor - (window - 1)).clamp_(min=0))
         return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, held_keys=tuple(positions),
                             moves=tuple(moves), fills=tuple(fills), held_rows=rows_needed, start=start,
-                            length=length, bias=bias[:, None, None, :], runs=runs_of_rows(positions, window))
+                            length=length, bias=bias[:, None, None, :], first_keys=first_keys,
+                            end_keys=position_tensor + 1, runs=runs_of_rows(positions, window))
 
     def end_runs(self) -> None:
         """A failed forward: some layers may have written their buffers, others not; every row is stale."""

@@ -53,6 +53,8 @@ def test_run_bookkeeping(steps, expected):
             assert plan.length == max(positions) + 1
             visible = plan.bias[:, 0, 0] == 0
             assert visible.sum(1).tolist() == [p + 1 for p in positions]
+            assert plan.first_keys.tolist() == [0] * len(positions)
+            assert plan.end_keys.tolist() == [p + 1 for p in positions]
     assert got == expected
 
 
@@ -64,6 +66,7 @@ def test_a_window_plan_reads_from_the_first_window_on(positions, window):
     for row, p in enumerate(positions):
         visible = [plan.start + l for l in range(plan.length - plan.start) if plan.bias[row, 0, 0, l] == 0]
         assert visible == list(range(max(0, p - window + 1), p + 1))
+        assert visible == list(range(plan.first_keys[row], plan.end_keys[row]))  # the kernel's ranges: the same
 
 
 def test_growing_buffers_keep_what_they_hold():
