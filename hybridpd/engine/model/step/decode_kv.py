@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -66,12 +67,25 @@ class DecodeKVPlan:
     held_rows: int            # rows the buffers must keep through the step (the moves' sources included)
     start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
     length: int               # the largest position + 1
-    bias: torch.Tensor        # [S, 1, 1, length - start]: 0 where the row sees that key, -inf where not
+    window: int | None        # the group's sliding window, None for full attention
     first_keys: torch.Tensor  # [S] the first column each row sees (0, or where its window starts)
     end_keys: torch.Tensor    # [S] past the last: its position + 1
-    # (first row, end row, first column, end column) of each run of rows attention reads in one call: one run over
-    # [start, length), or two (`runs_of_rows`)
-    runs: tuple[tuple[int, int, int, int], ...]
+
+    # The mask and the runs serve SDPA only (attention through the compiled kernel reads first_keys / end_keys):
+    # made when first asked for.
+    @cached_property
+    def bias(self) -> torch.Tensor:
+        """[S, 1, 1, length - start]: 0 where the row sees that key, -inf where not."""
+        seen = visible(self.positions, torch.arange(self.start, self.length), self.window)
+        return additive(seen, self.dtype)[:, None, None, :]
+
+    @cached_property
+    def runs(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(first row, end row, first column, end column) of each run of rows attention reads in one call: one run
+        over [start, length), or two (`runs_of_rows`)."""
+        return runs_of_rows(self.held_keys, self.window)
+
+    dtype: torch.dtype = torch.float32   # the mask's
 
 
 class DecodeKV:
@@ -110,13 +124,12 @@ class DecodeKV:
         self._runs[group_id] = (tuple(keys), [p + 1 for p in positions])  # type: ignore[arg-type]
         position_tensor = int64_tensor(positions)
         start = 0 if window is None else max(0, min(positions) - window + 1)
-        bias = additive(visible(position_tensor, torch.arange(start, length), window), dtype)
         first_keys = (torch.zeros_like(position_tensor) if window is None
                       else (position_tensor - (window - 1)).clamp_(min=0))
         return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, held_keys=tuple(positions),
                             moves=tuple(moves), fills=tuple(fills), held_rows=rows_needed, start=start,
-                            length=length, bias=bias[:, None, None, :], first_keys=first_keys,
-                            end_keys=position_tensor + 1, runs=runs_of_rows(positions, window))
+                            length=length, window=window, first_keys=first_keys, end_keys=position_tensor + 1,
+                            dtype=dtype)
 
     def end_runs(self) -> None:
         """A failed forward: some layers may have written their buffers, others not; every row is stale."""

@@ -196,3 +196,27 @@ def test_buffers_stay_within_the_budget_their_plans_were_checked_against():
     assert k.shape == (2, kv_heads, 2 * LENGTH_STEP, head_dim)
     assert (k.numel() + v.numel()) * k.element_size() <= budget
     assert torch.equal(k[1, :, :6], torch.full((kv_heads, 6, head_dim), 3.0))  # d's keys came along
+
+
+@pytest.mark.parametrize("arrivals", [
+    {0: [greedy("a", prompt(11, 7), 3), greedy("b", prompt(12, 30), 14), greedy("c", prompt(13, 21), 14)],
+     6: [greedy("d", prompt(14, 40), 6)]},                                        # rows move, one joins
+    {0: [greedy(f"s{i}", prompt(30 + i, 5 + i), 20) for i in range(3)],
+     3: [greedy("long", prompt(40, 3 * LENGTH_STEP), 8)]},                        # two runs of rows for SDPA
+])
+def test_the_compiled_decode_attention_equals_sdpa_over_the_buffers(tiny_dir, arrivals, monkeypatch):
+    """The kernel (one thread) and SDPA (more threads) read the same buffers: the same tokens, logits to float32
+    rounding, through moves, fills, a sliding window and a long row beside short ones."""
+    from hybridpd.engine.model.layers import attention
+
+    results = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(attention, "_kernel_attends", lambda qkv: False)
+        engine, rows = make_engine(tiny_dir, decode_kv=True)
+        results.append((drive(engine, arrivals)[0], rows))
+    (tokens_kernel, rows_kernel), (tokens_sdpa, rows_sdpa) = results
+    assert tokens_kernel == tokens_sdpa
+    for on, off in zip(rows_kernel, rows_sdpa, strict=True):
+        for rid in on:
+            torch.testing.assert_close(on[rid], off[rid], atol=1e-5, rtol=0)
