@@ -25,7 +25,8 @@ from the paged cache) or a forward fails (`end_runs`).
 Sliding-window groups use them too: the buffers hold every position (those before the window stay as they were
 and are never read again) and attention reads the columns from the earliest position any row's window starts at.
 
-Attention reads every row over the same columns, those the rows need together: a request with a long prompt
+On one thread attention reads each row's own keys (`first_keys`, `end_keys`: kernels/decode_attention.py). SDPA,
+on more threads, reads every row over the same columns, those the rows need together: a request with a long prompt
 decoding beside short ones makes every row read its keys. Where splitting the rows in two runs (in their order)
 saves at least SPLIT_MIN_KEYS key reads and half of them, attention reads each run over its own columns
 (`runs_of_rows`): a second call costs about what ~2,000 key reads do on the small preset's shapes (one thread, the
