@@ -145,8 +145,10 @@ def _attention_meta(
 # Query rows per chunk of a fresh run (see `_query_chunks`); 32 was fastest for runs of 256 rows, windows 64/160.
 QUERY_CHUNK = 32
 # torch's CPU flash kernel skips key blocks above the diagonal under `is_causal` only at its own key-block size
-# (512 keys): shorter causal runs gain from chunking, longer ones do not (measured; 1024 rows: no gain).
-CAUSAL_CHUNK_BELOW = 512
+# (512 keys): shorter causal runs gain from chunking, longer ones do not. A run of exactly 512 rows gains too (one
+# key block, nothing skipped: a 512-token prefill 0.88 of the time in bfloat16, 0.96 in float32); 768 and 1,024
+# rows were even (benchmarks/README.md).
+CAUSAL_CHUNK_BELOW = 768
 
 
 def _query_chunks(n: int, window: int | None, dtype: torch.dtype) -> tuple[QueryChunk, ...]:
