@@ -69,6 +69,7 @@ class DecodeKVPlan:
     start: int                # attention reads buffer columns [start, length): 0, or where the first window starts
     length: int               # the largest position + 1
     window: int | None        # the group's sliding window, None for full attention
+    dtype: torch.dtype        # the mask's
     first_keys: torch.Tensor  # [S] the first column each row sees (0, or where its window starts)
     end_keys: torch.Tensor    # [S] past the last: its position + 1
 
@@ -85,8 +86,6 @@ class DecodeKVPlan:
         """(first row, end row, first column, end column) of each run of rows attention reads in one call: one run
         over [start, length), or two (`runs_of_rows`)."""
         return runs_of_rows(self.held_keys, self.window)
-
-    dtype: torch.dtype = torch.float32   # the mask's
 
 
 class DecodeKV:
@@ -129,8 +128,8 @@ class DecodeKV:
                       else (position_tensor - (window - 1)).clamp_(min=0))
         return DecodeKVPlan(rows=torch.arange(len(positions)), positions=position_tensor, held_keys=tuple(positions),
                             moves=tuple(moves), fills=tuple(fills), held_rows=rows_needed, start=start,
-                            length=length, window=window, first_keys=first_keys, end_keys=position_tensor + 1,
-                            dtype=dtype)
+                            length=length, window=window, dtype=dtype, first_keys=first_keys,
+                            end_keys=position_tensor + 1)
 
     def end_runs(self) -> None:
         """A failed forward: some layers may have written their buffers, others not; every row is stale."""
