@@ -1,5 +1,6 @@
-"""SiLU inside compiled loops (numba), in float32, where LLVM can vectorise it; and an MLP's `silu(gate) * up` as one
-such loop (`silu_times`).
+"""SiLU inside compiled loops (numba), in float32, where LLVM can vectorise it; an MLP's `silu(gate) * up` as one
+such loop (`silu_times`), and every expert's of a MoE layer at once, weighted by each row's routing weights
+(`silu_times_weighted`).
 
 numba compiles `math.exp` to a call of libm's `expf`, one element at a time, which made the SiLUs half of a one-pass
 Mamba kernel's time; so the kernels used to leave them to torch, one more pass over each [T, C] array. `exp32` is
@@ -68,4 +69,41 @@ def silu_times(gate_up: torch.Tensor) -> torch.Tensor:
                          f"{tuple(gate_up.shape)} {gate_up.dtype}")
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
     _silu_times_rows(kernel_array(gate_up), kernel_array(out))
+    return out
+
+
+@numba.njit([numba.void(rows, rows, rows) for rows in (_F32_2D, _U16_2D)], cache=True, nogil=True, fastmath=True,
+            boundscheck=False, error_model="numpy")
+def _silu_times_weighted_rows(gate_up, weights, out):  # pragma: no cover - compiled
+    experts = weights.shape[1]
+    inter = out.shape[1] // experts
+    zero = narrow(np.float32(0.0), out)
+    for t in range(out.shape[0]):
+        for e in range(experts):
+            w = widen(weights[t, e])
+            o = out[t, e * inter : (e + 1) * inter]
+            if w == np.float32(0.0):   # an expert the row did not choose: no SiLU to compute
+                for i in range(inter):
+                    o[i] = zero
+                continue
+            g = gate_up[t, 2 * e * inter : (2 * e + 1) * inter]
+            u = gate_up[t, (2 * e + 1) * inter : (2 * e + 2) * inter]
+            for i in range(inter):
+                o[i] = narrow(silu(widen(g[i])) * widen(u[i]) * w, out)
+
+
+def silu_times_weighted(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Every expert's `silu(gate) * up` times the row's weight for that expert: `gate_up` [T, E * 2I] (expert e's gate
+    in columns 2eI to (2e + 1)I, its up after it), `weights` [T, E] of the same dtype (0 for an expert the row did
+    not choose) -> [T, E * I], expert e in columns eI to (e + 1)I; float32 or bfloat16, computed in float32 and rounded
+    once. One pass where torch took three over strided views (a bfloat16 SiLU and two products, each rounded), and
+    no SiLU for the experts a row did not choose (E - k of every E)."""
+    if (gate_up.dtype not in (torch.float32, torch.bfloat16) or weights.dtype != gate_up.dtype or gate_up.dim() != 2
+            or weights.dim() != 2 or weights.shape[0] != gate_up.shape[0] or not weights.shape[1]
+            or gate_up.shape[1] % (2 * weights.shape[1]) or not gate_up.is_contiguous()
+            or not weights.is_contiguous()):
+        raise ValueError(f"silu_times_weighted: a contiguous [T, E * 2I] and [T, E] of one dtype, float32 or bfloat16, "
+                         f"got {tuple(gate_up.shape)} {gate_up.dtype} and {tuple(weights.shape)} {weights.dtype}")
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    _silu_times_weighted_rows(kernel_array(gate_up), kernel_array(weights), kernel_array(out))
     return out
