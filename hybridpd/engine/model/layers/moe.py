@@ -17,8 +17,8 @@ Every expert at once (`every_expert`): in bfloat16 on a CPU with bfloat16 units,
 experts side by side, the routing weights of the experts a row did not choose zero: E / k times the arithmetic of the
 chosen experts, in two packed products on the bfloat16 units instead of the compiled kernel's float32 loops or a
 dozen small operations per expert; between them one compiled pass (`silu_times_weighted`) computes the chosen
-experts' weighted activations and zeros the others' (granite-moe served 1.04-1.05x the tokens a second with it
-than with torch's three operations over strided views, EPYC with AVX512-BF16). Measured on the Xeon with AMX (benchmarks/README.md), one thread, the granite-moe
+experts' weighted activations and zeros the others' (granite-moe served 1.05x the tokens a second with it than
+with torch's three operations over strided views, EPYC with AVX512-BF16). Measured on the Xeon with AMX (benchmarks/README.md), one thread, the granite-moe
 preset's layer (16 experts of 128 x 64, top-4), ms at 24 / 32 / 48 / 256 / 1,024 / 2,048 rows: 0.42 / 0.47 / 0.57 /
 1.4 / 3.9 / 7.3 against the compiled kernel's 0.49 / 0.60 / 0.87 / 4.7 (to 256 rows) and the grouped dispatch's
 7.7 / 11.0 / 13.4 (from 256); at 16 rows the two were even (0.34), at 8 the kernel ahead (0.20 against 0.27). With
