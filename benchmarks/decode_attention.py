@@ -69,7 +69,8 @@ def call_figures(heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
         sdpa_two_us = best_us(sdpa)
     finally:
         torch.set_num_threads(1)
-    return {"kernel_us": round(kernel_us, 1), "sdpa_us": round(sdpa_us, 1), "sdpa_two_threads_us": round(sdpa_two_us, 1)}
+    return {"kernel_us": round(kernel_us, 1), "sdpa_us": round(sdpa_us, 1),
+            "sdpa_two_threads_us": round(sdpa_two_us, 1)}
 
 
 def main() -> None:

@@ -13,19 +13,19 @@ or bfloat16, runs its experts in one compiled call instead: there the dozen oper
 their arithmetic.
 
 Every expert at once (`every_expert`): in bfloat16 on a CPU with bfloat16 units, a layer whose experts stay in cache
-(`fused_moe.RESIDENT_BYTES`) runs a step of EVERY_EXPERT_MIN_ROWS rows or more as two products over all of its
-experts side by side, the routing weights of the experts a row did not choose zero: E / k times the arithmetic of the
-chosen experts, in two packed products on the bfloat16 units instead of the compiled kernel's float32 loops or a
-dozen small operations per expert; between them one compiled pass (`silu_times_weighted`) computes the chosen
-experts' weighted activations and zeros the others' (granite-moe served 1.05x the tokens a second with it than
-with torch's three operations over strided views, EPYC with AVX512-BF16). Measured on the Xeon with AMX (benchmarks/README.md), one thread, the granite-moe
-preset's layer (16 experts of 128 x 64, top-4), ms at 24 / 32 / 48 / 256 / 1,024 / 2,048 rows: 0.42 / 0.47 / 0.57 /
-1.4 / 3.9 / 7.3 against the compiled kernel's 0.49 / 0.60 / 0.87 / 4.7 (to 256 rows) and the grouped dispatch's
-7.7 / 11.0 / 13.4 (from 256); at 16 rows the two were even (0.34), at 8 the kernel ahead (0.20 against 0.27). With
-32 experts of that size (8 x the chosen arithmetic) still ahead from 256 rows (2.9 against 3.8 and 10.4; 15.7
-against 21.2 at 2,048). A layer whose experts stream from memory reads them once per step either way, but its
-arithmetic grows faster than the reads save (64 experts of 256 x 128, top-6: 55 against 16 ms at 1,024 rows), so it
-keeps the grouped dispatch. In float32, MKL's products gave no such margin (2.5 against 3.1 and 2.5 ms at 256 rows,
+(`fused_moe.RESIDENT_BYTES`) runs a step of EVERY_EXPERT_MIN_ROWS rows or more as two products over all of its experts
+side by side, the routing weights of the experts a row did not choose zero: E / k times the arithmetic of the chosen
+experts, in two packed products on the bfloat16 units instead of the compiled kernel's float32 loops or a dozen small
+operations per expert; between them one compiled pass (`silu_times_weighted`) computes the chosen experts' weighted
+activations and zeros the others' (granite-moe served 1.05x the tokens a second with it than with torch's three
+operations over strided views, EPYC with AVX512-BF16). Measured on the Xeon with AMX (benchmarks/README.md), one
+thread, the granite-moe preset's layer (16 experts of 128 x 64, top-4), ms at 24 / 32 / 48 / 256 / 1,024 / 2,048 rows:
+0.42 / 0.47 / 0.57 / 1.4 / 3.9 / 7.3 against the compiled kernel's 0.49 / 0.60 / 0.87 / 4.7 (to 256 rows) and the
+grouped dispatch's 7.7 / 11.0 / 13.4 (from 256); at 16 rows the two were even (0.34), at 8 the kernel ahead (0.20
+against 0.27). With 32 experts of that size (8 x the chosen arithmetic) still ahead from 256 rows (2.9 against 3.8 and
+10.4; 15.7 against 21.2 at 2,048). A layer whose experts stream from memory reads them once per step either way, but
+its arithmetic grows faster than the reads save (64 experts of 256 x 128, top-6: 55 against 16 ms at 1,024 rows), so
+it keeps the grouped dispatch. In float32, MKL's products gave no such margin (2.5 against 3.1 and 2.5 ms at 256 rows,
 slower from 1,024), nor did packed float32 products on the EPYC with AVX-512 (packed.py): there an engine on the
 preset served 0.91x the tokens a second with every expert at once allowed from 24 rows (`moe_paths.py`).
 """
