@@ -12,7 +12,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable
 
 from hybridpd.engine.cpu_set import pin_current_thread
@@ -25,10 +24,6 @@ from hybridpd.errors import EngineDeadError, ServerOverloadedError
 log = logging.getLogger(__name__)
 
 _STOP = object()
-# The metrics snapshot (`LLMEngine.stats`) is refreshed at most this often while the engine steps, and always
-# before it waits for work: a scrape sees the state of at most this long ago, or the idle state exactly. (Every step
-# it cost ~30 us, ~2% of a one-row decode step of the small preset.)
-STATS_INTERVAL_S = 0.05
 
 # Hears the KV cache events of each engine-thread iteration; must not block (the node's publisher only enqueues).
 KVEventSink = Callable[[list[KVCacheEvent]], None]
@@ -146,7 +141,6 @@ class AsyncEngine:
         cpus = self.engine.config.cpus
         if cpus is not None:
             pin_current_thread(cpus)
-        refreshed = time.monotonic()
         try:
             while True:
                 item = self._inbox.get() if not self.engine.has_work() else self._poll_inbox()
@@ -163,10 +157,7 @@ class AsyncEngine:
                     self.steps += 1
                     if outputs:
                         self._sink.deliver(outputs)
-                now = time.monotonic()
-                if not self.engine.has_work() or now - refreshed >= STATS_INTERVAL_S:
-                    self.engine.refresh_stats()
-                    refreshed = now
+                self.engine.refresh_stats()
                 if self._kv_event_sink is not None:
                     events = self.engine.kv.take_events() + self.engine.storage_events()
                     if events:

@@ -1,8 +1,7 @@
 """The engine's gauges and counters, from a snapshot the engine thread keeps (no locks, no live reads).
 
-The engine thread refreshes `LLMEngine.stats` (a frozen snapshot) at most every `STATS_INTERVAL_S` while it steps
-and always before it waits for work (async_engine.py); a scrape on the HTTP thread reads that snapshot, never the
-live structures.
+The engine thread refreshes `LLMEngine.stats` (a frozen snapshot) after every step and every inbox item; a
+scrape on the HTTP thread reads that snapshot, never the live structures.
 """
 
 from __future__ import annotations
