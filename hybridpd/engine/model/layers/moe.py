@@ -75,18 +75,13 @@ def every_expert(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
                  w_out_side_by_side: torch.Tensor) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) as two products over every expert: `w_in` [E, 2I, H]
     (gate rows, then up rows, per expert), `w_out_side_by_side` [H, E * I] (expert e's down projection in columns
-    e * I to (e + 1) * I). An expert a row did not choose gets the weight 0 (its activations multiplied by it)."""
+    e * I to (e + 1) * I); float32 or bfloat16. An expert a row did not choose gets the weight 0 (its activations
+    zeros, `silu_times_weighted`)."""
     rows = x.shape[0]
     experts, double_inter, _ = w_in.shape
-    inter = double_inter // 2
     gate_up = plain_linear(x, w_in.reshape(experts * double_inter, -1))
     weights = torch.zeros((rows, experts), dtype=x.dtype).scatter_(1, topk_ids, topk_weights.to(x.dtype))
-    if gate_up.dtype in FUSED_DTYPES and gate_up.is_contiguous():
-        act = silu_times_weighted(gate_up, weights)
-    else:
-        halves = gate_up.view(rows, experts, 2, inter)
-        act = F.silu(halves[:, :, 0]).mul_(halves[:, :, 1]).mul_(weights.unsqueeze(-1)).view(rows, experts * inter)
-    return plain_linear(act, w_out_side_by_side)
+    return plain_linear(silu_times_weighted(gate_up, weights), w_out_side_by_side)
 
 
 class TopKRouter(nn.Module):
