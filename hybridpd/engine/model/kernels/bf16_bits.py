@@ -14,6 +14,10 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 
+# What the compiled kernels take: float32, and bfloat16 handed over as its bits (computed in float32).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def kernel_view(t: torch.Tensor) -> torch.Tensor:
     """`t` as the kernels take it: a bfloat16 tensor as its bits (uint16: the same memory and strides), else as is
     (detached only where it requires grad: a decode step makes ~1,000 of these calls, and a detach costs as much

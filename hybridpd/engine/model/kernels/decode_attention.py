@@ -19,10 +19,8 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, narrow, widen
 from hybridpd.engine.model.kernels.silu import exp32
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bfloat16 handed over as its bits, computed in float32
 
 _I64_1D = numba.int64[::1]
 

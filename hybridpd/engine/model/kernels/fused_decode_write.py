@@ -18,10 +18,8 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import kernel_array, kernel_view, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, kernel_view, narrow, widen
 from hybridpd.engine.model.kernels.fused_mamba import flat_slots
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # bfloat16 handed over as its bits, computed in float32
 
 _I64_1D = numba.int64[::1]
 _F32_1D = numba.float32[::1]

@@ -20,9 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import kernel_array, narrow, widen
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, narrow, widen
 
 _F32_1D = numba.float32[::1]
 

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import float_from_bits, kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, float_from_bits, kernel_array, narrow, widen
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HIGH = np.float32(0.693359375)       # ln 2 in two parts (Cody and Waite): k * _LN2_HIGH is exact
@@ -63,7 +63,7 @@ def silu_times(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the two halves of a contiguous [T, 2I] `gate_up` (float32 or bfloat16), computed in
     float32 and rounded once to its dtype. One pass: torch's SiLU and product are two (the SiLU's output written and
     read again), and over the strided halves of one output each ran ~3x slower than over contiguous arrays."""
-    if (gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() != 2 or gate_up.shape[1] % 2
+    if (gate_up.dtype not in KERNEL_DTYPES or gate_up.dim() != 2 or gate_up.shape[1] % 2
             or not gate_up.is_contiguous()):
         raise ValueError(f"silu_times: a contiguous [T, 2I] float32 or bfloat16 array only, got "
                          f"{tuple(gate_up.shape)} {gate_up.dtype}")
@@ -98,7 +98,7 @@ def silu_times_weighted(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.T
     not choose) -> [T, E * I], expert e in columns eI to (e + 1)I; float32 or bfloat16, computed in float32 and rounded
     once. One pass where torch took three over strided views (a bfloat16 SiLU and two products, each rounded), and
     no SiLU for the experts a row did not choose (E - k of every E)."""
-    if (gate_up.dtype not in (torch.float32, torch.bfloat16) or weights.dtype != gate_up.dtype or gate_up.dim() != 2
+    if (gate_up.dtype not in KERNEL_DTYPES or weights.dtype != gate_up.dtype or gate_up.dim() != 2
             or weights.dim() != 2 or weights.shape[0] != gate_up.shape[0] or not weights.shape[1]
             or gate_up.shape[1] % (2 * weights.shape[1]) or not gate_up.is_contiguous()
             or not weights.is_contiguous()):

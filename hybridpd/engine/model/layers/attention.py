@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
 from hybridpd.engine.model.kernels.decode_attention import decode_attention
-from hybridpd.engine.model.kernels.fused_decode_write import KERNEL_DTYPES, rope_and_write_, rope_and_write_paged_
+from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
+from hybridpd.engine.model.kernels.linear import linear, plain_linear
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 from hybridpd.engine.model.shapes import AttentionShape
-from hybridpd.engine.model.kernels.linear import linear, plain_linear
 from hybridpd.engine.model.step.attention_meta import AttentionDecode, AttentionGroupMeta
 from hybridpd.engine.model.step.context import StepContext
+from hybridpd.engine.model.step.decode_kv import DecodeKV, DecodeKVPlan
 
 
 class Attention(nn.Module):

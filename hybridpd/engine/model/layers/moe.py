@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
 from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, fused_moe_rows, rows_worth_fusing
 from hybridpd.engine.model.kernels.linear import packs_products, plain_linear
 from hybridpd.engine.model.kernels.silu import silu_times_weighted
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the compiled experts take (bfloat16 as its bits)
+FUSED_DTYPES = KERNEL_DTYPES   # what the compiled experts take (bfloat16 as its bits)
 EVERY_EXPERT_MIN_ROWS = 24   # from this many rows a resident layer's bfloat16 experts run all at once (above)
 
 ExpertForward = Callable[[int, torch.Tensor], torch.Tensor]  # (expert index, its rows [n, H]) -> [n, H]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridpd.engine.model.kernels.fused_norm import KERNEL_DTYPES, residual_rms_norm, rms_norm
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
+from hybridpd.engine.model.kernels.fused_norm import residual_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
