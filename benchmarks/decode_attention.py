@@ -89,8 +89,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(args.preset, Path(tmp) / args.preset)
         engine = engine_for(model_dir, args.dtype, max(args.batches), max(args.batches) * args.prompt_len + 64)
-        shape = next(m for m in engine.model.modules() if isinstance(m, attention_module.Attention))
-        heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        layer = next(m for m in engine.model.modules() if isinstance(m, attention_module.Attention))
+        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         calls = {f"{rows}x{keys}": call_figures(heads, kv_heads, head_dim, rows, keys, dtype)
                  for rows in args.batches for keys in args.keys}
         kernel_attends = attention_module._kernel_attends
