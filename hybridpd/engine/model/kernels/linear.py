@@ -110,8 +110,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` itself, except in bfloat16: on a CPU without bfloat16 units through `bf16_linear`, on one with them
     through the packed weight (packed.py), float32 too where its products pack, one row by a large weight through
-    the one-row kernel where `one_row_pays`. The products that stay with MKL in float32 elsewhere (the router, the experts outside the fused kernel, the decode-only attention output, the
-    head)."""
+    the one-row kernel where `one_row_pays`. The products that stay with MKL in float32 elsewhere (the router, the
+    experts outside the fused kernel, the decode-only attention output, the head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
     if _one_row(x, weight, bias):

@@ -11,8 +11,8 @@ multiplied by `_linear_pointwise`, 12.3 / 11.8 / 11.1 / 8.6 GB/s.
 float32's products go to MKL (`F.linear`), which picks its code by the CPU's maker: on an AMD EPYC with AVX-512
 (Zen 5, benchmarks/README.md), one thread, granite-350m's 136 projections took 2.2-3.3x as long through MKL as through
 the packed weight from 2 rows up (at 512 rows 2,417 against 1,054 ms, 8 rows 97 against 41), and 1.3x at one row
-(where the one-row kernel reads faster still: few_rows.py); MKL read at 5-20 GB/s where the machine reads 40. On Intel's CPUs
-MKL's float32 products were measured at the machine's read rate (benchmarks/README.md) and stay.
+(where the one-row kernel reads faster still: few_rows.py); MKL read at 5-20 GB/s where the machine reads 40. On
+Intel's CPUs MKL's float32 products were measured at the machine's read rate (benchmarks/README.md) and stay.
 
 oneDNN builds (and caches) a primitive, with scratch memory, for every row count it meets, and a process that meets
 every count grows without bound: torch's own bfloat16 products over 1,200 random row counts of 65-2,048 (a server's
