@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags, this_cpus_vendor
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16, one_row_linear
-from hybridpd.engine.model.kernels.packed import float32_packs_pay, packed_linear, packing_works
+from hybridpd.engine.model.kernels.packed import float32_packs_pay, packed_linear, packing_works, tiny_work
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
@@ -71,6 +71,7 @@ _cpu_flags = this_cpus_flags()
 _bf16_units = bool(_cpu_flags & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
 _f32_packing = float32_packs_pay(this_cpus_vendor()) and packing_works(torch.float32)
+_tiny_work = {dtype: tiny_work(dtype, this_cpus_vendor()) for dtype in (torch.float32, torch.bfloat16)}
 _amx = "amx_bf16" in _cpu_flags
 
 
@@ -117,7 +118,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if _one_row(x, weight, bias):
         return one_row_linear(x, weight, bias)
     if _packs(x, weight):
-        return packed_linear(x, weight, bias)
+        return packed_linear(x, weight, bias, _tiny_work[x.dtype])
     return F.linear(x, weight, bias)
 
 
@@ -149,7 +150,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _few_rows(x, weight, bias):
         return few_rows_linear(x, weight, bias)
     if _packs(x, weight):
-        return packed_linear(x, weight, bias)
+        return packed_linear(x, weight, bias, _tiny_work[x.dtype])
     if (x.shape[0] % ONEDNN_ROWS or not x.shape[0] or _onednn is None or x.dim() != 2 or x.dtype != torch.float32
             or weight.dtype != torch.float32 or not (x.is_contiguous() and weight.is_contiguous())):
         return F.linear(x, weight, bias)

@@ -32,7 +32,11 @@ bfloat16 weight at one row took 20 us packed against 10 as a float32 copy throug
 776 x 128 one 24 against 17; at 8 rows a 512 x 128 one was even (24 and 24), a 584 x 128 one 29 against 31. So a
 product of at most TINY_WORK rows x weight elements multiplies through MKL: a bfloat16 one as a float32 copy of the
 weight, the result rounded once to bfloat16 as oneDNN's is, a float32 one as it is (small-vllm's projections at 16
-rows took as long either way on the EPYC, at 4 rows 1.7x as long packed).
+rows took as long either way on the EPYC, at 4 rows 1.7x as long packed). Where MKL runs its generic code (not an
+Intel CPU: `float32_packs_pay`) a bfloat16 product's limit is half that, `tiny_work`: on the EPYC with AVX512-BF16,
+one thread, at 16 rows a 256 x 128 weight took 11.7 us packed against 15.3 through the float32 copy, a 128 x 256 one
+11.6 against 15.6, a 128 x 128 one 10.5 against 9.9, and at 8 rows a 256 x 128 one 10.7 against 10.6 (float32's own
+products cross where TINY_WORK puts them: 256 x 128 at 16 rows 13.8 packed against 12.1, at 32 18.1 against 21.3).
 
 The packs live on the weight they come from (an attribute of its base tensor, so a view of a weight, such as the
 gate's rows of a fused projection, has its own), made at the first product and made again when the weight was
@@ -118,12 +122,19 @@ def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
     return pack.packed
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiny_work(dtype: torch.dtype, vendor: str) -> int:
+    """The most rows x weight elements of a `dtype` product that go through MKL rather than the pack on a CPU of this
+    maker (module docstring)."""
+    return TINY_WORK // 2 if dtype == torch.bfloat16 and float32_packs_pay(vendor) else TINY_WORK
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiny: int = TINY_WORK) -> torch.Tensor:
     """`F.linear` of a [T, K] `x` (T >= 1) by a 2-D weight of its dtype (bfloat16 or float32), through the weight's
     pack (CHUNK_ROWS rows at a time, the last chunk rounded up to its bucket with zero rows, which are cut off the
-    result), or a small product through MKL (a bfloat16 weight's float32 copy)."""
+    result), or a product of at most `tiny` rows x weight elements through MKL (a bfloat16 weight's float32 copy)."""
     rows = x.shape[0]
-    if rows * weight.numel() <= TINY_WORK:
+    if rows * weight.numel() <= tiny:
         if x.dtype == torch.float32:
             return F.linear(x, weight, bias)
         return F.linear(x.float(), _pack_of(weight, widened=True),

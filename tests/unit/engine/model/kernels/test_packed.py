@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
                                                   TINY_WORK, float32_packs_pay, packed_linear, packing_works,
-                                                  row_bucket)
+                                                  row_bucket, tiny_work)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -109,6 +109,24 @@ def test_a_small_weights_few_rows_multiply_its_float32_copy(elements, rows, wide
     assert kind is widened
 
 
+@pytest.mark.parametrize("dtype, vendor, limit", [
+    (BF16, "AuthenticAMD", TINY_WORK // 2), (BF16, "HygonGenuine", TINY_WORK // 2), (BF16, "GenuineIntel", TINY_WORK),
+    (BF16, "", TINY_WORK), (torch.float32, "AuthenticAMD", TINY_WORK), (torch.float32, "GenuineIntel", TINY_WORK),
+])
+def test_bfloat16s_small_products_pack_from_half_the_work_where_mkl_runs_generic_code(dtype, vendor, limit):
+    assert tiny_work(dtype, vendor) == limit
+
+
+@needs_packing
+@pytest.mark.parametrize("rows, widened", [(8, True), (9, False)])
+def test_the_limit_handed_to_a_product_decides_its_path(rows, widened):
+    weight = _weight(TINY_WORK // 16 // 32, 32)   # 8 rows: TINY_WORK // 2 rows x elements
+    x = torch.randn(rows, 32).to(BF16)
+    _assert_rounds_alike(packed_linear(x, weight, tiny=TINY_WORK // 2), _reference(x, weight, None))
+    (kind, *_), = getattr(weight, PACKS_ATTRIBUTE)
+    assert kind is widened
+
+
 @needs_packing
 @pytest.mark.parametrize("rows, outputs", [(2, 64), (64, 1024)])   # the float32 copy, oneDNN's pack
 def test_a_weight_written_in_place_is_packed_again(rows, outputs):
@@ -125,9 +143,9 @@ def packed_rows(monkeypatch) -> list[int]:
     """The row counts `linear` / `plain_linear` hand the packed product (which still computes them)."""
     taken: list[int] = []
 
-    def record(x, weight, bias=None):
+    def record(x, weight, bias=None, tiny=TINY_WORK):
         taken.append(x.shape[0])
-        return packed_linear(x, weight, bias)
+        return packed_linear(x, weight, bias, tiny)
 
     monkeypatch.setattr(linear_module, "packed_linear", record)
     return taken
