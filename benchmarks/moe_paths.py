@@ -1,8 +1,9 @@
 """The routed experts' three paths, one layer alone and in an engine, side by side in one process, rounds alternated.
 
-The paths (layers/moe.py): the compiled kernel (kernels/fused_moe.py, up to `rows_worth_fusing` rows), the grouped
-dispatch (a dozen torch operations per expert) and every expert at once (`every_expert`: two products over all the
-experts, the unchosen weighted 0; a layer takes it for bfloat16 steps of EVERY_EXPERT_MIN_ROWS rows and more on
+The paths (layers/moe.py), each with its routing: the compiled kernel (kernels/fused_moe.py, the rows routed in the
+same pass, up to `rows_worth_fusing` rows), the grouped dispatch (the router, then a dozen torch operations per
+expert) and every expert at once (`every_expert`: the router, then two products over all the experts, the
+unchosen weighted 0); a layer takes it for bfloat16 steps of EVERY_EXPERT_MIN_ROWS rows and more on
 packed products, when its experts stay in cache).
 1. One MoE layer of `--preset`'s shape (random weights), in `--dtype`, one thread: each path at each `--rows` count
    (the compiled kernel only where a layer would send it), the median of `--calls` calls, rounds alternated.
@@ -29,7 +30,7 @@ import torch
 
 from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.host_memory import keep_freed_memory
-from hybridpd.engine.model.kernels.fused_moe import fused_moe_rows
+from hybridpd.engine.model.kernels.fused_moe import routed_moe_rows
 from hybridpd.engine.model.layers.moe import GraniteMoE, every_expert, grouped_experts
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
@@ -40,14 +41,13 @@ from roofline import engine_for  # noqa: E402  (the roofline script's engine)
 
 
 def layer_paths(layer: GraniteMoE, rows: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
-    """The paths a layer may take for `rows` rows, each a call on the same inputs."""
+    """The paths a layer may take for `rows` rows, each a call on the same inputs, its routing included."""
     x = torch.randn(rows, layer.input_linear.weight.shape[2], generator=generator).to(dtype)
-    top_ids, top_weights = layer.router.forward(x)
     w_in, w_out = layer.input_linear.weight, layer.output_linear.weight
-    paths = {"grouped": lambda: grouped_experts(x, top_ids, top_weights, layer._expert, layer.num_experts),
-             "every_expert": lambda: every_expert(x, top_ids, top_weights, w_in, layer._w_out_side_by_side())}
+    paths = {"grouped": lambda: grouped_experts(x, *layer.router.forward(x), layer._expert, layer.num_experts),
+             "every_expert": lambda: every_expert(x, *layer.router.forward(x), w_in, layer._w_out_side_by_side())}
     if rows <= layer.fused_max_rows:
-        paths["compiled"] = lambda: fused_moe_rows(x, top_ids, top_weights, w_in, w_out)
+        paths["compiled"] = lambda: routed_moe_rows(x, layer.router.layer.weight, layer.router.top_k, w_in, w_out)
     return paths
 
 

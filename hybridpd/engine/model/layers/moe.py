@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
-from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, fused_moe_rows, rows_worth_fusing
+from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, routed_moe_rows, rows_worth_fusing
+from hybridpd.engine.model.kernels.fused_router import top_k_route
 from hybridpd.engine.model.kernels.linear import packs_products, plain_linear
 from hybridpd.engine.model.kernels.silu import silu_times_weighted
 
@@ -92,9 +93,14 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = plain_linear(x, self.layer.weight).float()
+        """-> (the top-k experts' ids [T, k], largest logit first; their weights [T, k] in float32, holding values of
+        x's dtype): one compiled pass for float32 and bfloat16 (kernels/fused_router.py), else torch's operations."""
+        weight = self.layer.weight
+        if x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.is_contiguous() and weight.is_contiguous():
+            return top_k_route(x, weight, self.top_k)
+        logits = plain_linear(x, weight).float()
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)
-        return top_ids, torch.softmax(top_logits, dim=-1).to(x.dtype)
+        return top_ids, torch.softmax(top_logits, dim=-1).to(x.dtype).float()
 
 
 class GraniteMoE(nn.Module):
@@ -133,15 +139,17 @@ class GraniteMoE(nn.Module):
         return self._side_by_side
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_ids, top_weights = self.router.forward(x)
-        w_in, w_out = self.input_linear.weight, self.output_linear.weight
+        w_in, w_out, router = self.input_linear.weight, self.output_linear.weight, self.router.layer.weight
         every_from = self.every_expert_min_rows
-        if (every_from is not None and x.shape[0] >= every_from and x.dtype == torch.bfloat16
-                and packs_products(x.dtype) and x.dtype == w_in.dtype == w_out.dtype):
+        every = (every_from is not None and x.shape[0] >= every_from and x.dtype == torch.bfloat16
+                 and packs_products(x.dtype) and x.dtype == w_in.dtype == w_out.dtype)
+        if (not every and x.shape[0] <= self.fused_max_rows and x.dtype in FUSED_DTYPES
+                and x.dtype == w_in.dtype == w_out.dtype == router.dtype and x.is_contiguous()
+                and w_in.is_contiguous() and w_out.is_contiguous()):
+            return routed_moe_rows(x, router, self.router.top_k, w_in, w_out)   # the router's gating inside
+        top_ids, top_weights = self.router.forward(x)
+        if every:
             return every_expert(x, top_ids, top_weights, w_in, self._w_out_side_by_side())
-        if (x.shape[0] <= self.fused_max_rows and x.dtype in FUSED_DTYPES and x.dtype == w_in.dtype == w_out.dtype
-                and x.is_contiguous() and w_in.is_contiguous() and w_out.is_contiguous()):
-            return fused_moe_rows(x, top_ids, top_weights, w_in, w_out)
         return grouped_experts(x, top_ids, top_weights, self._expert, self.num_experts)
 
 
