@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, RESIDENT_MAX_ROWS, routed_moe_rows, rows_worth_fusing
+from hybridpd.engine.model.kernels.fused_moe import (RESIDENT_BYTES, RESIDENT_MAX_ROWS, routed_moe_rows,
+                                                     rows_worth_fusing)
 from hybridpd.engine.model.layers import moe as moe_module
 from hybridpd.engine.model.layers.moe import GraniteMoE, grouped_experts
 
