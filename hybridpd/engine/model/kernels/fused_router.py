@@ -69,7 +69,8 @@ def top_k_route(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Te
         raise ValueError(f"top_k_route: float32 or bfloat16, one dtype, got {x.dtype} and {weight.dtype}")
     if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not 1 <= k <= weight.shape[0]
             or not x.is_contiguous() or not weight.is_contiguous()):
-        raise ValueError(f"top_k_route: x {tuple(x.shape)} and weight {tuple(weight.shape)} (contiguous), top {k}")
+        raise ValueError(f"top_k_route: contiguous x [T, H] and weight [E, H] and 1 <= k <= E, got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}, k = {k}")
     ids = torch.empty((x.shape[0], k), dtype=torch.int64)
     weights = torch.empty((x.shape[0], k), dtype=torch.float32)
     _top_k_rows(kernel_array(x), kernel_array(weight), ids.numpy(), weights.numpy())

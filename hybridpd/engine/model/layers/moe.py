@@ -3,14 +3,14 @@
 Parameter names and layouts are those of the published checkpoints (what transformers' `save_pretrained` writes):
 `router.layer.weight` [E, H], `input_linear.weight` [E, 2I, H] (gate rows, then up rows), `output_linear.weight`
 [E, H, I]. The router is transformers' `GraniteMoeHybridTopKGating`: float32 logits, the top-k of them, a softmax over
-those k only, cast back to the activations' dtype.
+those k only, cast back to the activations' dtype (for float32 and bfloat16 one compiled pass: kernels/fused_router.py).
 
 Dispatch: the (token, slot) pairs are sorted by expert once, and each expert that received tokens runs two matmuls
 over all of its rows (a grouped GEMM spelled as one matmul per expert); the weighted results are summed back into
 their tokens with one `index_add_`. The Python loop runs over experts that have work, never over tokens. A step of
 few rows (a decode step; how few depends on the size of the experts, `kernels/fused_moe.rows_worth_fusing`), float32
-or bfloat16, runs its experts in one compiled call instead: there the dozen operations per expert cost more than
-their arithmetic.
+or bfloat16, is routed and runs its experts in one compiled call instead: there the dozen operations per expert cost
+more than their arithmetic.
 
 Every expert at once (`every_expert`): in bfloat16 on a CPU with bfloat16 units, a layer whose experts stay in cache
 (`fused_moe.RESIDENT_BYTES`) runs a step of EVERY_EXPERT_MIN_ROWS rows or more as two products over all of its experts
