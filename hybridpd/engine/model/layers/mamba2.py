@@ -67,7 +67,8 @@ class Mamba2Mixer(nn.Module):
         self._constants_of: tuple[torch.Tensor, ...] = ()
         self._constants_versions: tuple[int, ...] = ()
         self._constants_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
-        self._kernel_weights_of: tuple[tuple[torch.Tensor, int], ...] = ()
+        self._kernel_weights_of: tuple[torch.Tensor, ...] = ()   # held: an id is never reused
+        self._kernel_versions: list[int] = []
         self._kernel_weights: MambaKernelWeights | None = None
         self._kernel_caches_of: tuple[torch.Tensor, ...] = ()
         self._kernel_caches: MambaKernelCaches | None = None
@@ -103,23 +104,31 @@ class Mamba2Mixer(nn.Module):
                         self._weights_for_kernel())
         return linear(y, self.out_proj.weight, self.out_proj.bias)   # y in x's dtype: the kernel writes it so
 
+    def _kernel_sources(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the kernel's weights are made from, as the module holds them now: the conv weight and bias,
+        A_log, D, dt_bias and the norm's weight. Read through nn.Module's dicts: its attribute lookup costs ~0.5 us a
+        name, and every Mamba layer makes this check at every step."""
+        params, modules = self._parameters, self._modules
+        bias = modules["conv1d"]._parameters["bias"]
+        norm = modules.get("norm")
+        return (self._buffers["conv_weight"], self._zero_bias if bias is None else bias, params["A_log"], params["D"],
+                params["dt_bias"], self._unit_norm_weight if norm is None else norm._parameters["weight"])
+
     def _weights_for_kernel(self) -> MambaKernelWeights:
-        """The kernel's numpy views of the parameters (of float32 copies in a bfloat16 model), made again only when a
-        tensor they come from was replaced (a reloaded constant, a new Parameter) or, for a copy, written in place;
-        in-place loads write through the views of a float32 model."""
-        A, D, dt_bias = self._constants()
-        bias = self._zero_bias if self.conv1d.bias is None else self.conv1d.bias
-        norm_weight = self._unit_norm_weight if self.norm_mode is MambaNorm.GATE_ONLY else self.norm.weight
-        tensors = (self.conv_weight, bias, dt_bias, A, D, norm_weight)
-        held = tuple((t, t._version if t.dtype != torch.float32 else 0) for t in tensors)
-        stale = any(a is not b or u != v for (a, u), (b, v) in zip(held, self._kernel_weights_of))
-        if self._kernel_weights is None or stale:
-            conv_weight, bias, norm_weight = (t.float() for t in (self.conv_weight, bias, norm_weight))
+        """The kernel's numpy views of the parameters (of float32 copies in a bfloat16 model, of A = -exp(A_log)),
+        made again only when a tensor they come from was replaced (a reloaded constant, a new Parameter) or written
+        in place."""
+        sources = self._kernel_sources()
+        versions = [t._version for t in sources]
+        if (self._kernel_weights is None or versions != self._kernel_versions
+                or any(a is not b for a, b in zip(sources, self._kernel_weights_of))):
+            A, D, dt_bias = self._constants()
+            conv_weight, bias, norm_weight = (t.float() for t in (sources[0], sources[1], sources[5]))
             self._kernel_weights = MambaKernelWeights.of(
                 conv_weight, bias, dt_bias, A, D, (self.dt_min, self.dt_max), norm_weight,
                 self.norm_group, self.norm_eps, self.groups, self.norm_mode,
             )
-            self._kernel_weights_of = held
+            self._kernel_weights_of, self._kernel_versions = sources, versions
         return self._kernel_weights
 
     def _caches_for_kernel(self, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> MambaKernelCaches:
