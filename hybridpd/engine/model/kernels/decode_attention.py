@@ -22,7 +22,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, held_array, kernel_array, narrow, widen
 from hybridpd.engine.model.kernels.silu import exp32
 
 _I64_1D = numba.int64[::1]
@@ -129,6 +129,6 @@ def decode_attention(qkv: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
         raise ValueError(f"decode_attention: shapes do not fit: qkv {tuple(qkv.shape)}, buffers "
                          f"{tuple(k_buf.shape)} / {tuple(v_buf.shape)}, {num_heads} heads, {tuple(first.shape)} rows")
     out = torch.empty((rows, num_heads * dim), dtype=dtype)
-    _kernel_for(dim)(kernel_array(qkv), kernel_array(k_buf), kernel_array(v_buf), first.numpy(), end.numpy(),
+    _kernel_for(dim)(kernel_array(qkv), held_array(k_buf), held_array(v_buf), held_array(first), held_array(end),
                      num_heads // kv_heads, np.float32(scale), kernel_array(out))
     return out

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import held_array, kernel_array, narrow, widen
 
 _F32_1D = numba.float32[::1]
 _F32_2D = numba.float32[:, ::1]
@@ -104,7 +104,7 @@ def few_rows_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     an element: a decode step's time is that read."""
     _check_shapes(x, weight, bias, "few_rows_linear_bf16")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    _few_rows(x.detach().float().contiguous().numpy(), kernel_array(weight), _bias_array(bias), bias is not None,
+    _few_rows(x.detach().float().contiguous().numpy(), held_array(weight), _bias_array(bias), bias is not None,
               out.numpy())
     return out.to(torch.bfloat16)
 
@@ -119,6 +119,6 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dtype != weight.dtype:
         raise ValueError(f"one_row_linear: x is {x.dtype}, the weight {weight.dtype}")
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype)
-    _one_row(kernel_array(x.contiguous())[0], kernel_array(weight), _bias_array(bias), bias is not None,
+    _one_row(kernel_array(x.contiguous())[0], held_array(weight), _bias_array(bias), bias is not None,
              kernel_array(out)[0])
     return out

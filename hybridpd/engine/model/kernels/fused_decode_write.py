@@ -18,7 +18,8 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, kernel_view, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import (KERNEL_DTYPES, held, held_array, kernel_array, kernel_view, narrow,
+                                                     widen)
 from hybridpd.engine.model.kernels.fused_mamba import flat_slots
 
 _I64_1D = numba.int64[::1]
@@ -100,12 +101,12 @@ def rope_and_write_(
     writes each row's K and V into `cache` ([blocks, 2, block_size, KH, D], at `blocks[r]`, `offsets[r]`) and into
     the buffers at (row r, position[r]). Every tensor float32, or every one bfloat16 (rotated in float32, rounded
     once)."""
-    flat, stride = flat_slots(kernel_view(cache))
+    flat, stride = _held_slots(cache)
     rows = qkv.shape[0]
-    cos, sin = (kernel_array(t.view(rows, -1)) for t in (cos, sin))
     _rope_and_write(
-        kernel_array(qkv), cos, sin, num_heads, cache.shape[3], flat, stride, cache.shape[2], blocks.numpy(),
-        offsets.numpy(), kernel_array(k_buf), kernel_array(v_buf), positions.numpy(),
+        kernel_array(qkv), held_array(cos).reshape(rows, -1), held_array(sin).reshape(rows, -1), num_heads,
+        cache.shape[3], flat, stride, cache.shape[2], held_array(blocks), held_array(offsets), held_array(k_buf),
+        held_array(v_buf), held_array(positions),
     )
 
 
@@ -116,9 +117,15 @@ def rope_and_write_paged_(
     """`rope_and_write_` without the buffers: a prefill's (or a mixed step's) rows rotated in place and written into
     the paged cache. On a 4,096-row prefill of the default model it replaces ~4 ms of advanced-index write per
     attention layer, and the RoPE's roll, multiply and multiply-add."""
-    flat, stride = flat_slots(kernel_view(cache))
+    flat, stride = _held_slots(cache)
     rows = qkv.shape[0]
-    cos, sin = (kernel_array(t.view(rows, -1)) for t in (cos, sin))
-    _rope_and_write_paged(kernel_array(qkv), cos, sin, num_heads, cache.shape[3], flat, stride, cache.shape[2],
-                          blocks.numpy(), offsets.numpy())
+    _rope_and_write_paged(kernel_array(qkv), held_array(cos).reshape(rows, -1), held_array(sin).reshape(rows, -1),
+                          num_heads, cache.shape[3], flat, stride, cache.shape[2], held_array(blocks),
+                          held_array(offsets))
+
+
+def _held_slots(cache: torch.Tensor) -> tuple[np.ndarray, int]:
+    """The cache view's flat array and slot stride (fused_mamba.flat_slots), kept on the view: every step's every
+    attention layer writes through it (~3.4 us to make)."""
+    return held(cache, "_hybridpd_flat_slots", lambda c: flat_slots(kernel_view(c)))
 

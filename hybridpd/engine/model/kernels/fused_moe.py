@@ -26,7 +26,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, held_array, kernel_array, narrow, widen
 from hybridpd.engine.model.kernels.fused_router import route_row
 
 RESIDENT_BYTES = 2 << 20   # a layer's expert weights up to this stay in cache from one row to the next
@@ -102,6 +102,6 @@ def routed_moe_rows(x: torch.Tensor, router: torch.Tensor, k: int, w_in: torch.T
         raise ValueError(f"routed_moe_rows: float32 or bfloat16, one dtype, got {x.dtype}, {router.dtype}, "
                          f"{w_in.dtype}, {w_out.dtype}")
     out = torch.empty(x.shape, dtype=x.dtype)
-    _routed_moe_rows(kernel_array(x.contiguous()), kernel_array(router.contiguous()), k, kernel_array(w_in),
-                     kernel_array(w_out), kernel_array(out))
+    _routed_moe_rows(kernel_array(x.contiguous()), held_array(router.contiguous()), k, held_array(w_in),
+                     held_array(w_out), kernel_array(out))
     return out

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, held_array, kernel_array, narrow, widen
 
 _F32_1D = numba.float32[::1]
 
@@ -71,7 +71,7 @@ def _residual_rms_norm(h, delta, alpha, weight, eps, h_out, out):  # pragma: no 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, W] (contiguous; float32, or bfloat16 with a bfloat16 weight) -> its RMSNorm, a new [T, W] tensor."""
     out = torch.empty_like(h)
-    _rms_norm(kernel_array(h), kernel_array(weight), np.float32(eps), kernel_array(out))
+    _rms_norm(kernel_array(h), held_array(weight), np.float32(eps), kernel_array(out))
     return out
 
 
@@ -81,6 +81,6 @@ def residual_rms_norm(
     """h, delta [T, W] (contiguous; float32, or bfloat16 with a bfloat16 weight) -> (h + alpha * delta, its
     RMSNorm), two new tensors."""
     summed, out = torch.empty_like(h), torch.empty_like(h)
-    _residual_rms_norm(kernel_array(h), kernel_array(delta), np.float32(alpha), kernel_array(weight),
+    _residual_rms_norm(kernel_array(h), kernel_array(delta), np.float32(alpha), held_array(weight),
                        np.float32(eps), kernel_array(summed), kernel_array(out))
     return summed, out

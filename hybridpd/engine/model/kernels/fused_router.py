@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, kernel_array, narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, held_array, kernel_array, narrow, widen
 
 _I64_2D = numba.int64[:, ::1]
 _F32_2D = numba.float32[:, ::1]
@@ -73,5 +73,5 @@ def top_k_route(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Te
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}, k = {k}")
     ids = torch.empty((x.shape[0], k), dtype=torch.int64)
     weights = torch.empty((x.shape[0], k), dtype=torch.float32)
-    _top_k_rows(kernel_array(x), kernel_array(weight), ids.numpy(), weights.numpy())
+    _top_k_rows(kernel_array(x), held_array(weight), ids.numpy(), weights.numpy())
     return ids, weights

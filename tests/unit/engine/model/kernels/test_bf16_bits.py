@@ -1,14 +1,19 @@
 """bfloat16 inside compiled kernels: an element widened from its bits is its exact float32 value, and a float32
 narrowed to bfloat16 bits rounds as torch rounds (to nearest, ties to even), over values that include exact ties,
-subnormals and both signs; on float32 both are the identity."""
+subnormals and both signs; on float32 both are the identity. A kernel array kept on a tensor (`held_array`) is the
+tensor's memory, made again when that memory or its shape changes, and keeps no cycle."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numba
 import numpy as np
+import pytest
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import narrow, widen
+from hybridpd.engine.model.kernels.bf16_bits import held_array, kernel_array, narrow, widen
 
 
 @numba.njit(cache=False)
@@ -52,3 +57,31 @@ def test_both_are_the_identity_on_float32():
     _widen_all(values, widened)
     _narrow_all(values, narrowed)
     assert np.array_equal(widened, values) and np.array_equal(narrowed, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_held_array_is_the_tensors_memory_kept_until_it_changes(dtype):
+    t = torch.zeros(3, 4, dtype=dtype)
+    first = held_array(t)
+    assert held_array(t) is first                          # kept
+    assert np.array_equal(first, kernel_array(t))
+    t[1, 2] = 5                                            # the same memory: writes show through
+    assert np.array_equal(held_array(t), kernel_array(t))
+    t.set_(torch.ones(3, 4, dtype=dtype))                  # other memory
+    assert held_array(t) is not first and np.array_equal(held_array(t), kernel_array(t))
+    t.resize_(2, 4)                                        # another shape over the same memory
+    assert held_array(t).shape == (2, 4)
+    assert held_array(t.t()).shape == (4, 2)               # a view is a tensor of its own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_held_array_keeps_no_cycle(dtype):
+    gc.disable()
+    try:
+        t = torch.zeros(8, dtype=dtype)
+        held_array(t)
+        gone = weakref.ref(t)
+        del t
+        assert gone() is None                              # freed by its reference count, not the collector
+    finally:
+        gc.enable()
