@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, one_row_linear
-from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT, linear,
-                                                  plain_linear)
+from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT,
+                                                  ONE_ROW_MIN_WEIGHT_BF16, linear, plain_linear)
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
@@ -72,6 +72,8 @@ LARGE = (FEW_ROWS_MIN_WEIGHT // 64, 64)
 BF16 = torch.bfloat16
 MIDDLE = (ONE_ROW_MIN_WEIGHT // 64, 64)
 SMALL = (ONE_ROW_MIN_WEIGHT // 128, 64)
+MIDDLE_BF16 = (ONE_ROW_MIN_WEIGHT_BF16 // 64, 64)
+SMALL_BF16 = (ONE_ROW_MIN_WEIGHT_BF16 // 128, 64)
 
 
 @pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, packs, taken", [
@@ -89,7 +91,9 @@ SMALL = (ONE_ROW_MIN_WEIGHT // 128, 64)
     (1, LARGE, BF16, True, True, "one"),
     (2, LARGE, BF16, True, True, None),
     (1, MIDDLE, BF16, True, True, "one"),
-    (1, SMALL, BF16, True, True, None),
+    (1, SMALL, BF16, True, True, "one"),             # bfloat16's from fewer elements
+    (1, MIDDLE_BF16, BF16, True, True, "one"),
+    (1, SMALL_BF16, BF16, True, True, None),
 ])
 def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, rows, weight_shape, dtype, contiguous,
                                                      packs, taken):
