@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, one_row_linear
 from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT,
-                                                  ONE_ROW_MIN_WEIGHT_BF16, linear, plain_linear)
+                                                  ONE_ROW_MIN_WEIGHT_BF16, SMALL_BF16_ROWS_MAX,
+                                                  SMALL_BF16_WEIGHT_BELOW, linear, plain_linear)
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
@@ -61,6 +62,7 @@ def kernel_calls(monkeypatch):
         return record
 
     monkeypatch.setattr(linear_module, "few_rows_linear", recorder("few"))
+    monkeypatch.setattr(linear_module, "few_rows_linear_bf16", recorder("few_bf16"))
     monkeypatch.setattr(linear_module, "one_row_linear", recorder("one"))
     monkeypatch.setattr(linear_module, "packed_linear", lambda x, weight, bias=None, tiny=0: F.linear(x, weight, bias))
     return calls
@@ -120,6 +122,27 @@ def test_one_row_of_bfloat16_stays_packed_where_the_cpu_has_amx(monkeypatch, ker
     weight, x = (torch.randn(*LARGE) / 8).to(dtype), torch.randn(1, LARGE[1]).to(dtype)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
     assert kernel_calls == taken
+
+
+FEW_BF16 = (SMALL_BF16_WEIGHT_BELOW // 128, 64)   # below the bound
+
+
+@pytest.mark.parametrize("product", [linear, plain_linear])
+@pytest.mark.parametrize("rows, weight_shape, amx, taken", [
+    (2, FEW_BF16, False, "few_bf16"),
+    (SMALL_BF16_ROWS_MAX, FEW_BF16, False, "few_bf16"),
+    (SMALL_BF16_ROWS_MAX + 1, FEW_BF16, False, None),      # the packed product
+    (4, (SMALL_BF16_WEIGHT_BELOW // 64, 64), False, None),   # a weight at the bound: the packed product
+    (4, FEW_BF16, True, None),                              # not measured with AMX: the packed product
+])
+def test_a_few_bfloat16_rows_by_a_small_weight_take_the_few_rows_kernel_where_products_pack(
+        monkeypatch, kernel_calls, product, rows, weight_shape, amx, taken):
+    for flag in ("_bf16_packing", "_bf16_units"):
+        monkeypatch.setattr(linear_module, flag, True)
+    monkeypatch.setattr(linear_module, "_amx", amx)
+    weight, x = (torch.randn(*weight_shape) / 8).to(BF16), torch.randn(rows, weight_shape[1]).to(BF16)
+    torch.testing.assert_close(product(x, weight), F.linear(x, weight))
+    assert kernel_calls == ([(taken, rows)] if taken else [])
 
 
 @pytest.mark.parametrize("packs, taken", [(True, [("one", 1)]), (False, [])])

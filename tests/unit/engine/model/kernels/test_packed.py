@@ -153,8 +153,9 @@ def packed_rows(monkeypatch) -> list[int]:
 
 @needs_packing
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
-@pytest.mark.parametrize("rows", [1, 8, 64, 65, 300])
-def test_every_bfloat16_product_takes_the_pack(monkeypatch, packed_rows, product, rows):
+@pytest.mark.parametrize("rows", [1, linear_module.SMALL_BF16_ROWS_MAX + 1, 64, 65, 300])
+def test_bfloat16_products_take_the_pack(monkeypatch, packed_rows, product, rows):
+    """But one row by a large weight and a few rows by a small one (test_few_rows.py)."""
     monkeypatch.setattr(linear_module, "_bf16_units", True)
     weight, x = _weight(48, 32), torch.randn(rows, 32).to(BF16)
     _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
