@@ -51,7 +51,7 @@ ONE_ROW_MIN_WEIGHT = 2**17
 ONE_ROW_MIN_WEIGHT_BF16 = 2**15
 # bfloat16 where products pack (not on a CPU with AMX, where it was not measured): a few rows by a small weight
 # through the bfloat16 few-rows kernel. One engine, decode steps alternated with the packed and small-product paths
-# (EPYC with AVX512-BF16): small-vllm 0.92 / 0.74 / 0.86 / 0.94 of the step at 2 / 4 / 8 / 12 rows, even at 16.
+# (EPYC with AVX512-BF16): small-vllm 0.78 / 0.63 / 0.86 / 0.92 of the step at 2 / 4 / 8 / 12 rows, 0.98 at 16.
 SMALL_BF16_ROWS_MAX = 12
 SMALL_BF16_WEIGHT_BELOW = 2**17
 # bfloat16 without bfloat16 units: up to this many rows the bfloat16 few-rows kernel (a small weight: from 2 rows).
