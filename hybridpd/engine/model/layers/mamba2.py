@@ -64,9 +64,6 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.intermediate, shape.hidden_size, bias=shape.out_proj_bias, dtype=dtype)
         # The kernel's conv bias when the layer has none (zeros: the same sums).
         self._zero_bias = torch.zeros(self.conv_dim, dtype=torch.float32)
-        self._constants_of: tuple[torch.Tensor, ...] = ()
-        self._constants_versions: tuple[int, ...] = ()
-        self._constants_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
         self._kernel_weights_of: tuple[torch.Tensor, ...] = ()   # held: an id is never reused
         self._kernel_versions: list[int] = []
         self._kernel_weights: MambaKernelWeights | None = None
@@ -74,15 +71,9 @@ class Mamba2Mixer(nn.Module):
         self._kernel_caches: MambaKernelCaches | None = None
 
     def _constants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A = -exp(A_log), D and dt_bias, in float32: computed again only when a parameter was replaced or written
-        (a reloaded checkpoint), else taken as they were (three ops fewer per layer and step)."""
-        params = (self.A_log, self.D, self.dt_bias)
-        versions = tuple(p._version for p in params)
-        held = self._constants_of
-        if versions != self._constants_versions or any(a is not b for a, b in zip(params, held)):
-            self._constants_value = (-torch.exp(self.A_log.float()), self.D.float(), self.dt_bias.float())
-            self._constants_of, self._constants_versions = params, versions  # held: an id is never reused
-        return self._constants_value
+        """A = -exp(A_log), D and dt_bias, in float32: computed when the kernel's weights are made again
+        (`_weights_for_kernel` checks the parameters they come from, these three included)."""
+        return -torch.exp(self.A_log.float()), self.D.float(), self.dt_bias.float()
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
