@@ -18,8 +18,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridpd.engine.model.kernels.bf16_bits import (KERNEL_DTYPES, held, held_array, kernel_array, kernel_view, narrow,
-                                                     widen)
+from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, held, held_array, kernel_array, narrow, widen
 from hybridpd.engine.model.kernels.fused_mamba import flat_slots
 
 _I64_1D = numba.int64[::1]
@@ -127,5 +126,5 @@ def rope_and_write_paged_(
 def _held_slots(cache: torch.Tensor) -> tuple[np.ndarray, int]:
     """The cache view's flat array and slot stride (fused_mamba.flat_slots), kept on the view: every step's every
     attention layer writes through it (~3.4 us to make)."""
-    return held(cache, "_hybridpd_flat_slots", lambda c: flat_slots(kernel_view(c)))
+    return held(cache, "_hybridpd_flat_slots", flat_slots)
 
