@@ -4,7 +4,7 @@ bfloat16 units, see `bf16_linear`; on one with them, every product goes through 
 (packed.py), as do float32's on a CPU whose MKL runs generic code (not Intel's), but for one row by a large weight:
 where products pack, that goes through the one-row kernel (few_rows.py), which reads the weight faster (on the EPYC
 with AVX-512 and bfloat16 units: 34-35 against the packed product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in
-float32), but in bfloat16 on a CPU with AMX (`one_row_pays`).
+float32), but in bfloat16 on a CPU with AMX (`own_loops_pay`).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -119,7 +119,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` itself, except in bfloat16: on a CPU without bfloat16 units through `bf16_linear`, on one with them
     through the packed weight (packed.py), float32 too where its products pack, one row by a large weight through
-    the one-row kernel where `one_row_pays`. The products that stay with MKL in float32 elsewhere (the router, the
+    the one-row kernel where `own_loops_pay`. The products that stay with MKL in float32 elsewhere (the router, the
     experts outside the fused kernel, the decode-only attention output, the head)."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
@@ -169,23 +169,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _onednn(x, weight, bias, "none", [], "")
 
 
-def one_row_pays(dtype: torch.dtype) -> bool:
-    """Whether one row by a large weight of `dtype` goes through the one-row kernel rather than the packed product:
-    where the dtype's products pack, but for bfloat16 on a CPU with AMX, where a compiled loop of ours read a one-row
-    bfloat16 product at 7-8 GB/s against the packed product's 10-12.5 (the Xeon with AMX in benchmarks/README.md);
-    the one-row kernel was measured faster on the EPYC with AVX512-BF16 only."""
+def own_loops_pay(dtype: torch.dtype) -> bool:
+    """Whether our compiled loops take some of a `dtype`'s products from the packed product (one row by a large
+    weight, and in bfloat16 a few rows by a small one): where the dtype's products pack, but for bfloat16 on a CPU
+    with AMX, where a compiled loop of ours read a one-row bfloat16 product at 7-8 GB/s against the packed product's
+    10-12.5 (the Xeon with AMX in benchmarks/README.md); the loops were measured faster on the EPYC with AVX512-BF16
+    only."""
     return packs_products(dtype) and not (dtype == torch.bfloat16 and _amx)
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and one_row_pays(x.dtype) and weight.dtype == x.dtype
+    return (x.dim() == 2 and x.shape[0] == 1 and own_loops_pay(x.dtype) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.is_contiguous()
             and weight.numel() >= (ONE_ROW_MIN_WEIGHT_BF16 if x.dtype == torch.bfloat16 else ONE_ROW_MIN_WEIGHT)
             and (bias is None or bias.dtype == x.dtype))
 
 
 def _small_bf16_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_bf16_packing and not _amx and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    return (x.dtype == torch.bfloat16 and own_loops_pay(x.dtype) and weight.dtype == torch.bfloat16
             and x.dim() == 2 and 2 <= x.shape[0] <= SMALL_BF16_ROWS_MAX and weight.dim() == 2
             and weight.numel() < SMALL_BF16_WEIGHT_BELOW and weight.is_contiguous())
 
