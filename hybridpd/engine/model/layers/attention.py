@@ -20,6 +20,7 @@ from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
 from hybridpd.engine.model.kernels.decode_attention import decode_attention
 from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
+from hybridpd.engine.model.kernels import product_attention
 from hybridpd.engine.model.kernels.linear import linear, plain_linear
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 from hybridpd.engine.model.shapes import AttentionShape
@@ -118,9 +119,14 @@ class Attention(nn.Module):
             out[d.rows] = att.reshape(num, q_size)
         for run in meta.fresh:
             rows_of_run = slice(run.row_start, run.row_start + run.num_seqs * run.num_rows)
+            out_run = out[rows_of_run].view(run.num_seqs, run.num_rows, self.num_heads, self.head_dim)
+            if self._by_products(q, run.num_rows, run.num_rows, run.num_seqs):
+                for i in range(run.num_seqs):
+                    seq = slice(run.row_start + i * run.num_rows, run.row_start + (i + 1) * run.num_rows)
+                    product_attention.causal_attention(q[seq], k[seq], v[seq], out_run[i], 0, self.scale)
+                continue
             shape = (run.num_seqs, run.num_rows, -1, self.head_dim)
             q_run, k_run, v_run = (t[rows_of_run].reshape(shape).transpose(1, 2) for t in (q, k, v))
-            out_run = out[rows_of_run].view(run.num_seqs, run.num_rows, self.num_heads, self.head_dim)
             for c in run.chunks:
                 out_run[:, c.q_start : c.q_end] = F.scaled_dot_product_attention(
                     q_run[:, :, c.q_start : c.q_end], k_run[:, :, c.k_start : c.q_end],
@@ -130,12 +136,22 @@ class Attention(nn.Module):
         for p in meta.prefills:
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), p.blocks, 1, x.dtype)
             rows_of_seq = slice(p.row_start, p.row_start + p.num_rows)
+            if self._by_products(q, p.num_rows, p.first + p.num_rows):
+                out_seq = out[rows_of_seq].view(p.num_rows, self.num_heads, self.head_dim)
+                product_attention.causal_attention(q[rows_of_seq], k_seq[0].transpose(0, 1),
+                                                   v_seq[0].transpose(0, 1), out_seq, p.first, self.scale)
+                continue
             q_seq = q[rows_of_seq].transpose(0, 1)[None]  # [1, heads, n, head_dim]
             att = F.scaled_dot_product_attention(
                 q_seq, k_seq, v_seq, attn_mask=p.bias, scale=self.scale, enable_gqa=True
             )
             out[rows_of_seq] = att[0].transpose(0, 1).reshape(p.num_rows, -1)
         return linear(out, self.o_proj.weight, self.o_proj.bias)
+
+    def _by_products(self, q: torch.Tensor, rows: int, keys: int, sequences: int = 1) -> bool:
+        """Whether `sequences` of `rows` prefill rows over `keys` keys each attend through oneDNN's products
+        (product_attention.py): full attention only (a window's few keys stay with SDPA)."""
+        return self.sliding_window is None and product_attention.takes(q.dtype, rows, keys, sequences)
 
     def _rope_and_write(
         self, qkv: torch.Tensor, ctx: StepContext, meta: AttentionGroupMeta, cache: torch.Tensor

@@ -39,6 +39,7 @@ class AttentionPrefill:
     num_rows: int
     blocks: torch.Tensor
     bias: torch.Tensor
+    first: int   # the key (index into the blocks read) of the first row's own position
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ def _attention_prefill(
     keys = torch.arange(first_block * block_size, (last_block + 1) * block_size)
     seen = visible(torch.arange(s.num_computed, s.end), keys, window)
     blocks = int64_tensor(table[first_block : last_block + 1])
-    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, bias=additive(seen, dtype))
+    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, bias=additive(seen, dtype),
+                            first=s.num_computed - first_block * block_size)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,83 @@
+"""A prefill's causal attention over many keys as oneDNN products, on CPUs where MKL runs its generic code.
+
+torch's CPU SDPA (its flash kernel) multiplies its blocks through MKL: bfloat16 through `cblas_gemm_bf16bf16f32`,
+float32 through sgemm. On a CPU that is not Intel's (`packed.float32_packs_pay`) MKL runs its generic code there,
+and there a prefill's attention was the largest part of small-vllm's prefill (head size 32: its products are thin,
+and MKL's generic bfloat16 product widens both sides to float32 first). oneDNN runs the same products in the CPU's
+own instructions.
+
+Here, per KV head and per block of BLOCK query rows (the query heads sharing the KV head stacked in one product),
+the scores are one float32 product through oneDNN (`torch.ops.mkldnn._linear_pointwise`; bfloat16 queries and keys
+widened first, so the products are exact and summed in float32, as SDPA's are), over only the keys the block's last
+row sees; the causal triangle is masked on the block's last keys; the softmax runs in float32, and so does its
+product with the values (bfloat16 values widened): the output is rounded once, where SDPA rounds the softmax's
+weights to bfloat16 before that product as well. Measured on the EPYC with AVX512-BF16 (benchmarks/README.md), one
+thread, against SDPA in the same run: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt
+3.1 against 5.0 ms, 192 rows after 832 keys 0.92 against 1.58; granite-350m's (12 / 4 of 64) 14.3 against 27.0 ms;
+float32 3.4 against 4.9 and 14.4 against 26.0. Against a float64 reference its error is SDPA's or less (bfloat16:
+with the weights rounded too, as first written, up to twice SDPA's where one key dominates a row).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hybridpd.engine.dtype_choice import this_cpus_vendor
+from hybridpd.engine.model.kernels.packed import float32_packs_pay, packing_works
+
+BLOCK = 256   # query rows per product
+# The least query rows x keys of a sequence taken here: below it SDPA's fixed costs are smaller (same runs, bfloat16,
+# small-vllm's heads: 32 rows after 96 keys 0.13 against 0.06 ms, 16 after 1,008 0.23 against 0.18; 64 after 960 0.40
+# against 0.56, a 256-token prompt 0.41 against 0.53 through SDPA's query chunks).
+MIN_WORK = 1 << 16
+# The same for each of several fresh prompts of one length, which SDPA takes in one call per query chunk: 8 x 256
+# tokens 3.5 against 2.9 ms here, 4 x 384 2.9 against 3.1, 4 x 512 4.1 against 5.2.
+BATCHED_MIN_WORK = 1 << 18
+
+
+@functools.cache
+def products_pay(dtype: torch.dtype) -> bool:
+    """Whether a `dtype` model's prefill attention goes through these products on this CPU: where MKL runs its
+    generic code and this torch multiplies float32 through oneDNN (every product here is float32's)."""
+    return (dtype in (torch.float32, torch.bfloat16) and float32_packs_pay(this_cpus_vendor())
+            and packing_works(torch.float32))
+
+
+def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
+    """Whether `sequences` sequences of `rows` query rows over `keys` keys each, of a `dtype` model, attend here."""
+    return rows * keys >= (MIN_WORK if sequences == 1 else BATCHED_MIN_WORK) and products_pay(dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, first: int,
+                     scale: float) -> None:
+    """Causal attention of `q` [n, Hq, D] over `k`, `v` [m, Hkv, D] (any strides; Hq a multiple of Hkv, the query
+    heads of KV head j being j * Hq / Hkv onwards) into `out` [n, Hq, D]: query row i sees keys 0 .. first + i,
+    which must all exist (first + n <= m). Float32 or bfloat16, all four tensors of one dtype."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads or first < 0 or first + n > k.shape[0]:
+        raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads, rows {first}..{first + n} of "
+                         f"{k.shape[0]} keys")
+    group = num_heads // num_kv_heads
+    last = first + n                       # keys any row sees
+    block = min(BLOCK, n)
+    hidden = torch.full((block, block), float("-inf")).triu_(1)   # [row, key]: keys after the row's own
+    product = torch.ops.mkldnn._linear_pointwise
+    for j in range(num_kv_heads):
+        heads = slice(j * group, (j + 1) * group)
+        keys = torch.empty(last, head_dim, dtype=torch.float32).copy_(k[:last, j])
+        values = torch.empty(head_dim, last, dtype=torch.float32).copy_(v[:last, j].t())
+        for start in range(0, n, block):
+            end = min(n, start + block)
+            rows, seen = end - start, first + end
+            queries = torch.empty(group, rows, head_dim, dtype=torch.float32)
+            queries.copy_(q[start:end, heads].transpose(0, 1)).mul_(scale)
+            scores = product(queries.view(group * rows, head_dim), keys[:seen], None, "none", [], "")
+            scores = scores.view(group, rows, seen)
+            scores[:, :, seen - rows :] += hidden[:rows, :rows]
+            weights = torch.softmax(scores, dim=-1).view(group * rows, seen)
+            part = values if seen == last else values[:, :seen].contiguous()
+            result = product(weights, part, None, "none", [], "").view(group, rows, head_dim)
+            out[start:end, heads] = result.transpose(0, 1)
