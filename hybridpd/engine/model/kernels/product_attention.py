@@ -29,9 +29,9 @@ from hybridpd.engine.model.kernels.packed import float32_packs_pay, packing_work
 
 BLOCK = 256   # query rows per product
 # The least query rows x keys of a sequence taken here: below it SDPA's fixed costs are smaller (same runs, bfloat16,
-# small-vllm's heads: 32 rows after 96 keys 0.13 against 0.06 ms, 16 after 1,008 0.23 against 0.18; 64 after 960 0.40
-# against 0.56, a 256-token prompt 0.41 against 0.53 through SDPA's query chunks).
-MIN_WORK = 1 << 16
+# small-vllm's heads: 64 rows after 192 keys 0.19 against 0.18 ms, a 128-token prompt 0.19 against 0.20 through SDPA's
+# query chunks; a 192-token one 0.29 against 0.35, 48 rows after 704 keys 0.29 against 0.35).
+MIN_WORK = 1 << 15
 # The same for each of several fresh prompts of one length, which SDPA takes in one call per query chunk: 8 x 256
 # tokens 3.5 against 2.9 ms here, 4 x 384 2.9 against 3.1, 4 x 512 4.1 against 5.2.
 BATCHED_MIN_WORK = 1 << 18
@@ -50,6 +50,13 @@ def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
     return rows * keys >= (MIN_WORK if sequences == 1 else BATCHED_MIN_WORK) and products_pay(dtype)
 
 
+@functools.cache
+def _after_own(size: int) -> torch.Tensor:
+    """[size, size] float32, -inf at (row, key) where the key comes after the row's own, else 0 (read, never
+    written: one per size for the process)."""
+    return torch.full((size, size), float("-inf")).triu_(1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, first: int,
                      scale: float) -> None:
     """Causal attention of `q` [n, Hq, D] over `k`, `v` [m, Hkv, D] (any strides; Hq a multiple of Hkv, the query
@@ -63,7 +70,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     group = num_heads // num_kv_heads
     last = first + n                       # keys any row sees
     block = min(BLOCK, n)
-    hidden = torch.full((block, block), float("-inf")).triu_(1)   # [row, key]: keys after the row's own
+    hidden = _after_own(BLOCK)
     product = torch.ops.mkldnn._linear_pointwise
     for j in range(num_kv_heads):
         heads = slice(j * group, (j + 1) * group)

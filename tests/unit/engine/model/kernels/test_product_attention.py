@@ -93,9 +93,9 @@ def test_refusals(heads, kv_heads, rows, first, keys):
 
 
 @pytest.mark.parametrize("pays, rows, keys, sequences, expected", [
-    (True, 256, 256, 1, True),          # MIN_WORK exactly
-    (True, 255, 256, 1, False),
-    (True, 64, 1024, 1, True),          # a few rows after many keys
+    (True, 128, 256, 1, True),          # MIN_WORK exactly
+    (True, 127, 256, 1, False),
+    (True, 32, 1024, 1, True),          # a few rows after many keys
     (True, 256, 256, 8, False),         # several fresh prompts: BATCHED_MIN_WORK
     (True, 512, 512, 4, True),
     (False, 2048, 2048, 1, False),      # a CPU where SDPA's products are the faster
