@@ -4,7 +4,9 @@ Each step first writes the new rows' K/V (after RoPE) into the cache at
 `(block_tables[g][pos // block_size], pos % block_size)`, then every query reads its keys back from the cache:
 `[0, pos]` for full attention, `(pos - W, pos]` for a window. Sequences with nothing computed before this step
 read their keys straight from this step's K/V instead, batched when they have the same length, in chunks of
-queries that each read only the keys they can see (`attention_meta._query_chunks`). Decode rows read their keys
+queries that each read only the keys they can see (`attention_meta._query_chunks`); a long one's full attention,
+and rows after many earlier keys, go through oneDNN's products where MKL runs generic code
+(`kernels/product_attention.py`). Decode rows read their keys
 from contiguous buffers that keep them between steps (`decode_kv.py`), appending this step's keys there too,
 instead of gathering every block again; only a sequence the buffers do not hold yet gathers its blocks. On one
 thread the decode rows attend over the buffers through a compiled kernel (`kernels/decode_attention.py`).
@@ -17,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
+from hybridpd.engine.model.kernels import product_attention
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
 from hybridpd.engine.model.kernels.decode_attention import decode_attention
 from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
-from hybridpd.engine.model.kernels import product_attention
 from hybridpd.engine.model.kernels.linear import linear, plain_linear
 from hybridpd.engine.model.layers.rotary import RotaryEmbedding
 from hybridpd.engine.model.shapes import AttentionShape
