@@ -7,6 +7,7 @@ nothing computed before read their own new rows (fresh runs, batched by length, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,15 +32,23 @@ class AttentionDecode:
 
 @dataclass(frozen=True)
 class AttentionPrefill:
-    """One sequence's rows [row_start, row_start + num_rows) reading whole blocks `blocks` [nb]; `bias`
-    [n, nb * block_size] is 0 where a key is visible and -inf where not (an additive mask in the cache's dtype, built
-    once per step: given a bool mask, every layer's attention call would convert it)."""
+    """One sequence's rows [row_start, row_start + num_rows) reading whole blocks `blocks` [nb], `keys` = nb *
+    block_size keys; `bias` [n, keys] is 0 where a key is visible and -inf where not (an additive mask in the
+    cache's dtype, built at the first layer that asks and shared by the group's others: given a bool mask, every
+    layer's attention call would convert it; a step whose layers take oneDNN's products never builds it)."""
 
     row_start: int
     num_rows: int
     blocks: torch.Tensor
-    bias: torch.Tensor
+    keys: int
     first: int   # the key (index into the blocks read) of the first row's own position
+    window: int | None
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def bias(self) -> torch.Tensor:
+        rows = torch.arange(self.first, self.first + self.num_rows)
+        return additive(visible(rows, torch.arange(self.keys), self.window), self.dtype)
 
 
 @dataclass(frozen=True)
@@ -59,12 +68,18 @@ class QueryChunk:
 class FreshPrefillRun:
     """`num_seqs` consecutive sequences with nothing computed yet and `num_rows` new rows each, rows
     [row_start, row_start + num_seqs * num_rows): their keys are exactly their own new rows, so attention reads
-    this step's K/V directly (no cache read), one batched call per query chunk (see `_query_chunks`)."""
+    this step's K/V directly (no cache read), one batched call per query chunk (see `_query_chunks`; made at the
+    first layer that asks and shared by the group's others)."""
 
     row_start: int
     num_seqs: int
     num_rows: int
-    chunks: tuple[QueryChunk, ...]
+    window: int | None
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def chunks(self) -> tuple[QueryChunk, ...]:
+        return _query_chunks(self.num_rows, self.window, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -137,7 +152,7 @@ def _attention_meta(
         decode=decode, prefills=tuple(prefills), decode_kv=plan,
         decode_rows=None if plan is None else int64_tensor(decode_rows),
         fresh=tuple(
-            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, chunks=_query_chunks(n, window, dtype))
+            FreshPrefillRun(row_start=r, num_seqs=k, num_rows=n, window=window, dtype=dtype)
             for r, k, n in fresh
         ),
     )
@@ -183,11 +198,10 @@ def _attention_prefill(
 ) -> AttentionPrefill:
     first_block = _first_visible(s.num_computed, window) // block_size
     last_block = (s.end - 1) // block_size
-    keys = torch.arange(first_block * block_size, (last_block + 1) * block_size)
-    seen = visible(torch.arange(s.num_computed, s.end), keys, window)
     blocks = int64_tensor(table[first_block : last_block + 1])
-    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks, bias=additive(seen, dtype),
-                            first=s.num_computed - first_block * block_size)
+    return AttentionPrefill(row_start=row_start, num_rows=s.num_new, blocks=blocks,
+                            keys=(last_block + 1 - first_block) * block_size,
+                            first=s.num_computed - first_block * block_size, window=window, dtype=dtype)
 
 
 @dataclass(frozen=True)
