@@ -95,7 +95,10 @@ def check_agreement(reference, bounds: Bounds, requests: dict[str, tuple[int, ..
     ({"a": prompt(1, 23)}, 12, 2048),
     # six of different lengths under a 24-token budget: chunked prefills beside batched decodes
     ({f"r{i}": prompt(10 + i, n) for i, n in enumerate((5, 17, 31, 9, 44, 26))}, 8, 24),
-], ids=["one_request", "concurrent_with_chunked_prefill"])
+    # a long prompt in chunks of 128 rows (the second's full attention through oneDNN's products where MKL runs
+    # generic code)
+    ({"long": prompt(2, 300)}, 6, 128),
+], ids=["one_request", "concurrent_with_chunked_prefill", "long_prompt_in_large_chunks"])
 def test_requests_agree(checkpoint, requests, max_tokens, budget):
     model_dir, reference, bounds = checkpoint
     recorder = Recorder()

@@ -140,6 +140,18 @@ def test_one_large_batched_prefill_step(tiny):
     assert_drained(engine)
 
 
+def test_a_long_prompt_in_large_chunks(tiny):
+    """Chunks of 128 rows: where MKL runs generic code, oneDNN's products (kernels/product_attention.py) take the
+    full attention of the second (128 rows after 128 earlier keys) and of none of the others."""
+    model_dir, reference = tiny
+    recorder = Recorder()
+    engine = make_engine(model_dir, recorder, budget=128, num_blocks=100)
+    requests = {"long": prompt(2, 300)}
+    outputs = run(engine, requests, max_tokens=5)
+    check_against_reference(reference, requests, outputs, recorder)
+    assert_drained(engine)
+
+
 def test_chunked_prefill_under_a_small_token_budget(tiny):
     model_dir, reference = tiny
     recorder = Recorder()
