@@ -27,7 +27,11 @@ import torch
 from hybridpd.engine.dtype_choice import this_cpus_vendor
 from hybridpd.engine.model.kernels.packed import float32_packs_pay, packing_works
 
-BLOCK = 256   # query rows per product
+BLOCK = 256   # query rows per product, at most
+SCORES_MAX = 1 << 22   # float32 scores per product, at most (16 MiB): a block takes fewer rows over many keys
+# The most keys taken here (more go to SDPA, which streams over them): measured to 8,192 (256 rows after 7,936 keys
+# 10.5 against 18.4 ms, a 4,096-token prompt 41 against 63).
+MAX_KEYS = 1 << 14
 # The least query rows x keys of a sequence taken here: below it SDPA's fixed costs are smaller (same runs, bfloat16,
 # small-vllm's heads: 64 rows after 192 keys 0.19 against 0.18 ms, a 128-token prompt 0.19 against 0.20 through SDPA's
 # query chunks; a 192-token one 0.29 against 0.35, 48 rows after 704 keys 0.29 against 0.35).
@@ -47,7 +51,8 @@ def products_pay(dtype: torch.dtype) -> bool:
 
 def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
     """Whether `sequences` sequences of `rows` query rows over `keys` keys each, of a `dtype` model, attend here."""
-    return rows * keys >= (MIN_WORK if sequences == 1 else BATCHED_MIN_WORK) and products_pay(dtype)
+    return (rows * keys >= (MIN_WORK if sequences == 1 else BATCHED_MIN_WORK) and keys <= MAX_KEYS
+            and products_pay(dtype))
 
 
 @functools.cache
@@ -69,7 +74,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                          f"{k.shape[0]} keys")
     group = num_heads // num_kv_heads
     last = first + n                       # keys any row sees
-    block = min(BLOCK, n)
+    block = max(1, min(BLOCK, n, SCORES_MAX // (group * last)))
     hidden = _after_own(BLOCK)
     product = torch.ops.mkldnn._linear_pointwise
     for j in range(num_kv_heads):

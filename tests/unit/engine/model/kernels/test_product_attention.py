@@ -71,6 +71,22 @@ def test_matches_the_definition(rows, first, extra, heads, kv_heads, head_dim, d
         assert error <= 1.5 * (sdpa.double() - want).abs().max().item() + 2 ** -10
 
 
+@pytest.mark.parametrize("scores_max", [1, 7 * 40, 2 * 33 * 40])
+def test_fewer_rows_a_product_over_many_keys(monkeypatch, scores_max):
+    """A block takes fewer rows when its scores would pass SCORES_MAX: one row at a time, seven, 33 (the last
+    block's shorter), the same results."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(40, 4, 16, generator=gen)
+    k, v = (torch.randn(40, 2, 16, generator=gen) for _ in range(2))
+    whole = torch.empty(40, 4, 16)
+    causal_attention(q, k, v, whole, 0, 0.25)
+    monkeypatch.setattr(product_attention, "SCORES_MAX", scores_max)
+    parts = torch.empty(40, 4, 16)
+    causal_attention(q, k, v, parts, 0, 0.25)
+    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parts.double(), _reference(q, k, v, 0, 0.25), rtol=1e-5, atol=4e-6)
+
+
 def test_several_kv_heads_write_only_their_own_query_heads():
     """Each KV head's query heads get that head's values (distinct constants per KV head)."""
     q = torch.randn(6, 4, 8)
@@ -98,6 +114,7 @@ def test_refusals(heads, kv_heads, rows, first, keys):
     (True, 32, 1024, 1, True),          # a few rows after many keys
     (True, 256, 256, 8, False),         # several fresh prompts: BATCHED_MIN_WORK
     (True, 512, 512, 4, True),
+    (True, 64, product_attention.MAX_KEYS + 1, 1, False),   # SDPA streams over many keys
     (False, 2048, 2048, 1, False),      # a CPU where SDPA's products are the faster
 ])
 def test_which_calls_it_takes(monkeypatch, pays, rows, keys, sequences, expected):
