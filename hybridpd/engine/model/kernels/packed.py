@@ -23,9 +23,10 @@ rows zeros; the same 1,200 steps in buckets of 64 held the process at +259 MB fr
 ~0.6 MB whatever the weight's shape (measured on the EPYC with AVX-512, float32 and bfloat16 alike), so buckets of
 64 up to a step's 2,048 rows still came to ~54 primitives and ~30 MB per weight shape, more with a larger
 `--max-num-batched-tokens`. So more than CHUNK_ROWS rows are multiplied CHUNK_ROWS at a time (the last chunk in its
-bucket): at most 25 row counts per weight shape whatever the step's size. Past 64 rows the padding costs at most 63
-rows' arithmetic; the packed products ran at 0.9-1.4x torch's rate there (100-2,048 rows), and a product of 1,000 or
-2,048 rows took 1.02-1.05x as long in chunks of 256 as whole (granite-350m's shapes, the EPYC).
+bucket): at most 25 row counts per weight shape whatever the step's size. Past 64 rows the padding costs up to 63
+rows' arithmetic, so a large weight's last piece splits at its multiple of 64, the rest in its own (smaller) bucket:
+the same row counts (`row_pieces`). The packed products ran at 0.9-1.4x torch's rate there (100-2,048 rows), and a
+product of 1,000 or 2,048 rows took 1.02-1.05x as long in chunks of 256 as whole (granite-350m's shapes, the EPYC).
 
 A small product pays oneDNN's fixed cost per call instead, ~20 us on the Xeon (~11 on the EPYC): a 128 x 128
 bfloat16 weight at one row took 20 us packed against 10 as a float32 copy through MKL with both conversions, a
@@ -59,6 +60,11 @@ ROW_STEP = 8
 SMALL_ROWS_MAX = 64
 LARGE_ROW_STEP = 64
 CHUNK_ROWS = 256   # more rows are multiplied this many at a time
+# A piece whose bucket pads at least this many rows x weight elements goes as two (`row_pieces`): on the EPYC with
+# AVX512-BF16, one thread, granite-350m's four projection shapes in bfloat16 at 72 / 136 / 200 / 207 rows took 0.60 /
+# 0.75 / 0.80 / 0.83 of the padded product's time so (250 rows, 6 padded: 1.02); small-vllm's, whose padding costs
+# less than the second call and the copy, 1.05-1.08.
+PADDING_SPLIT_WORK = 1 << 24
 PACKS_ATTRIBUTE = "_hybridpd_packs"
 
 
@@ -140,12 +146,32 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x.float(), _pack_of(weight, widened=True),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     pack = _pack_of(weight, widened=False)
-    if rows <= CHUNK_ROWS:
+    pieces = row_pieces(rows, weight.numel())
+    if len(pieces) == 1:
         return _bucketed(x, pack, bias)
     out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-    for start in range(0, rows, CHUNK_ROWS):
-        out[start : start + CHUNK_ROWS] = _bucketed(x[start : start + CHUNK_ROWS], pack, bias)
+    for start, end in pieces:
+        out[start:end] = _bucketed(x[start:end], pack, bias)
     return out
+
+
+def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
+    """The row ranges a product of `rows` rows by a weight of `weight_elements` goes through the pack in: CHUNK_ROWS
+    at a time, and the last piece split at its multiple of LARGE_ROW_STEP when its bucket's padding would cost more
+    than a second call and a copy of the result (`_pads_too_much`)."""
+    pieces = [(start, min(rows, start + CHUNK_ROWS)) for start in range(0, rows, CHUNK_ROWS)]
+    start, end = pieces[-1]
+    if _pads_too_much(end - start, weight_elements):
+        pieces[-1:] = [(start, start + (end - start) // LARGE_ROW_STEP * LARGE_ROW_STEP),
+                       (start + (end - start) // LARGE_ROW_STEP * LARGE_ROW_STEP, end)]
+    return pieces
+
+
+def _pads_too_much(rows: int, weight_elements: int) -> bool:
+    """Whether `rows` rows padded to their bucket multiply more zero rows than a split pays for: at least
+    PADDING_SPLIT_WORK padded rows x weight elements, and at least a sixteenth of the rows."""
+    padding = row_bucket(rows) - rows
+    return padding * weight_elements >= PADDING_SPLIT_WORK and padding * 16 >= rows
 
 
 def _bucketed(x: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
                                                   TINY_WORK, float32_packs_pay, packed_linear, packing_works,
-                                                  row_bucket, tiny_work)
+                                                  row_bucket, row_pieces, tiny_work)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -56,6 +56,30 @@ def test_a_bounded_number_of_row_counts_reach_onednn(monkeypatch):
         torch.testing.assert_close(packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     assert len(set(seen)) <= EXACT_ROWS_MAX + (SMALL_ROWS_MAX - EXACT_ROWS_MAX) // 8 + (CHUNK_ROWS - SMALL_ROWS_MAX) // 64
     assert max(seen) == CHUNK_ROWS
+
+
+@pytest.mark.parametrize("rows, weight_elements, pieces", [
+    (200, 2**21, [(0, 192), (192, 200)]),             # 56 rows of padding by a large weight: two calls
+    (200, 2**10, [(0, 200)]),                         # by a small one the padding costs less than a call
+    (250, 2**22, [(0, 250)]),                         # 6 rows of padding, under a sixteenth of the rows
+    (72, 2**20, [(0, 64), (64, 72)]),
+    (65, 2**20, [(0, 64), (64, 65)]),
+    (64, 2**24, [(0, 64)]),                           # buckets of 8 up to 64 rows: little padding
+    (600, 2**21, [(0, 256), (256, 512), (512, 576), (576, 600)]),   # chunks, then the last one split
+    (512, 2**21, [(0, 256), (256, 512)]),
+])
+def test_row_pieces(rows, weight_elements, pieces):
+    assert row_pieces(rows, weight_elements) == pieces
+    assert {row_bucket(end - start) for start, end in pieces} <= {row_bucket(n) for n in range(1, CHUNK_ROWS + 1)}
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [72, 200, 600])
+def test_a_large_weights_pieces_agree_with_f_linear(rows):
+    weight = _weight(2048, 1024)   # 2^21 elements: its last piece splits (test_row_pieces)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).to(BF16)
+    assert len(row_pieces(rows, weight.numel())) > (rows - 1) // CHUNK_ROWS + 1
+    _assert_rounds_alike(packed_linear(x, weight), _reference(x, weight, None))
 
 
 def _weight(outputs: int, inputs: int, seed: int = 0) -> torch.nn.Parameter:
