@@ -168,10 +168,11 @@ def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
 
 
 def _pads_too_much(rows: int, weight_elements: int) -> bool:
-    """Whether `rows` rows padded to their bucket multiply more zero rows than a split pays for: at least
-    PADDING_SPLIT_WORK padded rows x weight elements, and at least a sixteenth of the rows."""
+    """Whether `rows` rows padded to their bucket multiply more zero rows than a split pays for: past SMALL_ROWS_MAX
+    (below it buckets step by 8 rows, and there is no multiple of 64 to split at), at least PADDING_SPLIT_WORK padded
+    rows x weight elements, and at least a sixteenth of the rows."""
     padding = row_bucket(rows) - rows
-    return padding * weight_elements >= PADDING_SPLIT_WORK and padding * 16 >= rows
+    return rows > SMALL_ROWS_MAX and padding * weight_elements >= PADDING_SPLIT_WORK and padding * 16 >= rows
 
 
 def _bucketed(x: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

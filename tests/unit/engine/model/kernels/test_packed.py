@@ -65,6 +65,8 @@ def test_a_bounded_number_of_row_counts_reach_onednn(monkeypatch):
     (72, 2**20, [(0, 64), (64, 72)]),
     (65, 2**20, [(0, 64), (64, 65)]),
     (64, 2**24, [(0, 64)]),                           # buckets of 8 up to 64 rows: little padding
+    (17, 2**24, [(0, 17)]),                           # 7 rows of padding, but nothing to split at below 64
+    (57, 2**24, [(0, 57)]),
     (600, 2**21, [(0, 256), (256, 512), (512, 576), (576, 600)]),   # chunks, then the last one split
     (512, 2**21, [(0, 256), (256, 512)]),
 ])
@@ -74,11 +76,11 @@ def test_row_pieces(rows, weight_elements, pieces):
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [72, 200, 600])
-def test_a_large_weights_pieces_agree_with_f_linear(rows):
-    weight = _weight(2048, 1024)   # 2^21 elements: its last piece splits (test_row_pieces)
+@pytest.mark.parametrize("rows, split", [(17, False), (57, False), (72, True), (200, True), (600, True)])
+def test_a_large_weights_pieces_agree_with_f_linear(rows, split):
+    weight = _weight(4096, 1024)   # 2^22 elements: enough padding to split from 4 rows of it
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).to(BF16)
-    assert len(row_pieces(rows, weight.numel())) > (rows - 1) // CHUNK_ROWS + 1
+    assert (len(row_pieces(rows, weight.numel())) > (rows - 1) // CHUNK_ROWS + 1) is split
     _assert_rounds_alike(packed_linear(x, weight), _reference(x, weight, None))
 
 
