@@ -162,8 +162,8 @@ def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
     pieces = [(start, min(rows, start + CHUNK_ROWS)) for start in range(0, rows, CHUNK_ROWS)]
     start, end = pieces[-1]
     if _pads_too_much(end - start, weight_elements):
-        pieces[-1:] = [(start, start + (end - start) // LARGE_ROW_STEP * LARGE_ROW_STEP),
-                       (start + (end - start) // LARGE_ROW_STEP * LARGE_ROW_STEP, end)]
+        cut = start + (end - start) // LARGE_ROW_STEP * LARGE_ROW_STEP
+        pieces[-1:] = [(start, cut), (cut, end)]
     return pieces
 
 
