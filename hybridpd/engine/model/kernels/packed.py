@@ -146,9 +146,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x.float(), _pack_of(weight, widened=True),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     pack = _pack_of(weight, widened=False)
-    pieces = row_pieces(rows, weight.numel())
-    if len(pieces) == 1:
+    if rows <= CHUNK_ROWS and not _pads_too_much(rows, weight.numel()):   # a decode step's products: one call
         return _bucketed(x, pack, bias)
+    pieces = row_pieces(rows, weight.numel())
     out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
     for start, end in pieces:
         out[start:end] = _bucketed(x[start:end], pack, bias)
@@ -171,8 +171,10 @@ def _pads_too_much(rows: int, weight_elements: int) -> bool:
     """Whether `rows` rows padded to their bucket multiply more zero rows than a split pays for: past SMALL_ROWS_MAX
     (below it buckets step by 8 rows, and there is no multiple of 64 to split at), at least PADDING_SPLIT_WORK padded
     rows x weight elements, and at least a sixteenth of the rows."""
+    if rows <= SMALL_ROWS_MAX:
+        return False
     padding = row_bucket(rows) - rows
-    return rows > SMALL_ROWS_MAX and padding * weight_elements >= PADDING_SPLIT_WORK and padding * 16 >= rows
+    return padding * weight_elements >= PADDING_SPLIT_WORK and padding * 16 >= rows
 
 
 def _bucketed(x: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
