@@ -1,7 +1,7 @@
 """A prefill's causal attention over many keys as oneDNN products, on CPUs where MKL runs its generic code.
 
 torch's CPU SDPA (its flash kernel) multiplies its blocks through MKL: bfloat16 through `cblas_gemm_bf16bf16f32`,
-float32 through sgemm. On a CPU that is not Intel's (`packed.float32_packs_pay`) MKL runs its generic code there,
+float32 through sgemm. On a CPU that is not Intel's (`linear.packs_products(torch.float32)`) MKL runs its generic code there,
 and there a prefill's attention was the largest part of small-vllm's prefill (head size 32: its products are thin,
 and MKL's generic bfloat16 product widens both sides to float32 first). oneDNN runs the same products in the CPU's
 own instructions.
@@ -24,8 +24,7 @@ import functools
 
 import torch
 
-from hybridpd.engine.dtype_choice import this_cpus_vendor
-from hybridpd.engine.model.kernels.packed import float32_packs_pay, packing_works
+from hybridpd.engine.model.kernels.linear import packs_products
 
 BLOCK = 256   # query rows per product, at most
 SCORES_MAX = 1 << 22   # float32 scores per product, at most (16 MiB): a block takes fewer rows over many keys
@@ -41,12 +40,10 @@ MIN_WORK = 1 << 15
 BATCHED_MIN_WORK = 1 << 18
 
 
-@functools.cache
 def products_pay(dtype: torch.dtype) -> bool:
-    """Whether a `dtype` model's prefill attention goes through these products on this CPU: where MKL runs its
-    generic code and this torch multiplies float32 through oneDNN (every product here is float32's)."""
-    return (dtype in (torch.float32, torch.bfloat16) and float32_packs_pay(this_cpus_vendor())
-            and packing_works(torch.float32))
+    """Whether a `dtype` model's prefill attention goes through these products on this CPU: where float32's
+    products go through oneDNN's packs (MKL runs generic code; every product here is float32's)."""
+    return dtype in (torch.float32, torch.bfloat16) and packs_products(torch.float32)
 
 
 def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
