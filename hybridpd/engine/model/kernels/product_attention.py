@@ -6,25 +6,28 @@ code there, and there a prefill's attention was the largest part of small-vllm's
 are thin, and MKL's generic bfloat16 product widens both sides to float32 first). oneDNN runs the same products in
 the CPU's own instructions.
 
-Here, per KV head and per block of BLOCK query rows (the query heads sharing the KV head stacked in one product),
-the scores are one float32 product through oneDNN (`torch.ops.mkldnn._linear_pointwise`; bfloat16 queries and keys
-widened first, so the products are exact and summed in float32, as SDPA's are), over only the keys the block's last
-row sees; the causal triangle is masked on the block's last keys; the softmax runs in float32, and so does its
-product with the values (bfloat16 values widened): the output is rounded once, where SDPA rounds the softmax's
-weights to bfloat16 before that product as well. Measured on the EPYC with AVX512-BF16 (benchmarks/README.md), one
-thread, against SDPA in the same run: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt
-3.1 against 5.0 ms, 192 rows after 832 keys 0.92 against 1.58; granite-350m's (12 / 4 of 64) 14.3 against 27.0 ms;
-float32 3.4 against 4.9 and 14.4 against 26.0. Against a float64 reference its error is SDPA's or less (bfloat16:
-with the weights rounded too, as first written, up to twice SDPA's where one key dominates a row).
+Here, per KV head and per block of BLOCK query rows (the query heads sharing the KV head stacked in one product), the
+scores are one float32 product through oneDNN (`torch.ops.mkldnn._linear_pointwise`; bfloat16 queries and keys widened
+first, so the products are exact and summed in float32, as SDPA's are), over only the keys the block's last row sees;
+one compiled pass over the scores (`_causal_exp_rows`) leaves each row's unnormalised softmax in float32 over the keys
+it sees and 0 over the block's later keys (torch's softmax and the mask took four passes: 42% of the attention's time on
+small-vllm's heads, where the products are thin); their product with the values runs in float32 too (bfloat16 values
+widened), divided by each row's sum, and the output is rounded once, where SDPA rounds the softmax's weights to bfloat16
+before that product as well. Measured on the EPYC with AVX512-BF16 (benchmarks/README.md), one thread, against SDPA in
+the same run: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt 3.1 against 5.0 ms, 192
+rows after 832 keys 0.92 against 1.58; granite-350m's (12 / 4 of 64) 14.3 against 27.0 ms; float32 3.4 against 4.9 and
+14.4 against 26.0. Against a float64 reference its error is SDPA's or less (bfloat16: with the weights rounded too, as
+first written, up to twice SDPA's where one key dominates a row).
 """
 
 from __future__ import annotations
 
-import functools
-
+import numba
+import numpy as np
 import torch
 
 from hybridpd.engine.model.kernels.linear import packs_products
+from hybridpd.engine.model.kernels.silu import exp32
 
 BLOCK = 256   # query rows per product, at most
 SCORES_MAX = 1 << 22   # float32 scores per product, at most (16 MiB): a block takes fewer rows over many keys
@@ -52,11 +55,43 @@ def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
             and products_pay(dtype))
 
 
-@functools.cache
-def _after_own(size: int) -> torch.Tensor:
-    """[size, size] float32, -inf at (row, key) where the key comes after the row's own, else 0 (read, never
-    written: one per size for the process)."""
-    return torch.full((size, size), float("-inf")).triu_(1)
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _highest(row, lo, hi, top):  # pragma: no cover - compiled
+    """The highest of `top` and row[lo:hi], four running maxima at a time (LLVM keeps a max reduction scalar: one
+    chain of them ran at 0.45 ns an element here, four at a third of that)."""
+    t0 = t1 = t2 = t3 = top
+    j = lo
+    while j + 4 <= hi:
+        t0, t1, t2, t3 = max(t0, row[j]), max(t1, row[j + 1]), max(t2, row[j + 2]), max(t3, row[j + 3])
+        j += 4
+    while j < hi:
+        t0 = max(t0, row[j])
+        j += 1
+    return max(max(t0, t1), max(t2, t3))
+
+
+@numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.float32[::1], numba.float32[::1]), cache=True,
+            nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
+def _causal_exp_rows(scores, rows, common_top, inverse):  # pragma: no cover - compiled
+    """In place, each row of a block's scores [heads x rows, seen] (row r of each head seeing keys 0 ..
+    seen - rows + r) -> exp(score - the highest score it sees) over the keys it sees, 0 over the rest; `inverse`
+    gets 1 / the row's sum. `common_top` holds each row's highest over the keys every row of the block sees (the
+    first seen - rows; torch's vectorised max), so only the block's own triangle is searched here. Two passes where
+    torch's softmax took three and the causal mask a fourth."""
+    seen = scores.shape[1]
+    common = seen - rows
+    for i in range(scores.shape[0]):
+        row = scores[i]
+        n = common + i % rows + 1
+        top = _highest(row, common, n, common_top[i] if common else row[0])
+        total = np.float32(0.0)
+        for j in range(n):
+            e = exp32(row[j] - top)
+            row[j] = e
+            total += e
+        for j in range(n, seen):
+            row[j] = np.float32(0.0)
+        inverse[i] = np.float32(1.0) / total
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, first: int,
@@ -72,7 +107,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     group = num_heads // num_kv_heads
     last = first + n                       # keys any row sees
     block = max(1, min(BLOCK, n, SCORES_MAX // (group * last)))
-    hidden = _after_own(BLOCK)
     product = torch.ops.mkldnn._linear_pointwise
     for j in range(num_kv_heads):
         heads = slice(j * group, (j + 1) * group)
@@ -83,10 +117,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
             rows, seen = end - start, first + end
             queries = torch.empty(group, rows, head_dim, dtype=torch.float32)
             queries.copy_(q[start:end, heads].transpose(0, 1)).mul_(scale)
-            scores = product(queries.view(group * rows, head_dim), keys[:seen], None, "none", [], "")
-            scores = scores.view(group, rows, seen)
-            scores[:, :, seen - rows :] += hidden[:rows, :rows]
-            weights = torch.softmax(scores, dim=-1).view(group * rows, seen)
+            weights = product(queries.view(group * rows, head_dim), keys[:seen], None, "none", [], "")
+            common = weights[:, : seen - rows].amax(dim=1) if seen > rows else weights[:, 0]
+            inverse = torch.empty(group * rows, dtype=torch.float32)
+            _causal_exp_rows(weights.numpy(), rows, common.contiguous().numpy(), inverse.numpy())
             part = values if seen == last else values[:, :seen].contiguous()
-            result = product(weights, part, None, "none", [], "").view(group, rows, head_dim)
-            out[start:end, heads] = result.transpose(0, 1)
+            result = product(weights, part, None, "none", [], "").mul_(inverse.unsqueeze(1))
+            out[start:end, heads] = result.view(group, rows, head_dim).transpose(0, 1)

@@ -71,6 +71,27 @@ def test_matches_the_definition(rows, first, extra, heads, kv_heads, head_dim, d
         assert error <= 1.5 * (sdpa.double() - want).abs().max().item() + 2 ** -10
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, first, block", [(100, 0, 64), (60, 196, BLOCK)])
+def test_keys_a_row_does_not_see_never_set_its_scale(monkeypatch, rows, first, block, dtype):
+    """Key j scoring 100 j: a row's softmax is its own last key's alone, and the keys after it in its block
+    (scoring up to 100 x the block's rows higher) must neither set the row's highest (every weight it sees would
+    underflow to 0) nor take any weight. Two blocks of 64 rows, and one after 196 keys (key ids up to 256: exact in
+    bfloat16)."""
+    monkeypatch.setattr(product_attention, "BLOCK", block)
+    keys = first + rows
+    q = torch.zeros(rows, 2, 8)
+    q[:, :, 0] = 1.0
+    k = torch.zeros(keys, 1, 8)
+    k[:, 0, 0] = torch.arange(keys, dtype=torch.float32)
+    v = torch.randn(keys, 1, 8, generator=torch.Generator().manual_seed(3))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = torch.full((rows, 2, 8), float("nan"), dtype=dtype)
+    causal_attention(q, k, v, out, first, 100.0)
+    own = v[first : first + rows, 0]
+    torch.testing.assert_close(out, own[:, None].expand(rows, 2, 8))
+
+
 @pytest.mark.parametrize("scores_max", [1, 7 * 40, 2 * 33 * 40])
 def test_fewer_rows_a_product_over_many_keys(monkeypatch, scores_max):
     """A block takes fewer rows when its scores would pass SCORES_MAX: one row at a time, seven, 33 (the last
