@@ -118,6 +118,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             chunk_boundary=self.mamba_interval if align and config.cache.enable_prefix_caching else None,
+            step_rows=self.model.product_rows,
         )
         self.runner = ModelRunner(self.model, self.storage, logits_hook, eos_token_ids=self.eos_token_ids)
         self.offload = self._storage_tier() if config.cache.kv_offload_dir is not None else None

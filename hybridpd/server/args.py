@@ -178,7 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-prefill-tokens-while-decoding", type=int,
                        default=DEFAULT_PREFILL_TOKENS_WHILE_DECODING,
                        help="prefill tokens a step may carry while some request decodes, so that arriving prompts "
-                            "do not stall the decodes for long (0: up to --max-num-batched-tokens)")
+                            "do not stall the decodes for long, and beyond them the rows the step's products "
+                            "would pad anyway (0: up to --max-num-batched-tokens)")
     sched.add_argument("--max-model-len", type=int, default=None)
     sched.add_argument("--dtype", choices=list(DTYPES), default="auto",
                        help="auto: the checkpoint's dtype where the CPU has bfloat16 units (AMX, AVX512-BF16), "

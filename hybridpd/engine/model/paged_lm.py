@@ -14,7 +14,8 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
-from hybridpd.engine.model.kernels.linear import plain_linear
+from hybridpd.engine.model.kernels.linear import packs_products, plain_linear
+from hybridpd.engine.model.kernels.packed import padded_rows
 from hybridpd.engine.model.layers.attention import Attention
 from hybridpd.engine.model.step.decode_kv import DecodeKV
 from hybridpd.engine.model.step.forward_batch import ForwardBatch
@@ -53,6 +54,19 @@ class PagedCausalLM(nn.Module):
 
     def final_norm(self) -> nn.Module:
         return self._parts[2]
+
+    def product_rows(self, rows: int) -> int:
+        """The rows the layers' projections multiply in a step of `rows` token rows: where products pack
+        (packed.py), each is rounded up to its bucket, so a step's rows up to there cost its projections nothing
+        more; the largest weight decides (a large weight's last rows split rather than pad). Elsewhere `rows`."""
+        if not packs_products(self.dtype):
+            return rows
+        largest = getattr(self, "_largest_projection", None)
+        if largest is None:
+            tensors = [*self.decoder_layers().parameters(), *self.decoder_layers().buffers()]
+            largest = max((t.numel() for t in tensors if t.dim() == 2 and t.dtype == self.dtype), default=0)
+            self._largest_projection = largest
+        return padded_rows(rows, largest) if largest else rows
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         """Layer id -> the mixer of each layer that keeps a cache (attention or Mamba2)."""

@@ -65,11 +65,11 @@ class FakeLoader:
 
 def make_scheduler(kv: KVCacheManager, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 4096,
                    chunk_boundary: int | None = None, loader: FakeLoader | None = None,
-                   prefill_cap: int | None = None) -> Scheduler:
+                   prefill_cap: int | None = None, step_rows=None) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              max_prefill_tokens_while_decoding=prefill_cap)
     return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=frozenset({EOS}), chunk_boundary=chunk_boundary,
-                     loader=loader)
+                     loader=loader, step_rows=step_rows)
 
 
 def prompt(n: int, base: int = 0) -> tuple[int, ...]:

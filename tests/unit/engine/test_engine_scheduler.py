@@ -407,6 +407,28 @@ def test_prefill_tokens_are_capped_while_a_request_decodes(cap, boundary, arriva
     assert all_free(kv)
 
 
+@pytest.mark.parametrize("decoding, step_rows, expected_chunk", [
+    (1, lambda rows: rows, 8),                    # products multiply what they are given: the cap
+    (1, lambda rows: -(-rows // 16) * 16, 15),    # 8 + 1 rows cost 16: the prefill fills the 7 zero rows
+    (3, lambda rows: -(-rows // 16) * 16, 13),
+    (2, lambda rows: -(-rows // 10) * 10, 8),     # 8 + 2 rows are whole: nothing to fill
+])
+def test_the_cap_is_raised_to_the_rows_the_products_multiply_anyway(decoding, step_rows, expected_chunk):
+    """While requests decode, a prompt's chunk takes the cap and then the rows the step's products would pad (the
+    model's `product_rows`), never fewer than the cap."""
+    kv = make_kv()
+    sched = make_scheduler(kv, budget=64, prefill_cap=8, step_rows=step_rows)
+    for i in range(decoding):
+        sched.add(make_seq(f"d{i}", 4, base=40 * i, max_tokens=50))
+    step(sched)
+    sched.add(make_seq("p", 40, base=300, max_tokens=50))
+    plan, _ = step(sched)
+    assert _plan_rows(plan) == [*((f"d{i}", 1) for i in range(decoding)), ("p", expected_chunk)]
+    for seq in [*sched.running]:
+        sched.finish(seq, FinishReason.ABORT)
+    assert all_free(kv)
+
+
 def test_without_a_decoding_request_the_cap_does_not_apply():
     kv = make_kv()
     sched = make_scheduler(kv, budget=64, prefill_cap=8)

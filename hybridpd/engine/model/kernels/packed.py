@@ -167,6 +167,12 @@ def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
     return pieces
 
 
+def padded_rows(rows: int, weight_elements: int) -> int:
+    """The rows a product of `rows` rows by a weight of `weight_elements` multiplies through the pack: its pieces'
+    buckets (zero rows included)."""
+    return sum(row_bucket(end - start) for start, end in row_pieces(rows, weight_elements))
+
+
 def _pads_too_much(rows: int, weight_elements: int) -> bool:
     """Whether `rows` rows padded to their bucket multiply more zero rows than a split pays for: past SMALL_ROWS_MAX
     (below it buckets step by 8 rows, and there is no multiple of 64 to split at), at least PADDING_SPLIT_WORK padded

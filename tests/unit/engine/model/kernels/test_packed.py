@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
                                                   TINY_WORK, float32_packs_pay, packed_linear, packing_works,
-                                                  row_bucket, row_pieces, tiny_work)
+                                                  padded_rows, row_bucket, row_pieces, tiny_work)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -73,6 +73,18 @@ def test_a_bounded_number_of_row_counts_reach_onednn(monkeypatch):
 def test_row_pieces(rows, weight_elements, pieces):
     assert row_pieces(rows, weight_elements) == pieces
     assert {row_bucket(end - start) for start, end in pieces} <= {row_bucket(n) for n in range(1, CHUNK_ROWS + 1)}
+
+
+@pytest.mark.parametrize("rows, weight_elements, padded", [
+    (208, 2**16, 256),      # a small weight pads the step's rows to its bucket
+    (200, 2**21, 200),      # a large one splits them: nothing padded
+    (12, 2**16, 12),        # exact up to 16 rows
+    (20, 2**16, 24),
+    (272, 2**16, 272),      # a chunk and 16 rows
+    (300, 2**16, 304),      # a chunk and 44 rows in a bucket of 48
+])
+def test_padded_rows(rows, weight_elements, padded):
+    assert padded_rows(rows, weight_elements) == padded
 
 
 @needs_packing
