@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, PACKS_ATTRIBUTE, SMALL_ROWS_MAX,
+from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, OWN_PACK_ATTRIBUTES, PACKS_ATTRIBUTE,
+                                                  SMALL_ROWS_MAX,
                                                   TINY_WORK, float32_packs_pay, packed_linear, packing_works,
                                                   padded_rows, row_bucket, row_pieces, tiny_work)
 
@@ -132,6 +133,21 @@ def test_each_view_of_a_weight_has_its_own_pack_made_once():
         packed_linear(x, weight[:16])
         packed_linear(x, weight[16:])
     assert len(getattr(weight, PACKS_ATTRIBUTE)) == 3
+
+
+@needs_packing
+def test_a_pack_is_kept_on_the_tensor_it_was_made_for_and_dropped_when_written():
+    weight = _weight(640, 80)
+    view = weight[300:]
+    x = torch.randn(40, 80).to(BF16)   # 40 x 340 x 80 elements: through oneDNN's pack, not the copy
+    packed_linear(x, view)
+    kept = getattr(view, OWN_PACK_ATTRIBUTES[False])
+    assert [kept] == [p for key, p in getattr(weight, PACKS_ATTRIBUTE).items() if key[1] == view.data_ptr()]
+    packed_linear(x, view)
+    assert getattr(view, OWN_PACK_ATTRIBUTES[False]) is kept                 # found, not made again
+    weight.mul_(2)                                                            # the base written: the view is stale
+    _assert_rounds_alike(packed_linear(x, view), _reference(x, view, None))
+    assert getattr(view, OWN_PACK_ATTRIBUTES[False]) is not kept
 
 
 @needs_packing
