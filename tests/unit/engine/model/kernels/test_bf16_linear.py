@@ -64,6 +64,17 @@ def test_the_kernel_reads_bfloat16_bits_exactly():
     assert torch.equal(one_row_linear(x[:1], weight), _reference(x[:1], weight, None))
 
 
+@pytest.mark.parametrize("rows, with_bias", [(1, False), (3, True), (8, False), (13, True)])
+def test_rows_read_as_bfloat16_bits_give_the_bits_of_their_float32_copy(rows, with_bias):
+    """Contiguous bfloat16 rows are widened inside the kernel and its sums rounded there; strided ones go through a
+    float32 copy and torch's rounding of the float32 sums: the same bits."""
+    x, weight, bias = _case(rows, 96, 37, with_bias)
+    strided = torch.empty(rows, 2 * 96, dtype=BF16)[:, ::2]
+    strided.copy_(x)
+    assert x.is_contiguous() and not strided.is_contiguous()
+    assert torch.equal(few_rows_linear_bf16(x, weight, bias), few_rows_linear_bf16(strided, weight, bias))
+
+
 def test_the_widened_product_goes_a_slice_of_the_weight_at_a_time(monkeypatch):
     x, weight, bias = _case(6, 48, 100, True)
     whole = widened_linear(x, weight, bias)
