@@ -9,6 +9,8 @@ layer of Nemotron-H) declares nothing. So the KV cache, scheduler and connector 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -59,14 +61,16 @@ class PagedCausalLM(nn.Module):
         """The rows the layers' projections multiply in a step of `rows` token rows: where products pack
         (packed.py), each is rounded up to its bucket, so a step's rows up to there cost its projections nothing
         more; the largest weight decides (a large weight's last rows split rather than pad). Elsewhere `rows`."""
-        if not packs_products(self.dtype):
+        if not packs_products(self.dtype) or not self._largest_projection:
             return rows
-        largest = getattr(self, "_largest_projection", None)
-        if largest is None:
-            tensors = [*self.decoder_layers().parameters(), *self.decoder_layers().buffers()]
-            largest = max((t.numel() for t in tensors if t.dim() == 2 and t.dtype == self.dtype), default=0)
-            self._largest_projection = largest
-        return padded_rows(rows, largest) if largest else rows
+        return padded_rows(rows, self._largest_projection)
+
+    @functools.cached_property
+    def _largest_projection(self) -> int:
+        """The elements of the decoder layers' largest 2-D weight of the model's dtype (0 if none)."""
+        layers = self.decoder_layers()
+        tensors = [*layers.parameters(), *layers.buffers()]
+        return max((t.numel() for t in tensors if t.dim() == 2 and t.dtype == self.dtype), default=0)
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         """Layer id -> the mixer of each layer that keeps a cache (attention or Mamba2)."""

@@ -30,9 +30,9 @@ _U16_2D = numba.uint16[:, ::1]
 
 @numba.njit(inline="always", fastmath=True, boundscheck=False)
 def _rows_by_weight(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
-    """The four-row loop: float32 rows `x`, `weight` float32 or bfloat16 bits (each element widened where it is
-    read, so a bfloat16 weight streams half the bytes and its products run in float32, in 0.7-0.8 of the time a
-    float32 scratch copy of each row took), `out` float32 or bfloat16 bits (each sum rounded once where stored)."""
+    """The four-row loop: float32 rows `x` by a `weight` of float32 or bfloat16 bits (each element widened where it
+    is read, so a bfloat16 weight streams half the bytes and its products run in float32, in 0.7-0.8 of the time a
+    float32 scratch copy of each row took) into float32 sums `out`."""
     rows, width = x.shape
     last = rows - 1
     for j in range(weight.shape[0]):
@@ -50,13 +50,13 @@ def _rows_by_weight(x, weight, bias, has_bias, out):  # pragma: no cover - compi
                 s1 += x1[k] * wk
                 s2 += x2[k] * wk
                 s3 += x3[k] * wk
-            out[m, j] = narrow(s0 + start, out)
+            out[m, j] = s0 + start
             if m + 1 <= last:
-                out[m + 1, j] = narrow(s1 + start, out)
+                out[m + 1, j] = s1 + start
             if m + 2 <= last:
-                out[m + 2, j] = narrow(s2 + start, out)
+                out[m + 2, j] = s2 + start
             if m + 3 <= last:
-                out[m + 3, j] = narrow(s3 + start, out)
+                out[m + 3, j] = s3 + start
 
 
 @numba.njit([numba.void(_F32_2D, weights, _F32_1D, numba.boolean, _F32_2D) for weights in (_F32_2D, _U16_2D)],
