@@ -14,10 +14,10 @@ it sees and 0 over the block's later keys (torch's softmax and the mask took fou
 small-vllm's heads, where the products are thin); their product with the values runs in float32 too (bfloat16 values
 widened), divided by each row's sum, and the output is rounded once, where SDPA rounds the softmax's weights to bfloat16
 before that product as well. Measured on the EPYC with AVX512-BF16 (benchmarks/README.md), one thread, against SDPA in
-the same run: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt 3.1 against 5.0 ms, 192
-rows after 832 keys 0.92 against 1.58; granite-350m's (12 / 4 of 64) 14.3 against 27.0 ms; float32 3.4 against 4.9 and
-14.4 against 26.0. Against a float64 reference its error is SDPA's or less (bfloat16: with the weights rounded too, as
-first written, up to twice SDPA's where one key dominates a row).
+the same run: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt 2.9 against 5.1 ms, 192
+rows after 832 keys 0.82 against 1.59 (3.1 / 0.92 before the one-pass softmax); granite-350m's (12 / 4 of 64) 14.3
+against 27.0 ms; float32 3.4 against 4.9 and 14.4 against 26.0. Against a float64 reference its error is SDPA's or less
+(bfloat16: with the weights rounded too, as first written, up to twice SDPA's where one key dominates a row).
 """
 
 from __future__ import annotations
