@@ -1,15 +1,16 @@
 """Continuous batching with chunked prefill, preemption by recompute, and requests that wait for remote KV.
 
-Each step: running requests first (decodes and unfinished prefills, in admission order), then requests whose
-remote KV has arrived, then waiting requests, while the token budget, `max_num_seqs` and free blocks allow. While
-some request decodes, prefill tokens (unfinished prompts and new ones) also share the smaller
-`max_prefill_tokens_while_decoding` budget, so that arriving prompts do not stall every decode for a long step (raised
-to the rows the step's products multiply anyway, `step_rows`: where products pack, a step's rows are rounded up to a
-bucket, and the prompt takes those zero rows instead: +5-10% served throughput on small-vllm and granite-moe). When
-a running request cannot get blocks, the most recently admitted running request that is not yet scheduled this
-step is preempted (its blocks freed, its tokens recomputed later); if none is left, the request itself is. A
-request whose prompt was prefilled remotely gets its blocks allocated, is handed to the loader and leaves the
-queues until its KV has arrived: it never blocks others (and does not count against `max_num_seqs` meanwhile).
+Each step: running requests first (decodes and unfinished prefills, in admission order), then requests whose remote
+KV has arrived, then waiting requests, while the token budget, `max_num_seqs` and free blocks allow. While some
+request decodes, prefill tokens (unfinished prompts and new ones) also share the smaller
+`max_prefill_tokens_while_decoding` budget, so that arriving prompts do not stall every decode for a long step
+(raised to the rows the step's products take anyway, `step_rows`: where products pack, a step's rows are rounded up
+to a bucket, and the prompt takes those rows instead: +5-10% served throughput on small-vllm, granite-moe and
+granite-350m). When a running request cannot get blocks, the most recently admitted running request that is not yet
+scheduled this step is preempted (its blocks freed, its tokens recomputed later); if none is left, the request
+itself is. A request whose prompt was prefilled remotely gets its blocks allocated, is handed to the loader and
+leaves the queues until its KV has arrived: it never blocks others (and does not count against `max_num_seqs`
+meanwhile).
 A prefill-role request is an ordinary one that ends at its first token with its blocks kept (held under a lease).
 A request whose prefix the storage tier extends beyond the memory hit waits the same way for its blocks to be read
 (`storage`), then computes the rest of its prompt here.

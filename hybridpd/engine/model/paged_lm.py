@@ -9,15 +9,13 @@ layer of Nemotron-H) declares nothing. So the KV cache, scheduler and connector 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels.linear import packs_products, plain_linear
-from hybridpd.engine.model.kernels.packed import padded_rows
+from hybridpd.engine.model.kernels.packed import bucketed_rows
 from hybridpd.engine.model.layers.attention import Attention
 from hybridpd.engine.model.step.decode_kv import DecodeKV
 from hybridpd.engine.model.step.forward_batch import ForwardBatch
@@ -58,19 +56,10 @@ class PagedCausalLM(nn.Module):
         return self._parts[2]
 
     def product_rows(self, rows: int) -> int:
-        """The rows the layers' projections multiply in a step of `rows` token rows: where products pack
-        (packed.py), each is rounded up to its bucket, so a step's rows up to there cost its projections nothing
-        more; the largest weight decides (a large weight's last rows split rather than pad). Elsewhere `rows`."""
-        if not packs_products(self.dtype) or not self._largest_projection:
-            return rows
-        return padded_rows(rows, self._largest_projection)
-
-    @functools.cached_property
-    def _largest_projection(self) -> int:
-        """The elements of the decoder layers' largest 2-D weight of the model's dtype (0 if none)."""
-        layers = self.decoder_layers()
-        tensors = [*layers.parameters(), *layers.buffers()]
-        return max((t.numel() for t in tensors if t.dim() == 2 and t.dtype == self.dtype), default=0)
+        """The rows the layers' projections take for a step of `rows` token rows: where products pack (packed.py),
+        rounded up to their buckets, so a step's rows up to there cost a small weight's product nothing more, and a
+        large weight's one call instead of two (its last rows split rather than pad). Elsewhere `rows`."""
+        return bucketed_rows(rows) if packs_products(self.dtype) else rows
 
     def cache_mixers(self) -> dict[int, Attention | Mamba2Mixer]:
         """Layer id -> the mixer of each layer that keeps a cache (attention or Mamba2)."""

@@ -175,10 +175,11 @@ def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
     return pieces
 
 
-def padded_rows(rows: int, weight_elements: int) -> int:
-    """The rows a product of `rows` rows by a weight of `weight_elements` multiplies through the pack: its pieces'
-    buckets (zero rows included)."""
-    return sum(row_bucket(end - start) for start, end in row_pieces(rows, weight_elements))
+def bucketed_rows(rows: int) -> int:
+    """`rows` rounded up as the packs' buckets round them, CHUNK_ROWS at a time: the rows a step of `rows` rows
+    multiplies a small weight by, and that a large weight multiplies whole (where it would split its last piece
+    instead: a step whose prompt fills the bucket makes one call of it, not two)."""
+    return sum(row_bucket(min(rows, start + CHUNK_ROWS) - start) for start in range(0, rows, CHUNK_ROWS))
 
 
 def _pads_too_much(rows: int, weight_elements: int) -> bool:

@@ -13,7 +13,7 @@ from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, OWN_PACK_ATTRIBUTES, PACKS_ATTRIBUTE,
                                                   SMALL_ROWS_MAX,
                                                   TINY_WORK, float32_packs_pay, packed_linear, packing_works,
-                                                  padded_rows, row_bucket, row_pieces, tiny_work)
+                                                  bucketed_rows, row_bucket, row_pieces, tiny_work)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -76,16 +76,19 @@ def test_row_pieces(rows, weight_elements, pieces):
     assert {row_bucket(end - start) for start, end in pieces} <= {row_bucket(n) for n in range(1, CHUNK_ROWS + 1)}
 
 
-@pytest.mark.parametrize("rows, weight_elements, padded", [
-    (208, 2**16, 256),      # a small weight pads the step's rows to its bucket
-    (200, 2**21, 200),      # a large one splits them: nothing padded
-    (12, 2**16, 12),        # exact up to 16 rows
-    (20, 2**16, 24),
-    (272, 2**16, 272),      # a chunk and 16 rows
-    (300, 2**16, 304),      # a chunk and 44 rows in a bucket of 48
+@pytest.mark.parametrize("rows, bucketed", [
+    (208, 256),     # a step's rows rounded up to their bucket
+    (200, 256),
+    (12, 12),       # exact up to 16 rows
+    (20, 24),
+    (256, 256),
+    (272, 272),     # a chunk and 16 rows
+    (300, 304),     # a chunk and 44 rows in a bucket of 48
 ])
-def test_padded_rows(rows, weight_elements, padded):
-    assert padded_rows(rows, weight_elements) == padded
+def test_bucketed_rows(rows, bucketed):
+    assert bucketed_rows(rows) == bucketed
+    pieces = row_pieces(bucketed, 2**26)   # the bucketed rows by the largest weight: whole buckets, nothing split
+    assert sum(row_bucket(end - start) for start, end in pieces) == bucketed
 
 
 @needs_packing
