@@ -167,7 +167,7 @@ def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
     """The row ranges a product of `rows` rows by a weight of `weight_elements` goes through the pack in: CHUNK_ROWS
     at a time, and the last piece split at its multiple of LARGE_ROW_STEP when its bucket's padding would cost more
     than a second call and a copy of the result (`_pads_too_much`)."""
-    pieces = [(start, min(rows, start + CHUNK_ROWS)) for start in range(0, rows, CHUNK_ROWS)]
+    pieces = _chunks(rows)
     start, end = pieces[-1]
     if _pads_too_much(end - start, weight_elements):
         cut = start + (end - start) // LARGE_ROW_STEP * LARGE_ROW_STEP
@@ -179,7 +179,12 @@ def bucketed_rows(rows: int) -> int:
     """`rows` rounded up as the packs' buckets round them, CHUNK_ROWS at a time: the rows a step of `rows` rows
     multiplies a small weight by, and that a large weight multiplies whole (where it would split its last piece
     instead: a step whose prompt fills the bucket makes one call of it, not two)."""
-    return sum(row_bucket(min(rows, start + CHUNK_ROWS) - start) for start in range(0, rows, CHUNK_ROWS))
+    return sum(row_bucket(end - start) for start, end in _chunks(rows))
+
+
+def _chunks(rows: int) -> list[tuple[int, int]]:
+    """The row ranges of `rows` rows CHUNK_ROWS at a time."""
+    return [(start, min(rows, start + CHUNK_ROWS)) for start in range(0, rows, CHUNK_ROWS)]
 
 
 def _pads_too_much(rows: int, weight_elements: int) -> bool:
