@@ -44,26 +44,29 @@ def _reference(qkv, k_buf, v_buf, positions, window, heads, kv_heads, head_dim, 
     ([40, 299, 100], 16),           # windows: each row from its own first key on
     ([3, 50], 64),                  # a window wider than one row's keys
 ])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 32), (12, 4, 64), (2, 2, 16), (3, 1, 8)])
-def test_kernel_matches_sdpa(positions, window, heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 32), (12, 4, 64), (2, 2, 16), (3, 1, 8), (6, 2, 24)])
+@pytest.mark.parametrize("lanes", [8, 16])   # keys a block: AVX-512's 16 floats, or 8 (head size 24: a short chunk)
+def test_kernel_matches_sdpa(positions, window, heads, kv_heads, head_dim, dtype, lanes):
     qkv, k_buf, v_buf = _case(len(positions), heads, kv_heads, head_dim, dtype, seed=sum(positions) + head_dim)
     p = torch.tensor(positions)
     first = torch.zeros_like(p) if window is None else (p - (window - 1)).clamp_(min=0)
     scale = head_dim ** -0.5
-    got = decode_attention(qkv, k_buf, v_buf, first, p + 1, heads, scale)
+    got = decode_attention(qkv, k_buf, v_buf, first, p + 1, heads, scale, lanes=lanes)
     want = _reference(qkv, k_buf, v_buf, positions, window, heads, kv_heads, head_dim, scale).to(dtype)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
-def test_a_row_reads_only_its_own_keys():
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("ends", [(10, 20), (40, 37), (32, 36)])   # within one block, whole blocks and a last one
+def test_a_row_reads_only_its_own_keys(ends, lanes):
     """Keys outside a row's range (another row's, or past its end: NaN here) change nothing."""
     qkv, k_buf, v_buf = _case(2, 4, 2, 32, torch.float32, seed=3)
-    first, end = torch.tensor([0, 4]), torch.tensor([10, 20])
-    want = decode_attention(qkv, k_buf, v_buf, first, end, 4, 0.2)
-    k_buf[0, :, 10:], v_buf[0, :, 10:] = float("nan"), float("nan")
-    k_buf[1, :, :4], v_buf[1, :, 20:] = float("nan"), float("nan")
-    assert torch.equal(decode_attention(qkv, k_buf, v_buf, first, end, 4, 0.2), want)
+    first, end = torch.tensor([0, 4]), torch.tensor(ends)
+    want = decode_attention(qkv, k_buf, v_buf, first, end, 4, 0.2, lanes=lanes)
+    k_buf[0, :, ends[0]:], v_buf[0, :, ends[0]:] = float("nan"), float("nan")
+    k_buf[1, :, :4], v_buf[1, :, ends[1]:] = float("nan"), float("nan")
+    assert torch.equal(decode_attention(qkv, k_buf, v_buf, first, end, 4, 0.2, lanes=lanes), want)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -76,6 +79,7 @@ def test_a_row_reads_only_its_own_keys():
     (lambda c: {**c, "first": torch.tensor([0, 20])}, "within its buffer row"),   # no keys
     (lambda c: {**c, "end": torch.tensor([5, 321])}, "within its buffer row"),    # past the buffer
     (lambda c: {**c, "first": torch.tensor([-1, 0])}, "within its buffer row"),
+    (lambda c: {**c, "lanes": 12}, "lanes"),
 ])
 def test_refusals(change, message):
     qkv, k_buf, v_buf = _case(2, 4, 2, 32, torch.float32, seed=1)
