@@ -9,15 +9,19 @@ the CPU's own instructions.
 Here, per KV head and per block of BLOCK query rows (the query heads sharing the KV head stacked in one product), the
 scores are one float32 product through oneDNN (`torch.ops.mkldnn._linear_pointwise`; bfloat16 queries and keys widened
 first, so the products are exact and summed in float32, as SDPA's are), over only the keys the block's last row sees;
-one compiled pass over the scores (`_causal_exp_rows`) leaves each row's unnormalised softmax in float32 over the keys
-it sees and 0 over the block's later keys (torch's softmax and the mask took four passes: 42% of the attention's time on
-small-vllm's heads, where the products are thin); their product with the values runs in float32 too (bfloat16 values
-widened), divided by each row's sum, and the output is rounded once, where SDPA rounds the softmax's weights to bfloat16
-before that product as well. Measured on the EPYC with AVX512-BF16 (benchmarks/README.md), one thread, against SDPA in
-the same run: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt 2.9 against 5.1 ms, 192
-rows after 832 keys 0.82 against 1.59 (3.1 / 0.92 before the one-pass softmax); granite-350m's (12 / 4 of 64) 14.3
-against 27.0 ms; float32 3.4 against 4.9 and 14.4 against 26.0. Against a float64 reference its error is SDPA's or less
-(bfloat16: with the weights rounded too, as first written, up to twice SDPA's where one key dominates a row).
+one compiled pass over the scores leaves each row's softmax over the keys it sees and 0 over the block's later keys
+(torch's softmax and the mask took four passes: 42% of the attention's time on small-vllm's heads, where the products
+are thin). In float32 the weights stay unnormalised (`_causal_exp_rows`) and the product with the values is divided
+by each row's sum. In bfloat16 (`_causal_softmax_rows_bf16`) the weights are normalised and rounded to bfloat16, and
+their product with the bfloat16 values runs in bfloat16 (summed in float32, rounded once): transformers' bfloat16
+attention rounds the same weights, and oneDNN's bfloat16 product here takes ~0.55 of the float32 one's time (480 x
+1,024 weights by 1,024 x 32 values: 80 against 144 us); the attention of a 240-row chunk after 784 keys 0.89 of its
+time with the float32 product, a 1,024-token prompt 0.88. Its error against a float64 reference is then that of
+transformers' bfloat16 attention, up to ~1.7x SDPA's (SDPA rounds the weights before normalising them and divides in
+float32). Measured on the EPYC with AVX512-BF16 (benchmarks/README.md), one thread, against SDPA in the same run, with
+the float32 product of the weights: bfloat16, small-vllm's heads (4 query / 2 KV heads of 32), a 1,024-token prompt
+2.9 against 5.1 ms, 192 rows after 832 keys 0.82 against 1.59 (3.1 / 0.92 before the one-pass softmax); granite-350m's
+(12 / 4 of 64) 14.3 against 27.0 ms; float32 3.4 against 4.9 and 14.4 against 26.0.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numba
 import numpy as np
 import torch
 
+from hybridpd.engine.model.kernels.bf16_bits import narrow
 from hybridpd.engine.model.kernels.linear import packs_products
 from hybridpd.engine.model.kernels.silu import exp32
 
@@ -94,6 +99,30 @@ def _causal_exp_rows(scores, rows, common_top, inverse):  # pragma: no cover - c
         inverse[i] = np.float32(1.0) / total
 
 
+@numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.float32[::1], numba.uint16[:, ::1]), cache=True,
+            nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
+def _causal_softmax_rows_bf16(scores, rows, common_top, weights):  # pragma: no cover - compiled
+    """As `_causal_exp_rows`, but each row's softmax normalised and rounded to bfloat16 into `weights` (its bits):
+    the weights a bfloat16 product with the values takes, rounded once, as transformers' bfloat16 attention rounds
+    them. `scores` is left holding the unnormalised weights."""
+    seen = scores.shape[1]
+    common = seen - rows
+    for i in range(scores.shape[0]):
+        row, out = scores[i], weights[i]
+        n = common + i % rows + 1
+        top = _highest(row, common, n, common_top[i] if common else row[0])
+        total = np.float32(0.0)
+        for j in range(n):
+            e = exp32(row[j] - top)
+            row[j] = e
+            total += e
+        inverse = np.float32(1.0) / total
+        for j in range(n):
+            out[j] = narrow(row[j] * inverse, out)
+        for j in range(n, seen):
+            out[j] = 0
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, first: int,
                      scale: float) -> None:
     """Causal attention of `q` [n, Hq, D] over `k`, `v` [m, Hkv, D] (any strides; Hq a multiple of Hkv, the query
@@ -108,10 +137,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     last = first + n                       # keys any row sees
     block = max(1, min(BLOCK, n, SCORES_MAX // (group * last)))
     product = torch.ops.mkldnn._linear_pointwise
+    low = q.dtype == torch.bfloat16   # the weights and values multiplied in bfloat16
     for j in range(num_kv_heads):
         heads = slice(j * group, (j + 1) * group)
         keys = torch.empty(last, head_dim, dtype=torch.float32).copy_(k[:last, j])
-        values = torch.empty(head_dim, last, dtype=torch.float32).copy_(v[:last, j].t())
+        values = torch.empty(head_dim, last, dtype=v.dtype).copy_(v[:last, j].t())
         for start in range(0, n, block):
             end = min(n, start + block)
             rows, seen = end - start, first + end
@@ -119,8 +149,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
             queries.copy_(q[start:end, heads].transpose(0, 1)).mul_(scale)
             weights = product(queries.view(group * rows, head_dim), keys[:seen], None, "none", [], "")
             common = weights[:, : seen - rows].amax(dim=1) if seen > rows else weights[:, 0]
-            inverse = torch.empty(group * rows, dtype=torch.float32)
-            _causal_exp_rows(weights.numpy(), rows, common.contiguous().numpy(), inverse.numpy())
             part = values if seen == last else values[:, :seen].contiguous()
-            result = product(weights, part, None, "none", [], "").mul_(inverse.unsqueeze(1))
+            if low:
+                rounded = torch.empty(weights.shape, dtype=torch.bfloat16)
+                _causal_softmax_rows_bf16(weights.numpy(), rows, common.contiguous().numpy(),
+                                          rounded.view(torch.uint16).numpy())
+                result = product(rounded, part, None, "none", [], "")
+            else:
+                inverse = torch.empty(group * rows, dtype=torch.float32)
+                _causal_exp_rows(weights.numpy(), rows, common.contiguous().numpy(), inverse.numpy())
+                result = product(weights, part, None, "none", [], "").mul_(inverse.unsqueeze(1))
             out[start:end, heads] = result.view(group, rows, head_dim).transpose(0, 1)

@@ -1,7 +1,8 @@
 """The prefill attention through oneDNN's products against a float64 reference (a masked softmax spelled out): rows
 within one block and across several (the last one partial), after no keys and after many, one to three query heads
 per KV head, both dtypes: float32 to float32 rounding, bfloat16 no
-further from the reference than torch's SDPA on the same bfloat16 values. Then its refusals, which calls it takes,
+further from the reference than transformers' bfloat16 attention (the softmax's weights rounded to bfloat16 before the
+values' product, as here) or torch's SDPA on the same bfloat16 values. Then its refusals, which calls it takes,
 and an engine whose prefills all go through it against one whose prefills go through SDPA, step by step."""
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ def _reference(q, k, v, first, scale):
     scores = torch.einsum("nhd,mhd->hnm", q, k) * scale
     seen = torch.arange(k.shape[0])[None, :] <= first + torch.arange(n)[:, None]
     weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("hnm,mhd->nhd", weights, v)
+
+
+def _eager_bf16(q, k, v, first, scale):
+    """transformers' eager attention in bfloat16: the scores' softmax in float32, its weights rounded to bfloat16,
+    their product with the values rounded to bfloat16."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    k, v = k[: first + n].repeat_interleave(group, 1), v[: first + n].repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,mhd->hnm", q.float(), k.float()) * scale
+    seen = torch.arange(k.shape[0])[None, :] <= first + torch.arange(n)[:, None]
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).to(q.dtype)
     return torch.einsum("hnm,mhd->nhd", weights, v)
 
 
@@ -67,8 +80,8 @@ def test_matches_the_definition(rows, first, extra, heads, kv_heads, head_dim, d
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=4e-6)   # sums of up to ~800 terms
     else:
-        sdpa = _sdpa(q, k[: first + rows], v[: first + rows], first, scale)
-        assert error <= 1.5 * (sdpa.double() - want).abs().max().item() + 2 ** -10
+        others = (_sdpa(q, k[: first + rows], v[: first + rows], first, scale), _eager_bf16(q, k, v, first, scale))
+        assert error <= 1.5 * max((o.double() - want).abs().max().item() for o in others) + 2 ** -10
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
