@@ -32,6 +32,7 @@ import torch
 
 from hybridpd.engine.model.kernels.bf16_bits import narrow
 from hybridpd.engine.model.kernels.linear import packs_products
+from hybridpd.engine.model.kernels.row_max import highest
 from hybridpd.engine.model.kernels.silu import exp32
 
 BLOCK = 256   # query rows per product, at most
@@ -60,35 +61,19 @@ def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
             and products_pay(dtype))
 
 
-@numba.njit(inline="always", fastmath=True, boundscheck=False)
-def _highest(row, lo, hi, top):  # pragma: no cover - compiled
-    """The highest of `top` and row[lo:hi], four running maxima at a time (LLVM keeps a max reduction scalar: one
-    chain of them ran at 0.45 ns an element here, four at a third of that)."""
-    t0 = t1 = t2 = t3 = top
-    j = lo
-    while j + 4 <= hi:
-        t0, t1, t2, t3 = max(t0, row[j]), max(t1, row[j + 1]), max(t2, row[j + 2]), max(t3, row[j + 3])
-        j += 4
-    while j < hi:
-        t0 = max(t0, row[j])
-        j += 1
-    return max(max(t0, t1), max(t2, t3))
-
-
-@numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.float32[::1], numba.float32[::1]), cache=True,
-            nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
-def _causal_exp_rows(scores, rows, common_top, inverse):  # pragma: no cover - compiled
+@numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.float32[::1]), cache=True, nogil=True,
+            fastmath=True, boundscheck=False, error_model="numpy")
+def _causal_exp_rows(scores, rows, inverse):  # pragma: no cover - compiled
     """In place, each row of a block's scores [heads x rows, seen] (row r of each head seeing keys 0 ..
     seen - rows + r) -> exp(score - the highest score it sees) over the keys it sees, 0 over the rest; `inverse`
-    gets 1 / the row's sum. `common_top` holds each row's highest over the keys every row of the block sees (the
-    first seen - rows; torch's vectorised max), so only the block's own triangle is searched here. Two passes where
-    torch's softmax took three and the causal mask a fourth."""
+    gets 1 / the row's sum. Two passes over a row (its highest, then exp) where torch's softmax took three and the
+    causal mask a fourth."""
     seen = scores.shape[1]
     common = seen - rows
     for i in range(scores.shape[0]):
         row = scores[i]
         n = common + i % rows + 1
-        top = _highest(row, common, n, common_top[i] if common else row[0])
+        top = highest(row, 0, n)
         total = np.float32(0.0)
         for j in range(n):
             e = exp32(row[j] - top)
@@ -99,9 +84,9 @@ def _causal_exp_rows(scores, rows, common_top, inverse):  # pragma: no cover - c
         inverse[i] = np.float32(1.0) / total
 
 
-@numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.float32[::1], numba.uint16[:, ::1]), cache=True,
-            nogil=True, fastmath=True, boundscheck=False, error_model="numpy")
-def _causal_softmax_rows_bf16(scores, rows, common_top, weights):  # pragma: no cover - compiled
+@numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.uint16[:, ::1]), cache=True, nogil=True,
+            fastmath=True, boundscheck=False, error_model="numpy")
+def _causal_softmax_rows_bf16(scores, rows, weights):  # pragma: no cover - compiled
     """As `_causal_exp_rows`, but each row's softmax normalised and rounded to bfloat16 into `weights` (its bits):
     the weights a bfloat16 product with the values takes, rounded once, as transformers' bfloat16 attention rounds
     them. `scores` is left holding the unnormalised weights."""
@@ -110,7 +95,7 @@ def _causal_softmax_rows_bf16(scores, rows, common_top, weights):  # pragma: no 
     for i in range(scores.shape[0]):
         row, out = scores[i], weights[i]
         n = common + i % rows + 1
-        top = _highest(row, common, n, common_top[i] if common else row[0])
+        top = highest(row, 0, n)
         total = np.float32(0.0)
         for j in range(n):
             e = exp32(row[j] - top)
@@ -148,15 +133,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
             queries = torch.empty(group, rows, head_dim, dtype=torch.float32)
             queries.copy_(q[start:end, heads].transpose(0, 1)).mul_(scale)
             weights = product(queries.view(group * rows, head_dim), keys[:seen], None, "none", [], "")
-            common = weights[:, : seen - rows].amax(dim=1) if seen > rows else weights[:, 0]
             part = values if seen == last else values[:, :seen].contiguous()
             if low:
                 rounded = torch.empty(weights.shape, dtype=torch.bfloat16)
-                _causal_softmax_rows_bf16(weights.numpy(), rows, common.contiguous().numpy(),
-                                          rounded.view(torch.uint16).numpy())
+                _causal_softmax_rows_bf16(weights.numpy(), rows, rounded.view(torch.uint16).numpy())
                 result = product(rounded, part, None, "none", [], "")
             else:
                 inverse = torch.empty(group * rows, dtype=torch.float32)
-                _causal_exp_rows(weights.numpy(), rows, common.contiguous().numpy(), inverse.numpy())
+                _causal_exp_rows(weights.numpy(), rows, inverse.numpy())
                 result = product(weights, part, None, "none", [], "").mul_(inverse.unsqueeze(1))
             out[start:end, heads] = result.view(group, rows, head_dim).transpose(0, 1)
