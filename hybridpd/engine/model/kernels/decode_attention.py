@@ -25,10 +25,15 @@ import torch
 from llvmlite import binding
 
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES, held_array, kernel_array, narrow, widen
-from hybridpd.engine.model.kernels.key_blocks import block_scores, block_values
+from hybridpd.engine.model.kernels.key_blocks import block_scores, block_values, prefetch_rows
 from hybridpd.engine.model.kernels.silu import exp32
 
 _I64_1D = numba.int64[::1]
+# While the scores pass reads a block of keys, the keys AHEAD blocks on and the block's values (read by the values
+# pass a little later) are prefetched: a row's keys and values come from memory in two streams at once. The kernel
+# alone, 8 rows of 1,088 keys, buffers rotated over 44 MB (from memory): float32 146-151 us against 200 without,
+# bfloat16 70 against 84-99; with the buffers in cache 3-10% slower (the prefetches' own instructions).
+AHEAD = 8
 
 
 @functools.cache
@@ -90,6 +95,8 @@ def _kernel_for(dim: int, group: int, lanes: int):
                         top[h, t] = np.float32(-np.inf)
                 keys, values = k_buf[s, kh], v_buf[s, kh]
                 for j in range(0, n, lanes):
+                    prefetch_rows(keys, lo + j + AHEAD * lanes, lanes)
+                    prefetch_rows(values, lo + j, lanes)
                     if j + lanes <= n:
                         block_scores(keys, lo + j, queries, weights, j, top, dim, group, lanes)
                     else:

@@ -184,3 +184,29 @@ def block_values(typingctx, values, start, weights, col, acc, dim, group, lanes)
         return context.get_dummy_value()
 
     return types.void(values, start, weights, col, acc, dim, group, lanes), codegen
+
+
+@intrinsic
+def prefetch_rows(typingctx, rows, start, count):  # pragma: no cover - compiled
+    """A hint to the CPU to bring rows `start` .. `start + count - 1` of the C-contiguous 2-D array `rows` into its
+    caches (a prefetch for every 64 bytes; a prefetch never faults, so rows past the array's end cost nothing but
+    the hint). Emitted unrolled: `count` must be a literal."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+    lines = count.literal_value
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        row_bytes = cgutils.unpack_tuple(builder, array.strides, 2)[0]
+        first = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), row_bytes)
+        total = builder.mul(row_bytes, ir.Constant(row_bytes.type, lines))
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_BYTES, _I32, _I32, _I32]), "llvm.prefetch.p0")
+        base = builder.gep(builder.bitcast(array.data, _BYTES), [first])
+        zero, line = ir.Constant(total.type, 0), ir.Constant(total.type, 64)
+        with cgutils.for_range_slice(builder, zero, total, line) as (at, _):
+            builder.call(prefetch, [builder.gep(base, [at]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                    ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(rows, start, count), codegen
