@@ -20,6 +20,7 @@ from torch import nn
 
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels import product_attention
+from hybridpd.engine.model.kernels.buffer_moves import move_rows_
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
 from hybridpd.engine.model.kernels.decode_attention import decode_attention
 from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
@@ -196,12 +197,9 @@ class Attention(nn.Module):
         """The layer's DecodeKV buffers with the plan's held rows moved up and its filled rows rebuilt from the
         paged cache."""
         k_buf, v_buf = decode_kv.buffers(self.layer_id, plan, self.num_kv_heads, self.head_dim, dtype)
-        for source, target in plan.moves:  # ascending: a target is never a row still to move
-            # the keys the row holds; past them the target keeps its earlier keys or zeros (finite), which the
-            # mask hides
-            held = plan.held_keys[target]
-            k_buf[target, :, :held] = k_buf[source, :, :held]
-            v_buf[target, :, :held] = v_buf[source, :, :held]
+        if plan.moves:  # ascending: a target is never a row still to move. The keys each row holds move; past
+            # them the target keeps its earlier keys or zeros (finite), which the mask hides
+            move_rows_(k_buf, v_buf, *plan.move_arrays)
         if fills is not None:
             k_seq, v_seq = self._read_blocks(kv.attention_rows(self.layer_id), fills.blocks, len(plan.fills), dtype)
             columns = min(k_seq.shape[2], k_buf.shape[2])

@@ -82,6 +82,15 @@ class DecodeKVPlan:
         return additive(seen, self.dtype)[:, None, None, :]
 
     @cached_property
+    def move_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`moves` as int64 arrays (sources, targets, the keys each source row holds), as kernels/buffer_moves.py
+        takes them: made once a step, read by every layer of the group."""
+        sources = np.array([m[0] for m in self.moves], dtype=np.int64)
+        targets = np.array([m[1] for m in self.moves], dtype=np.int64)
+        keys = np.array([self.held_keys[m[1]] for m in self.moves], dtype=np.int64)
+        return sources, targets, keys
+
+    @cached_property
     def runs(self) -> tuple[tuple[int, int, int, int], ...]:
         """(first row, end row, first column, end column) of each run of rows attention reads in one call: one run
         over [start, length), or two (`runs_of_rows`)."""

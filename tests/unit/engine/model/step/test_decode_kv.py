@@ -188,6 +188,8 @@ def test_buffers_stay_within_the_budget_their_plans_were_checked_against():
     k[3, :, :6] = 3.0  # d's keys
     moved = decode_kv.plan(0, ("c", "d"), [6, 6], TOKEN_BYTES, torch.float32)  # a and b left
     assert moved.moves == ((2, 0), (3, 1)) and not moved.fills
+    # as the move kernel takes them: sources, targets, the keys each held row brings (its position)
+    assert [a.tolist() for a in moved.move_arrays] == [[2, 3], [0, 1], [6, 6]]
     k, _ = decode_kv.buffers(7, moved, kv_heads, head_dim, torch.float32)
     k[1] = k[3]  # what the attention layer does with the move
     longer = decode_kv.plan(0, ("e", "d"), [LENGTH_STEP + 1, 7], TOKEN_BYTES, torch.float32)
