@@ -13,6 +13,9 @@ Head size and group (query heads per KV head) are compile-time literals: the IR 
 each key element is loaded and widened once for every query head. bfloat16 comes as its bits (bf16_bits.py) and is
 widened in registers; a head size that is not a multiple of `lanes` ends in a shorter chunk (zeros in the scores'
 spare lanes). Arithmetic is float32 throughout.
+
+numba caches the kernels that use these beside their own sources and checks only those: after editing this file,
+remove `__pycache__/decode_attention*.nb*` (a fresh clone has none).
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ def _load_floats(builder, base, byte_offset, width: int, bits: bool):
     raw = builder.load(_address(builder, base, byte_offset, ir.VectorType(ir.IntType(16), width)), align=2)
     wide = builder.zext(raw, ir.VectorType(_I32, width))
     return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(_I32, width), [16] * width)), _vector(width))
+
+
+def _block_row(builder, data, start, t: int, dim: int, chunks: list[tuple[int, int]], bits: bool) -> list:
+    """Row `start + t` of the C-contiguous [n, dim] array at `data`, chunk by chunk, as float32 vectors."""
+    size = 2 if bits else 4
+    row = builder.mul(builder.add(start, ir.Constant(_I64, t)), ir.Constant(_I64, dim * size))
+    return [_load_floats(builder, data, builder.add(row, ir.Constant(_I64, c * size)), w, bits) for c, w in chunks]
 
 
 def _to_lanes(builder, v, width: int, lanes: int):
@@ -112,17 +122,14 @@ def block_scores(typingctx, keys, start, q, scores, col, top, dim, group, lanes)
     def codegen(context, builder, signature, args):
         key_type, _, q_type, score_type, _, top_type = signature.args[:6]
         bits = key_type.dtype == types.uint16
-        size = 2 if bits else 4
         key_arr, q_arr, score_arr, top_arr = (context.make_array(t)(context, builder, a) for t, a in
                                               ((key_type, args[0]), (q_type, args[2]), (score_type, args[3]),
                                                (top_type, args[5])))
         queries = [[_load_floats(builder, q_arr.data, ir.Constant(_I64, (h * dim_ + c) * 4), w, False)
                     for c, w in chunks] for h in range(group_)]
-        first = builder.mul(args[1], ir.Constant(_I64, dim_ * size))
         partial: list[list] = [[] for _ in range(group_)]
         for t in range(lanes_):
-            key = [_load_floats(builder, key_arr.data, builder.add(first, ir.Constant(_I64, (t * dim_ + c) * size)),
-                                w, bits) for c, w in chunks]
+            key = _block_row(builder, key_arr.data, args[1], t, dim_, chunks, bits)
             for h in range(group_):
                 total = None
                 for (_, w), qc, kc in zip(chunks, queries[h], key):
@@ -159,7 +166,6 @@ def block_values(typingctx, values, start, weights, col, acc, dim, group, lanes)
     def codegen(context, builder, signature, args):
         value_type, _, weight_type, _, acc_type = signature.args[:5]
         bits = value_type.dtype == types.uint16
-        size = 2 if bits else 4
         value_arr, weight_arr, acc_arr = (context.make_array(t)(context, builder, a) for t, a in
                                           ((value_type, args[0]), (weight_type, args[2]), (acc_type, args[4])))
         slots = [[_address(builder, acc_arr.data, ir.Constant(_I64, (h * dim_ + c) * 4), _vector(w))
@@ -169,11 +175,8 @@ def block_values(typingctx, values, start, weights, col, acc, dim, group, lanes)
         weight_rows = [builder.load(_address(builder, weight_arr.data, builder.add(
             _row_bytes(builder, weight_arr, ir.Constant(_I64, h)), column), _vector(lanes_)), align=4)
             for h in range(group_)]
-        first = builder.mul(args[1], ir.Constant(_I64, dim_ * size))
         for t in range(lanes_):
-            value = [_load_floats(builder, value_arr.data,
-                                  builder.add(first, ir.Constant(_I64, (t * dim_ + c) * size)), w, bits)
-                     for c, w in chunks]
+            value = _block_row(builder, value_arr.data, args[1], t, dim_, chunks, bits)
             for h in range(group_):
                 for i, ((_, w), vc) in enumerate(zip(chunks, value)):
                     weight = builder.shuffle_vector(weight_rows[h], weight_rows[h], _mask([t] * w))

@@ -61,6 +61,18 @@ def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
             and products_pay(dtype))
 
 
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _exp_from_highest(row, n):  # pragma: no cover - compiled
+    """row[:n] -> exp(row[j] - the highest of them), in place; returns their sum."""
+    top = highest(row, 0, n)
+    total = np.float32(0.0)
+    for j in range(n):
+        e = exp32(row[j] - top)
+        row[j] = e
+        total += e
+    return total
+
+
 @numba.njit(numba.void(numba.float32[:, ::1], numba.int64, numba.float32[::1]), cache=True, nogil=True,
             fastmath=True, boundscheck=False, error_model="numpy")
 def _causal_exp_rows(scores, rows, inverse):  # pragma: no cover - compiled
@@ -73,12 +85,7 @@ def _causal_exp_rows(scores, rows, inverse):  # pragma: no cover - compiled
     for i in range(scores.shape[0]):
         row = scores[i]
         n = common + i % rows + 1
-        top = highest(row, 0, n)
-        total = np.float32(0.0)
-        for j in range(n):
-            e = exp32(row[j] - top)
-            row[j] = e
-            total += e
+        total = _exp_from_highest(row, n)
         for j in range(n, seen):
             row[j] = np.float32(0.0)
         inverse[i] = np.float32(1.0) / total
@@ -95,12 +102,7 @@ def _causal_softmax_rows_bf16(scores, rows, weights):  # pragma: no cover - comp
     for i in range(scores.shape[0]):
         row, out = scores[i], weights[i]
         n = common + i % rows + 1
-        top = highest(row, 0, n)
-        total = np.float32(0.0)
-        for j in range(n):
-            e = exp32(row[j] - top)
-            row[j] = e
-            total += e
+        total = _exp_from_highest(row, n)
         inverse = np.float32(1.0) / total
         for j in range(n):
             out[j] = narrow(row[j] * inverse, out)

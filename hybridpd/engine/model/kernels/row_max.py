@@ -3,7 +3,8 @@ elements at a time in a vector, its lanes reduced once at the end, the last few 
 
 numba's `max` in a loop is a chain LLVM keeps scalar, one element after the other: ~0.45 ns an element on the EPYC with
 AVX-512 (benchmarks/README.md), where this reads them at the speed of their loads. Inputs are finite (NaN would be
-skipped, as `maxnum` skips it).
+skipped, as `maxnum` skips it). numba caches the kernels that use it beside their own sources and checks only those:
+after editing this file, remove their `__pycache__/*.nb*` files.
 """
 
 from __future__ import annotations
