@@ -197,7 +197,10 @@ class DecodeRole:
                                                f"engine serving there ({meta.engine_id!r})")
         layouts = [RegionLayout(base_addr=g.base_addr, page_size_bytes=g.page_size_bytes, num_blocks=g.num_blocks)
                    for g in meta.groups]
-        self.transport.add_peer(meta.transport_name, meta.transport_metadata, layouts)
+        try:
+            self.transport.add_peer(meta.transport_name, meta.transport_metadata, layouts)
+        except KVTransferError as exc:   # the transport names the peer's agent; the client knows its address
+            raise KVTransferError(params.peer, exc.reason) from exc
         peer.transport_name = meta.transport_name
         return meta.transport_name
 

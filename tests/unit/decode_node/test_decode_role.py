@@ -1,4 +1,5 @@
-"""DecodeRole over the fake transport: a pull that succeeds, whose READ fails, and one that times out on a stalled
+"""DecodeRole over the fake transport: a pull that succeeds, one whose peer's transport metadata does not load (its
+error names the peer's address), whose READ fails, and one that times out on a stalled
 READ NIXL refuses to cancel, with the READ finishing before, during or after the lease release. In each the engine
 hears exactly one final verdict, never while the READ may still write into the request's blocks, and the request
 is never left without one (a drain that finished during the release once left it hanging).
@@ -38,6 +39,7 @@ class FakeCore:
         self.groups = GROUPS
         self.transport = transport
         self.calls: list[str] = []
+        self.errors: list[Exception] = []
         self.scheduler = self
 
     def _record(self, call: str) -> None:
@@ -49,6 +51,7 @@ class FakeCore:
         self._record("complete_load")
 
     def fail_load(self, rid, error, recompute):
+        self.errors.append(error)
         self._record("fail_load")
 
     def fail(self, rid, error):
@@ -143,6 +146,24 @@ async def test_a_failed_read_fails_the_load_once(policy):
     fabric.set_failing("P")
     await role._run(job)
     assert core.calls == ["fail_load"] and client.releases == [True]
+
+
+async def test_a_peer_whose_transport_metadata_does_not_load_fails_naming_its_address(monkeypatch):
+    """The transport names a peer by its agent (a prefill node killed between its metadata and the load); the
+    request's error names the side channel's address, as every other pull failure does: what the proxy, a client
+    and an operator can act on."""
+    role, fabric, core, client, job = await _role()
+    described = await client.get_metadata("D")
+
+    async def gone(requester_engine_id):
+        return SimpleNamespace(**{**vars(described), "transport_name": "P-restarted"})
+
+    monkeypatch.setattr(client, "get_metadata", gone)
+    await role._run(job)
+    assert core.calls == ["fail_load"] and client.releases == [True]
+    [error] = core.errors
+    assert isinstance(error, KVTransferError) and error.peer == "127.0.0.1:1", error
+    assert "bad transport metadata" in error.reason
 
 
 @pytest.mark.parametrize("policy", list(KVLoadFailurePolicy))
