@@ -102,10 +102,13 @@ def _row_bytes(builder, array, row):
     return builder.mul(row, cgutils.unpack_tuple(builder, array.strides, 2)[0])
 
 
-def _literals(*values) -> list[int] | None:
-    if not all(isinstance(v, types.IntegerLiteral) for v in values):
+def _block_shape(dim, group, lanes) -> tuple[int, int, int, list[tuple[int, int]]] | None:
+    """Head size, group, lanes and the head's chunks from the literal types the kernel passes, or None (typing
+    then fails: these intrinsics unroll over them)."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (dim, group, lanes)):
         return None
-    return [v.literal_value for v in values]
+    dim_, group_, lanes_ = dim.literal_value, group.literal_value, lanes.literal_value
+    return dim_, group_, lanes_, _chunks(dim_, lanes_)
 
 
 @intrinsic(prefer_literal=True)
@@ -113,11 +116,10 @@ def block_scores(typingctx, keys, start, q, scores, col, top, dim, group, lanes)
     """Keys `start` .. `start + lanes - 1` of `keys` [n, dim] (float32, or bfloat16 as uint16 bits; C-contiguous,
     all of them within n): scores[h, col + t] = q[h] . key t for each query head h of `q` [group, dim] (float32, the
     scale applied), and top[h] [lanes] = their maximum with what it held, lane by lane."""
-    literal = _literals(dim, group, lanes)
-    if literal is None:
+    shape = _block_shape(dim, group, lanes)
+    if shape is None:
         return None
-    dim_, group_, lanes_ = literal
-    chunks = _chunks(dim_, lanes_)
+    dim_, group_, lanes_, chunks = shape
 
     def codegen(context, builder, signature, args):
         key_type, _, q_type, score_type, _, top_type = signature.args[:6]
@@ -157,11 +159,10 @@ def block_values(typingctx, values, start, weights, col, acc, dim, group, lanes)
     """acc[h] += Σ_t weights[h, col + t] * values[start + t] over the block's `lanes` keys, for each query head h
     (`values` [n, dim] float32 or bfloat16 bits, C-contiguous; `weights` [group, >= col + lanes] and `acc`
     [group, dim] float32)."""
-    literal = _literals(dim, group, lanes)
-    if literal is None:
+    shape = _block_shape(dim, group, lanes)
+    if shape is None:
         return None
-    dim_, group_, lanes_ = literal
-    chunks = _chunks(dim_, lanes_)
+    dim_, group_, lanes_, chunks = shape
 
     def codegen(context, builder, signature, args):
         value_type, _, weight_type, _, acc_type = signature.args[:5]
