@@ -92,6 +92,7 @@ class LLMEngine:
         self.config = config
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.model_config, self.model = load_model(config.model_dir, dtype)
+        self.model.prepare_kernels()
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir, self.model_config.vocab_size,
                                                    skip_init=config.skip_tokenizer_init)
         self.generation_defaults = GenerationDefaults.from_model_dir(config.model_dir)

@@ -65,6 +65,12 @@ class PagedCausalLM(nn.Module):
         """Layer id -> the mixer of each layer that keeps a cache (attention or Mamba2)."""
         raise NotImplementedError
 
+    def prepare_kernels(self) -> None:
+        """The compiled kernels compiled for this model's shapes now (at start-up), not at a step's first call."""
+        for mixer in self.cache_mixers().values():
+            if isinstance(mixer, Attention):
+                mixer.prepare_kernels()
+
     # -- shared ---------------------------------------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, mamba_interval: int) -> dict[int, KVCacheSpec]:
         """Layer id -> spec. Mamba slots: the conv state in float32 in either model dtype (a bfloat16 model's holds

@@ -127,6 +127,13 @@ def _kernel_for(dim: int, group: int, lanes: int):
     return kernel
 
 
+def prepare(dim: int, group: int) -> None:
+    """The kernel for head size `dim` and `group` query heads per KV head compiled (or loaded from numba's cache) now
+    rather than at its first call: a node does it at start-up, so that its first decode step does not wait ~2 s for
+    the compiler on a machine that never ran the shape."""
+    _kernel_for(dim, group, vector_lanes())
+
+
 def decode_attention(qkv: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, first: torch.Tensor,
                      end: torch.Tensor, num_heads: int, scale: float, lanes: int | None = None) -> torch.Tensor:
     """Row s's `num_heads` query heads (the first num_heads * D columns of `qkv` [S, ...]) over the keys and values

@@ -22,6 +22,7 @@ from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.model.kernels import product_attention
 from hybridpd.engine.model.kernels.buffer_moves import move_rows_
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
+from hybridpd.engine.model.kernels import decode_attention as decode_kernel
 from hybridpd.engine.model.kernels.decode_attention import decode_attention
 from hybridpd.engine.model.kernels.fused_decode_write import rope_and_write_, rope_and_write_paged_
 from hybridpd.engine.model.kernels.linear import linear, plain_linear
@@ -56,6 +57,11 @@ class Attention(nn.Module):
         self.register_buffer("qkv_bias", self._fuse("bias") if bias else None, persistent=False)
         self.split = (q_size + kv_size, kv_size)
         self.q_size = q_size
+
+    def prepare_kernels(self) -> None:
+        """Compile the decode kernel this layer will call (on one thread, in a dtype it takes) before the first step."""
+        if self.qkv_weight.dtype in KERNEL_DTYPES and torch.get_num_threads() == 1:
+            decode_kernel.prepare(self.head_dim, self.num_heads // self.num_kv_heads)
 
     def _fuse(self, name: str) -> torch.Tensor:
         projections = (self.q_proj, self.k_proj, self.v_proj)
