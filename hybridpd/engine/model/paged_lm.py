@@ -66,7 +66,8 @@ class PagedCausalLM(nn.Module):
         raise NotImplementedError
 
     def prepare_kernels(self) -> None:
-        """The compiled kernels compiled for this model's shapes now (at start-up), not at a step's first call."""
+        """The decode attention compiled for this model's head shapes now (at start-up), not at a step's first call
+        (every other kernel is compiled when its module is imported)."""
         for mixer in self.cache_mixers().values():
             if isinstance(mixer, Attention):
                 mixer.prepare_kernels()

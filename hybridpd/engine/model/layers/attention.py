@@ -60,7 +60,7 @@ class Attention(nn.Module):
 
     def prepare_kernels(self) -> None:
         """Compile the decode kernel this layer will call (on one thread, in a dtype it takes) before the first step."""
-        if self.qkv_weight.dtype in KERNEL_DTYPES and torch.get_num_threads() == 1:
+        if _decode_kernel_for(self.qkv_weight.dtype):
             decode_kernel.prepare(self.head_dim, self.num_heads // self.num_kv_heads)
 
     def _fuse(self, name: str) -> torch.Tensor:
@@ -239,9 +239,15 @@ class Attention(nn.Module):
         return att.reshape(rows, q_size)
 
 
+def _decode_kernel_for(dtype: torch.dtype) -> bool:
+    """Whether decode rows of `dtype` attend through the compiled kernel: one thread (SDPA splits its work over more),
+    a dtype it takes."""
+    return dtype in KERNEL_DTYPES and torch.get_num_threads() == 1
+
+
 def _kernel_attends(qkv: torch.Tensor) -> bool:
-    """Decode attention through the compiled kernel: one thread (SDPA splits its work over more), a dtype it takes."""
-    return qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous() and torch.get_num_threads() == 1
+    """These decode rows' attention through the compiled kernel (`_decode_kernel_for`, and rows as it reads them)."""
+    return _decode_kernel_for(qkv.dtype) and qkv.is_contiguous()
 
 
 def _kernel_takes(*tensors: torch.Tensor) -> bool:
