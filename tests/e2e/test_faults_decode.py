@@ -1,5 +1,6 @@
 """Fault matrix, decode side: the decode node dies while pulling and while decoding, and a
-lease expires while the decode request is still queued. The prefill node (2 s leases) stays up; the decode node
+lease expires while the decode request is still queued (the decode node frozen meanwhile, so that its running
+request cannot end first on a fast machine). The prefill node (2 s leases) stays up; the decode node
 (`--max-num-seqs 1`, policy `fail`) is restarted after each kill.
 
 "While pulling" is deterministic with SIGSTOP: the prefill node is frozen, the decode request sent, the test waits
@@ -97,7 +98,8 @@ def test_lease_expiring_while_the_decode_request_is_queued_fails_it_clearly(slot
                              REQUEST_TIMEOUT_S)
         try:
             wait_for(lambda: metric(decode, "vllm:num_requests_waiting") == 1, "the decode request to queue")
-            wait_for(lambda: metric(prefill, EXPIRED) == expired + 1, "the queued request's lease to expire")
+            with frozen(decode):  # the hog cannot end (and admit the queued request) however fast the machine
+                wait_for(lambda: metric(prefill, EXPIRED) == expired + 1, "the queued request's lease to expire")
         finally:
             hog.disconnect()  # the hog is aborted: the queued request runs, and finds its lease gone
         code, answer = future.result()
