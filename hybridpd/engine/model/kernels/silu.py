@@ -30,8 +30,11 @@ _HIGHEST = np.float32(88.3)               # exp of more overflows
 def exp32(x):  # pragma: no cover - compiled
     """e ** x in float32 (x clamped to [-87.3, 88.3])."""
     x = min(max(x, _LOWEST), _HIGHEST)
-    k = np.int32(x * _LOG2E + np.float32(128.5)) - np.int32(128)   # round(x log2 e): the sum is positive, so
-    kf = np.float32(k)                                              # truncation rounds down
+    # k = round(x log2 e): the sum is positive, so truncation rounds down. Each integer result is narrowed to
+    # int32 at once: numba widens int32 arithmetic to int64, and LLVM cannot vectorise a conversion of that to
+    # float32 well (a widening, a 64-bit add and a narrowing for every element).
+    k = np.int32(np.int32(x * _LOG2E + np.float32(128.5)) - np.int32(128))
+    kf = np.float32(k)
     f = x - kf * _LN2_HIGH - kf * _LN2_LOW
     p = ((((np.float32(1.9875691500e-4) * f + np.float32(1.3981999507e-3)) * f + np.float32(8.3334519073e-3)) * f
           + np.float32(4.1665795894e-2)) * f + np.float32(1.6666665459e-1)) * f + np.float32(5.0000001201e-1)
