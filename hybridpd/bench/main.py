@@ -32,6 +32,7 @@ from hybridpd.bench.report import RunInfo, build_result, format_errors, format_t
 from hybridpd.bench.runner import run_requests
 from hybridpd.bench.server_info import ModelCard, ServerInfoError, fetch_model_card
 from hybridpd.errors import HybridPDError
+from hybridpd.gc_heap import startup_heap_frozen
 
 SESSION_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 
@@ -109,10 +110,11 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
         print(f"Burstiness factor: {config.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {config.max_concurrency}")
         before = await scrape_counters(session, config.metrics_urls)
-        outcome = await run_requests(
-            session, target, samples, offsets_s=offsets,
-            max_concurrency=config.max_concurrency, disable_tqdm=config.disable_tqdm,
-        )
+        with startup_heap_frozen():   # the prompts and the modules: a full collection would stall every stream
+            outcome = await run_requests(
+                session, target, samples, offsets_s=offsets,
+                max_concurrency=config.max_concurrency, disable_tqdm=config.disable_tqdm,
+            )
         after = await scrape_counters(session, config.metrics_urls)
     metrics = compute_metrics(
         outcome.outputs, duration_s=outcome.duration_s, percentiles=config.metric_percentiles,

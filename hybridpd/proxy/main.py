@@ -176,6 +176,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     )
 
 
+async def _freeze_startup_heap(app: web.Application) -> None:
+    freeze_startup_heap()   # the app, its routers and sessions, the modules: as long-lived as the process
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -188,8 +192,10 @@ def run(args: argparse.Namespace) -> int:
         config.nodes_file or config.prefill_dns or [u.address for u in config.prefillers],
         config.nodes_file or config.decode_dns or [u.address for u in config.decoders], config.routing.value,
     )
+    app = build_app(config)
+    app.on_startup.append(_freeze_startup_heap)   # after the app's own contexts started
     web.run_app(
-        build_app(config), host=config.host, port=config.port, handler_cancellation=True,
+        app, host=config.host, port=config.port, handler_cancellation=True,
         print=lambda message: logger.info("%s", message.strip()),
         **runner_kwargs(not args.disable_uvicorn_access_log, excluded_paths(args.disable_access_log_for_endpoints)),
     )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import logging
 import os
 import signal
@@ -47,6 +46,7 @@ from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.host_memory import allocator_configured, keep_freed_memory
 from hybridpd.engine.metrics import EngineCollector
 from hybridpd.engine.request import RequestOutput
+from hybridpd.gc_heap import freeze_startup_heap
 from hybridpd.kv_events.groups import GroupInfo
 from hybridpd.kv_events.publisher import ZmqEventPublisher
 from hybridpd.prefill_node.role import PrefillRole
@@ -135,10 +135,7 @@ class EngineSide:
             log.exception("the engine process could not start")
             self.link.send(StartFailed(f"{type(exc).__name__}: {exc}", bad_configuration=False))
             return 1
-        # What start-up made (the model, the cache's block objects, the modules) lives as long as the process: out of
-        # the collector's sight, so that its full passes while serving walk only what serving makes.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()   # the model, the cache's block objects, the modules: as long-lived as the process
         self.link.send(EngineStarted(self.info))
         self._loop = asyncio.get_running_loop()
         self._drain: asyncio.Future[float] = self._loop.create_future()

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from hybridpd.access_log import runner_kwargs
 from hybridpd.engine.tokenizer import load_tokenizer
 from hybridpd.errors import EngineDeadError
+from hybridpd.gc_heap import freeze_startup_heap
 from hybridpd.server.app import ADMISSION_KEY, create_app, probe_app
 from hybridpd.server.args import NodeConfigs
 from hybridpd.server.engine_link import StartFailed
@@ -117,6 +118,7 @@ class Node:
             await probes.setup()
             await web.TCPSite(probes, cfg.server.host, cfg.server.health_port).start()
         runners = [runner] if probes is None else [probes, runner]
+        freeze_startup_heap()   # the tokenizer, the app, the modules: as long-lived as the process
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
