@@ -14,6 +14,7 @@ from hybridpd.access_log import add_access_log_arguments, excluded_paths, runner
 from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.cors import add_cors_arguments, policy_from_args
+from hybridpd.gc_heap import freeze_startup_heap
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierPolicy

@@ -3,6 +3,7 @@ and the proxy's process freezing once its app has started."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 
@@ -60,4 +61,6 @@ def test_the_proxy_process_freezes_once_its_app_has_started(monkeypatch):
     monkeypatch.setattr(proxy_main.web, "run_app", lambda app, **kwargs: started.append(app))
     assert proxy_main.main(["--prefiller-host", "127.0.0.1", "--decoder-host", "127.0.0.1"]) == 0
     (app,) = started
-    assert app.on_startup[-1] is proxy_main._freeze_startup_heap   # last: after the app's own contexts
+    freeze = app.on_startup[-1]   # last: after the app's own contexts started
+    asyncio.run(freeze(app))
+    assert gc.get_freeze_count() > 0
