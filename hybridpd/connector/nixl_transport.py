@@ -11,6 +11,10 @@ So with the progress thread off, the source side must call `get_notifs()` regula
 reads may be in flight; it drives progress and returns the notifications), and the reader polls its handles.
 NIXL's own progress thread (`progress_thread=True`) spins a full core (its Python API fixes the thread's
 delay at 0), so on a 2-core host prefer polling; turn it on where a peer cannot poll (another host).
+
+A node in both roles of a request (a proxy that lists it as prefiller and decoder) pulls from itself: NIXL refuses
+to load an agent's own metadata, so for our own name the peer's descriptors are prepared over our own regions and
+NIXL copies within the process (its loopback).
 """
 
 from __future__ import annotations
@@ -99,6 +103,26 @@ class NixlTransport:
             return
         if known is not None:
             self.remove_peer(peer_name)
+        loopback = peer_name == self.name   # this node pulls what it prefilled itself (one node in both roles)
+        if not loopback:
+            self._load_agent(peer_name, metadata)
+        try:
+            descs, offsets = _descriptors(layouts)
+            dlist = self._agent.prep_xfer_dlist(peer_name, descs, "DRAM")   # our own name: NIXL's loopback
+        except Exception as e:
+            if not loopback:
+                self._agent.remove_remote_agent(peer_name)
+            raise KVTransferError(peer_name, f"peer regions are not registered there ({type(e).__name__}: {e})") from e
+        self._peers[peer_name] = _Peer(metadata=metadata, layouts=tuple(layouts), offsets=offsets, dlist=dlist)
+        if loopback:
+            return
+        try:
+            self._agent.make_connection(peer_name)  # start the wireup now rather than at the first read
+        except Exception as e:
+            log.warning("transport: early connection to %s failed (%s); the first read will retry", peer_name, e)
+
+    def _load_agent(self, peer_name: str, metadata: bytes) -> None:
+        """The peer's agent loaded from its metadata (NIXL refuses to load its own: a loopback needs none)."""
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as e:  # NIXL raises its own binding exceptions (nixlMismatchError, ...)
@@ -107,17 +131,6 @@ class NixlTransport:
         if loaded != peer_name:
             self._agent.remove_remote_agent(loaded)
             raise KVTransferError(peer_name, f"transport metadata belongs to agent {loaded!r}")
-        try:
-            descs, offsets = _descriptors(layouts)
-            dlist = self._agent.prep_xfer_dlist(peer_name, descs, "DRAM")
-        except Exception as e:
-            self._agent.remove_remote_agent(peer_name)
-            raise KVTransferError(peer_name, f"peer regions are not registered there ({type(e).__name__}: {e})") from e
-        self._peers[peer_name] = _Peer(metadata=metadata, layouts=tuple(layouts), offsets=offsets, dlist=dlist)
-        try:
-            self._agent.make_connection(peer_name)  # start the wireup now rather than at the first read
-        except Exception as e:
-            log.warning("transport: early connection to %s failed (%s); the first read will retry", peer_name, e)
 
     def remove_peer(self, peer_name: str) -> None:
         peer = self._peers.pop(peer_name, None)
@@ -127,6 +140,8 @@ class NixlTransport:
             self._done[handle] = TransferState.FAILED
             self._release_xfer(self._xfers.pop(handle))
         peer.dlist.release()
+        if peer_name == self.name:
+            return
         try:
             self._agent.remove_remote_agent(peer_name)
         except Exception as e:

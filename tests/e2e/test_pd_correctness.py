@@ -3,7 +3,7 @@ does) equal colocated tokens, for prompt lengths around the block size, prompts 
 8 requests in flight at once, and a streamed decode call; seeded sampling and logprobs equal colocated too, and so
 do vLLM's logits processors (penalties, min_p, logit_bias, min_tokens) and stop token ids; a request its first token
 ends pulls nothing. After each scenario both nodes hold no lease and have
-every block back in the pool.
+every block back in the pool. One node may also take both roles of a request (it pulls from itself).
 
 The tiny preset has windows 5 and 11 and Mamba chunk 8; it runs at block size 16 (windows inside one or two
 blocks) and 4 (windows spanning several blocks, some freed to the null block as they slide out).
@@ -206,6 +206,19 @@ def test_roles_swap_request_by_request(pair):
     expected = colocated_token_ids(decode, body)
     token_ids, usage = pd_token_ids(decode, prefill, body)
     assert token_ids == expected and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_drained(prefill, decode)
+
+
+def test_one_node_in_both_roles_pulls_from_itself(pair):
+    """A proxy that lists a node as both prefiller and decoder may send both calls of a request to it: the node pulls
+    what its own prefill holds (NIXL's loopback), and outputs still agree."""
+    prefill, decode, _ = pair
+    body = greedy_body(_prompt(61, seed=4100))
+    expected = colocated_token_ids(prefill, body)
+    bytes_before = metric_total(decode, "hybridpd:kv_bytes_read_total")
+    token_ids, _ = pd_token_ids(decode, decode, body)
+    assert token_ids == expected
+    assert metric_total(decode, "hybridpd:kv_bytes_read_total") > bytes_before   # the partial block and the states
     assert_drained(prefill, decode)
 
 

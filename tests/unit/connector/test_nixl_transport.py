@@ -124,6 +124,25 @@ def test_a_read_from_an_idle_source_completes_once_the_source_polls(source, read
     assert_read_landed(tensors)
 
 
+def test_a_node_reads_its_own_blocks_through_the_loopback(reader) -> None:
+    """One node in both roles of a request: it pulls what its own prefill holds. NIXL refuses to load an agent's
+    own metadata, so the transport prepares its own regions as the peer's instead (NIXL's loopback)."""
+    transport, tensors = reader
+    tensors[0][5] = 3
+    tensors[1][2] = -4
+    transport.add_peer("dst", transport.local_metadata(), transport.local_layouts())
+    transport.add_peer("dst", transport.local_metadata(), transport.local_layouts())  # idempotent
+    reads = [BlockRead(group_id=0, remote_block=5, local_block=9), BlockRead(group_id=1, remote_block=2, local_block=6)]
+    handle = transport.start_read("dst", reads, b"self")
+    assert wait_done(transport, handle) is TransferState.DONE
+    transport.release(handle)
+    assert (tensors[0][9] == 3).all() and (tensors[1][6] == -4).all()
+    assert not tensors[0][[b for b in range(SHAPES[0][0]) if b not in (5, 9)]].any()
+    transport.remove_peer("dst")
+    with pytest.raises(KVTransferError, match="unknown peer"):
+        transport.start_read("dst", reads, b"gone")
+
+
 def test_an_empty_read_is_done_at_once(source, reader) -> None:
     transport, tensors = reader
     transport.add_peer("src", source.metadata, source.layouts)
