@@ -57,7 +57,7 @@ import numpy as np
 from aiohttp import ClientSession, ClientTimeout, web
 
 from hybridpd.bench.main import bench_result
-from hybridpd.gc_heap import freeze_startup_heap
+from hybridpd.gc_heap import freeze_startup_heap_on_start
 from hybridpd.launcher.cluster import LocalCluster
 from hybridpd.launcher.ports import free_cluster_ports, free_port
 from hybridpd.launcher.process import ChildProcess
@@ -102,11 +102,8 @@ def round_robin_app(upstreams: list[str]) -> web.Application:
     async def get(request: web.Request) -> web.StreamResponse:
         return await forward(request, upstreams[0])
 
-    async def freeze(app: web.Application) -> None:
-        freeze_startup_heap()   # as the proxy does, so that both paths' forwarding hops are alike
-
     app.cleanup_ctx.append(session_ctx)
-    app.on_startup.append(freeze)
+    app.on_startup.append(freeze_startup_heap_on_start)   # as the proxy does: both paths' hops alike
     app.router.add_post("/v1/completions", post)
     app.router.add_post("/v1/chat/completions", post)
     app.router.add_get("/v1/models", get)

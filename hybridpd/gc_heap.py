@@ -22,6 +22,11 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+async def freeze_startup_heap_on_start(app: object) -> None:
+    """`freeze_startup_heap` as an aiohttp start-up handler (`app.on_startup`; last, after the app's own contexts)."""
+    freeze_startup_heap()
+
+
 @contextmanager
 def startup_heap_frozen() -> Iterator[None]:
     """`freeze_startup_heap` for the block, in a process that goes on afterwards (the benchmark client, which a

@@ -14,7 +14,7 @@ from hybridpd.access_log import add_access_log_arguments, excluded_paths, runner
 from hybridpd.api_keys import ApiKeys, add_api_key_argument
 from hybridpd.cluster_token import add_token_arguments, read_token
 from hybridpd.cors import add_cors_arguments, policy_from_args
-from hybridpd.gc_heap import freeze_startup_heap
+from hybridpd.gc_heap import freeze_startup_heap_on_start
 from hybridpd.proxy.app import build_app
 from hybridpd.proxy.config import CostRule, DnsSource, ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.outliers import OutlierPolicy
@@ -177,10 +177,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     )
 
 
-async def _freeze_startup_heap(app: web.Application) -> None:
-    freeze_startup_heap()   # the app, its routers and sessions, the modules: as long-lived as the process
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -194,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         config.nodes_file or config.decode_dns or [u.address for u in config.decoders], config.routing.value,
     )
     app = build_app(config)
-    app.on_startup.append(_freeze_startup_heap)   # after the app's own contexts started
+    app.on_startup.append(freeze_startup_heap_on_start)   # the app, its sessions, the modules: long-lived
     web.run_app(
         app, host=config.host, port=config.port, handler_cancellation=True,
         print=lambda message: logger.info("%s", message.strip()),

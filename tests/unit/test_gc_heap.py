@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from hybridpd.gc_heap import freeze_startup_heap, startup_heap_frozen
+from hybridpd.gc_heap import freeze_startup_heap, freeze_startup_heap_on_start, startup_heap_frozen
 from hybridpd.proxy import main as proxy_main
 
 
@@ -61,6 +61,6 @@ def test_the_proxy_process_freezes_once_its_app_has_started(monkeypatch):
     monkeypatch.setattr(proxy_main.web, "run_app", lambda app, **kwargs: started.append(app))
     assert proxy_main.main(["--prefiller-host", "127.0.0.1", "--decoder-host", "127.0.0.1"]) == 0
     (app,) = started
-    freeze = app.on_startup[-1]   # last: after the app's own contexts started
-    asyncio.run(freeze(app))
+    assert app.on_startup[-1] is freeze_startup_heap_on_start   # last: after the app's own contexts started
+    asyncio.run(app.on_startup[-1](app))
     assert gc.get_freeze_count() > 0
