@@ -103,7 +103,7 @@ class NixlTransport:
             return
         if known is not None:
             self.remove_peer(peer_name)
-        loopback = peer_name == self.name   # this node pulls what it prefilled itself (one node in both roles)
+        loopback = self._is_self(peer_name)
         if not loopback:
             self._load_agent(peer_name, metadata)
         try:
@@ -120,6 +120,10 @@ class NixlTransport:
             self._agent.make_connection(peer_name)  # start the wireup now rather than at the first read
         except Exception as e:
             log.warning("transport: early connection to %s failed (%s); the first read will retry", peer_name, e)
+
+    def _is_self(self, peer_name: str) -> bool:
+        """This node pulls what it prefilled itself (one node in both roles): NIXL's loopback, no remote agent."""
+        return peer_name == self.name
 
     def _load_agent(self, peer_name: str, metadata: bytes) -> None:
         """The peer's agent loaded from its metadata (NIXL refuses to load its own: a loopback needs none)."""
@@ -140,7 +144,7 @@ class NixlTransport:
             self._done[handle] = TransferState.FAILED
             self._release_xfer(self._xfers.pop(handle))
         peer.dlist.release()
-        if peer_name == self.name:
+        if self._is_self(peer_name):
             return
         try:
             self._agent.remove_remote_agent(peer_name)
