@@ -10,6 +10,11 @@ cluster (and the tier a fresh directory) per round; setups alternate. Per setup:
 decode nodes' usage.prompt_tokens_details.cached_tokens over prompt tokens: memory, and storage when on), mean and
 p90 TTFT at the client, and each request's token ids, compared across setups.
 
+The trace's prefixes come back minutes later, so a slice replayed on empty caches sees little of its reuse: with
+`--history S` each cluster first serves the S seconds of trace before the slice (at `--history-time-scale` of their
+times, unmeasured; with the tier, until its writers have stored what they were given), then the slice; the ideal hit
+rate counts the history as seen, and every figure (CPU, the nodes' counters) is the slice's.
+
 Last line: JSON with `hit_rate_over_ideal` (the tier's decode-side hit rate over the slice's ideal, an unbounded
 cache's; goal >= 0.9), `mean_ttft_ratio` (tier / round robin; goal <= 0.6), `outputs_identical`, the raw figures
 per setup and round, the tier's counters (summed over the nodes, per label: the CPU of each of its threads among
@@ -35,6 +40,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,14 @@ from routing import one_request   # benchmarks/routing.py: one streamed greedy c
 
 SETUPS = ("round_robin", "cache_aware", "tier")   # the last: cache_aware with the storage tier
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts and the seconds after the start at which each is sent."""
+    records: list[mooncake.TraceRecord]
+    prompts: list[list[int]]
+    offsets: list[float]
 
 
 async def timed_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
@@ -135,23 +149,43 @@ def summed(metrics_urls: list[str], prefix: str, by_label: bool = False) -> dict
     return totals
 
 
-def role_figures(metrics_urls: list[str]) -> dict[str, float]:
-    """The nodes' own view: their prefix-cache hit rate (memory and storage) and mean time from a request's arrival
-    at the node to its first token."""
-    hits = summed(metrics_urls, "vllm:prefix_cache_")
-    ttft = summed(metrics_urls, "vllm:time_to_first_token_seconds_")
-    queries = hits.get("vllm:prefix_cache_queries_total", 0.0)
-    count = ttft.get("vllm:time_to_first_token_seconds_count", 0.0)
-    return {"hit_rate": hits.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0.0,
-            "node_mean_ttft_ms": ttft.get("vllm:time_to_first_token_seconds_sum", 0.0) / count * 1e3 if count else 0.0}
+def role_counters(metrics_urls: list[str]) -> dict[str, float]:
+    """The counters `role_figures` reads, summed over the nodes."""
+    return summed(metrics_urls, "vllm:prefix_cache_") | summed(metrics_urls, "vllm:time_to_first_token_seconds_")
+
+
+def role_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The nodes' own view between two `role_counters`: their prefix-cache hit rate (memory and storage) and mean
+    time from a request's arrival at the node to its first token."""
+    def grown(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    queries, count = grown("vllm:prefix_cache_queries_total"), grown("vllm:time_to_first_token_seconds_count")
+    return {"hit_rate": grown("vllm:prefix_cache_hits_total") / queries if queries else 0.0,
+            "node_mean_ttft_ms": grown("vllm:time_to_first_token_seconds_sum") / count * 1e3 if count else 0.0}
+
+
+def serve_history(info: Any, history: Workload, max_tokens: int, metrics_urls: list[str], tier: bool) -> int:
+    """The requests before the slice, served and not measured; then, with the tier, until its writers have
+    stored what they were given (its written and dropped counts unchanged for a second). How many failed."""
+    results = asyncio.run(replay(info.proxy_url, history.prompts, history.offsets, max_tokens, tolerate_errors=True))
+    stored = None
+    while tier:
+        now = sum(v for name, v in summed(metrics_urls, "hybridpd:kv_offload_").items()
+                  if name.startswith(("hybridpd:kv_offload_written", "hybridpd:kv_offload_dropped")))
+        if now == stored:
+            break
+        stored = now
+        time.sleep(1.0)
+    return sum("error" in r for r in results)
 
 
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
               offload_root: Path, restart_at: float | None = None,
               probe: Callable[[Any], Callable[[], Any]] | None = None,
-              windows: tuple[tuple[float, float], ...] = ()) -> dict[str, Any]:
+              windows: tuple[tuple[float, float], ...] = (), history: Workload | None = None) -> dict[str, Any]:
     """`probe`: called with the cluster's info while it is idle, before the replay; what the function it returns
-    gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates are reported."""
+    gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates are reported.
+    `history`: served first (`serve_history`); every figure is the replay's after it."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
     spec = ClusterSpec(
@@ -170,16 +204,21 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
                                                                         back, replayed), daemon=True)
             crasher.start()
         after = probe(info) if probe is not None else None
+        node_metrics = [n.metrics_url for n in (*info.prefill, *info.decode)]
+        prefill_metrics = [n.metrics_url for n in info.prefill]
+        history_failed = serve_history(info, history, args.max_tokens, node_metrics, bool(tier)) if history else 0
         # each role's CPU over the replay (not with --restart-at: the restarted nodes are other processes)
         roles = {"prefill": {n.pid for n in info.prefill}, "decode": {n.pid for n in info.decode},
                  "proxy": {info.proxy_pid}} if restart_at is None else {}
         cpu_before = {role: sessions_cpu_s(pids) for role, pids in roles.items()}
+        prefill_before = role_counters(prefill_metrics)
+        tier_before = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
-        node_metrics = [n.metrics_url for n in (*info.prefill, *info.decode)]
-        counters = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
-        prefill_side = role_figures([n.metrics_url for n in info.prefill])
+        counters = {label: value - tier_before.get(label, 0.0) for label, value in
+                    summed(node_metrics, "hybridpd:kv_offload_", by_label=True).items()} if tier else {}
+        prefill_side = role_figures(prefill_before, role_counters(prefill_metrics))
         replayed.set()
     if restart_at is not None:
         before = window_hit_rate(results, restart_at - 60, restart_at)
@@ -196,6 +235,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "token_ids": [r["token_ids"] for r in results], "tier": counters, "probe": probed,
         "window_hit_rates": [window_hit_rate(results, start, end)[0] for start, end in windows],
+        "history_failed": history_failed,
     }
 
 
@@ -212,6 +252,22 @@ def load_slice(args: argparse.Namespace) -> tuple[mooncake.TraceSlice, list[moon
     rng = np.random.Generator(np.random.PCG64(0))
     prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
     return trace, records, prompts, mooncake.arrival_offsets(records, trace)
+
+
+def load_history(args: argparse.Namespace) -> Workload | None:
+    """The `--history` seconds of trace before the slice (the same length filter), sent at their trace times times
+    `--history-time-scale`; prompts from a stream of their own, so the slice's prompts are the same with or without."""
+    if not args.history:
+        return None
+    start = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, start_s=args.trace_start)
+    records = [r for r in mooncake.history(mooncake.read_trace(args.trace), start, args.history)
+               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
+    vocab = read_model_config(default_model_dir(args.preset))[0].vocab_size
+    rng = np.random.Generator(np.random.PCG64(1))
+    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
+    first = mooncake.TraceSlice(start_s=records[0].timestamp_ms / 1000 if records else 0.0,
+                                time_scale=args.history_time_scale)
+    return Workload(records, prompts, mooncake.arrival_offsets(records, first))
 
 
 def main() -> int:
@@ -235,14 +291,26 @@ def main() -> int:
                         help="instead: the tier setup alone, every node SIGKILLed S seconds into the replay and "
                              "restarted by the supervisor; the decode-side hit rate of the minute after they are back "
                              "against the minute before")
+    parser.add_argument("--history", type=float, default=0.0, metavar="S",
+                        help="first serve the S seconds of trace before --trace-start, unmeasured, on every setup: "
+                             "caches as a cluster that has been serving holds them (the trace's prefixes come back "
+                             "minutes later); the ideal hit rate counts them as seen")
+    parser.add_argument("--history-time-scale", type=float, default=0.25,
+                        help="the history's arrival times times this (default: 0.25, four times as fast)")
     args = parser.parse_args()
+    if args.history and args.restart_at is not None:
+        parser.error("--history and --restart-at exclude each other")
+    if args.history < 0 or not args.history_time_scale > 0:
+        parser.error("--history must be >= 0 and --history-time-scale positive")
     if args.offload_root is not None and not args.offload_root.is_dir():
         parser.error(f"--offload-root {args.offload_root}: no such directory")
 
     _, records, prompts, offsets = load_slice(args)
-    hits, total = mooncake.ideal_hit_tokens(records, args.tokens_per_hash)
+    history = load_history(args)
+    hits, total = mooncake.ideal_hit_tokens(records, args.tokens_per_hash, history.records if history else ())
     ideal = hits / total
-    print(f"{len(prompts)} requests over {offsets[-1]:.0f} s, {total} prompt tokens, ideal hit rate {ideal:.3f}",
+    print(f"{len(prompts)} requests over {offsets[-1]:.0f} s, {total} prompt tokens, ideal hit rate {ideal:.3f}"
+          + (f", after {len(history.prompts)} requests of history over {history.offsets[-1]:.0f} s" if history else ""),
           flush=True)
 
     slice_info = vars(args) | {"trace": str(args.trace),
@@ -269,7 +337,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
         for r in range(args.rounds):
             for name in setups if r % 2 == 0 else setups[::-1]:
-                runs[name].append(run_setup(name, args, prompts, offsets, Path(tmp) / f"kv-{r}"))
+                runs[name].append(run_setup(name, args, prompts, offsets, Path(tmp) / f"kv-{r}", history=history))
                 last = runs[name][-1]
                 print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
                       f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
@@ -289,6 +357,7 @@ def main() -> int:
         "tier_over_cache_aware_ttft": ratio(mean("tier", "mean_ttft_ms"), mean("cache_aware", "mean_ttft_ms")),
         "outputs_identical": all(o == outputs[0] for o in outputs),
         "ideal_hit_rate": round(ideal, 4), "requests": len(prompts), "prompt_tokens": total,
+        "history_requests": len(history.prompts) if history else 0,
         "setups": {name: [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items() if k != "token_ids"}
                           for run in runs_of] for name, runs_of in runs.items()},
         "slice": slice_info, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),

@@ -111,6 +111,16 @@ def select(records: Sequence[TraceRecord], trace: TraceSlice) -> list[TraceRecor
     return chosen[:trace.max_requests] if trace.max_requests is not None else chosen
 
 
+def history(records: Sequence[TraceRecord], trace: TraceSlice, seconds: float) -> list[TraceRecord]:
+    """The `seconds` of trace before the slice, in time order: what a cluster served before the slice begins (the
+    trace's prefixes come back minutes later, so a slice replayed on empty caches sees little of its reuse)."""
+    if seconds < 0:
+        raise ValueError(f"the history must be >= 0 s, got {seconds}")
+    end_ms = trace.start_s * 1000
+    return sorted((r for r in records if end_ms - seconds * 1000 <= r.timestamp_ms < end_ms),
+                  key=lambda r: r.timestamp_ms)
+
+
 def scaled_length(record: TraceRecord, tokens_per_hash: int) -> int:
     return max(1, round(record.input_length * tokens_per_hash / TRACE_BLOCK))
 
@@ -133,21 +143,26 @@ def prompt_tokens(record: TraceRecord, tokens_per_hash: int, vocab_size: int,
     return tuple(tokens)
 
 
-def ideal_hit_tokens(records: Iterable[TraceRecord], tokens_per_hash: int) -> tuple[int, int]:
+def ideal_hit_tokens(records: Iterable[TraceRecord], tokens_per_hash: int,
+                     history: Iterable[TraceRecord] = ()) -> tuple[int, int]:
     """(hit tokens, prompt tokens) of the slice with an unbounded cache: each request hits its leading full blocks
-    whose ids an earlier request had."""
-    seen: set[int] = set()
+    whose ids an earlier request had, in the slice or its `history` (requests served before it, not counted)."""
+    seen = {h for r in history for h in _full_block_ids(r, tokens_per_hash)}
     hits = total = 0
     for record in records:
-        length = scaled_length(record, tokens_per_hash)
-        full = min(length // tokens_per_hash, len(record.hash_ids))
+        full = _full_block_ids(record, tokens_per_hash)
         leading = 0
-        while leading < full and record.hash_ids[leading] in seen:
+        while leading < len(full) and full[leading] in seen:
             leading += 1
         hits += leading * tokens_per_hash
-        total += length
-        seen.update(record.hash_ids[:full])   # a partial last block is the request's own
+        total += scaled_length(record, tokens_per_hash)
+        seen.update(full)
     return hits, total
+
+
+def _full_block_ids(record: TraceRecord, tokens_per_hash: int) -> tuple[int, ...]:
+    """The ids of the record's full blocks (a partial last block is the request's own)."""
+    return record.hash_ids[:min(scaled_length(record, tokens_per_hash) // tokens_per_hash, len(record.hash_ids))]
 
 
 def arrival_offsets(records: Sequence[TraceRecord], trace: TraceSlice) -> list[float]:

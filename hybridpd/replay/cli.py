@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-duration", type=float, default=None)
     parser.add_argument("--trace-max-requests", type=int, default=None)
     parser.add_argument("--trace-max-output-len", type=int, default=None)
+    parser.add_argument("--trace-history", type=float, default=0.0, metavar="S",
+                        help="serve the S seconds of trace before --trace-start first, unmeasured: the caches as a "
+                             "cluster that has been serving holds them (default: 0, the slice on empty caches)")
     parser.add_argument("--time-model", type=Path, default=None, metavar="JSON",
                         help="the clock: a JSON object as --calibrate prints (default: fixed figures)")
     parser.add_argument("--calibrate", action="store_true",
@@ -58,16 +61,19 @@ def run(args: argparse.Namespace) -> int:
         trace = mooncake.TraceSlice(tokens_per_hash=args.trace_tokens_per_hash, time_scale=args.trace_time_scale,
                                     start_s=args.trace_start, duration_s=args.trace_duration,
                                     max_requests=args.trace_max_requests, max_output_len=args.trace_max_output_len)
-        records = [r for r in mooncake.select(mooncake.read_trace(args.trace), trace)
-                   if mooncake.scaled_length(r, args.trace_tokens_per_hash) < args.max_model_len]
+        every = mooncake.read_trace(args.trace)
+        records, history = ([r for r in chosen if mooncake.scaled_length(r, args.trace_tokens_per_hash)
+                             < args.max_model_len]
+                            for chosen in (mooncake.select(every, trace),
+                                           mooncake.history(every, trace, args.trace_history)))
         layout = NodeLayout.of(model_dir, args.kv_cache_memory, args.block_size, args.max_num_seqs,
                                args.max_model_len)
         vocab = read_model_config(model_dir)[0].vocab_size
         result = simulate(records, trace, layout, shape, RoutingPolicy(args.routing), clock, vocab, CostRule(),
-                          offload_bytes=args.kv_offload_size)
+                          offload_bytes=args.kv_offload_size, history=history)
     except (ValueError, TypeError, OSError, SimulationError) as exc:
         print(f"hybridpd replay: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result | {"routing": args.routing, "cluster": vars(shape),
+    print(json.dumps(result | {"routing": args.routing, "cluster": vars(shape), "history_requests": len(history),
                                "kv_cache_memory": args.kv_cache_memory, "clock": clock.as_json()}))
     return 0

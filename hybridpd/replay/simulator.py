@@ -162,10 +162,15 @@ def _storage_seen(storage: SimStorage | None, nodes: Sequence[SimNode]) -> None:
 
 def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice, layout: NodeLayout,
              shape: ClusterShape, policy: RoutingPolicy, clock: TimeModel, vocab_size: int,
-             rule: CostRule = CostRule(), seed: int = 0, offload_bytes: int | None = None) -> dict[str, Any]:
-    """`offload_bytes`: the storage tier's capacity (`--kv-offload-size`), one directory every node shares."""
+             rule: CostRule = CostRule(), seed: int = 0, offload_bytes: int | None = None,
+             history: Sequence[mooncake.TraceRecord] = ()) -> dict[str, Any]:
+    """`offload_bytes`: the storage tier's capacity (`--kv-offload-size`), one directory every node shares.
+    `history`: requests served first, at their own trace times before the slice's, filling the caches; every
+    figure but the storage tier's totals is the slice's alone."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    offsets = mooncake.arrival_offsets(records, trace)
+    served_records = [*history, *records]
+    offsets = mooncake.arrival_offsets(served_records, trace)
+    offsets = [o - offsets[0] for o in offsets] if history else offsets   # the clock starts at 0 (nodes idle)
     holders = BlockHolders()   # the simulated proxy's, shared by its indexes of every node
     storage = (SimStorage([g.spec.page_size_bytes for g in layout.groups], offload_bytes)
                if offload_bytes is not None else None)
@@ -181,7 +186,8 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
     prefill = {"memory": 0, "storage": 0}
     decode = {"memory": 0, "storage": 0}
     ttfts, itls, finishes = [], [], []
-    for i, (record, arrival) in enumerate(zip(records, offsets)):
+    for i, (record, arrival) in enumerate(zip(served_records, offsets)):
+        measured = i >= len(history)
         prompt = list(mooncake.prompt_tokens(record, trace.tokens_per_hash, vocab_size, rng))
         n_out = max(1, min(record.output_length, trace.max_output_len or record.output_length))
         outputs = [int(t) for t in rng.integers(0, vocab_size, size=n_out)]
@@ -195,7 +201,8 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         upstream = first.pick(hashes, rule)
         node = first.nodes[upstream]
         served = node.colocated(rid, prompt, outputs) if shape.colocated else node.prefill(rid, prompt)
-        _count(decode if shape.colocated else prefill, served)
+        if measured:
+            _count(decode if shape.colocated else prefill, served)
         _storage_seen(storage, nodes)
         computed = len(prompt) - served.cached_tokens
         prefill_s = clock.prefill_s(computed) + clock.storage_s(served.read_bytes)
@@ -208,24 +215,27 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
             decode_role.advance(prefilled)
             d_upstream = decode_role.pick(hashes, rule)
             pulled = decode_role.nodes[d_upstream].decode(rid, prompt, outputs, served.cached_tokens)
-            _count(decode, pulled)
+            if measured:
+                _count(decode, pulled)
             _storage_seen(storage, nodes)
             fetch_s = clock.pull_s(pulled.pulled_bytes) + clock.storage_s(pulled.read_bytes)
         done = prefilled + fetch_s + clock.decode_step_s * (n_out - 1)
         cores.run(prefilled + fetch_s, clock.decode_step_s * (n_out - 1))   # the decode node's CPU, shared
-        engine_cpu_s += prefill_s + clock.decode_step_s * (n_out - 1)
+        engine_cpu_s += (prefill_s + clock.decode_step_s * (n_out - 1)) if measured else 0.0
         if not shape.colocated:
             decode_role.in_flight_until(d_upstream, 0, done)
+        if not measured:
+            continue
         ttfts.append(prefilled - arrival)
         if n_out > 1:
             itls.append(clock.decode_step_s + fetch_s / (n_out - 1))
         finishes.append(done)
         prompt_total += len(prompt)
         output_total += n_out
-    hits, total = mooncake.ideal_hit_tokens(records, trace.tokens_per_hash)
+    hits, total = mooncake.ideal_hit_tokens(records, trace.tokens_per_hash, history)
     deciding = sum(r.deciding_s for r in roles)
     decisions = sum(r.decisions for r in roles)
-    span = max(finishes) - min(offsets) if finishes else 0.0
+    span = max(finishes) - offsets[len(history)] if finishes else 0.0
     return {
         "requests": len(records), "prompt_tokens": prompt_total, "output_tokens": output_total,
         "ideal_hit_rate": hits / total if total else None,

@@ -82,12 +82,14 @@ def prefix_tree_trace(seed: int, n: int, tph: int) -> list[TraceRecord]:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("tph", [4, 16])
-def test_the_ideal_hit_rate_equals_a_brute_force_count_over_the_prompts(seed, tph):
+@pytest.mark.parametrize("history", [0, 15])
+def test_the_ideal_hit_rate_equals_a_brute_force_count_over_the_prompts(seed, tph, history):
+    """The first `history` requests were served before the slice: they are hit, not counted."""
     records = prefix_tree_trace(seed, 40, tph)
     rng = np.random.default_rng(seed)
     prompts = [mooncake.prompt_tokens(r, tph, VOCAB, rng) for r in records]
     hits = 0
-    for i, prompt in enumerate(prompts):   # the longest whole-block prefix any earlier prompt shares
+    for i, prompt in enumerate(prompts[history:], start=history):   # the longest whole-block prefix an earlier shares
         best = 0
         for earlier in prompts[:i]:
             k = 0
@@ -95,7 +97,18 @@ def test_the_ideal_hit_rate_equals_a_brute_force_count_over_the_prompts(seed, tp
                 k += 1
             best = max(best, k // tph * tph)
         hits += best
-    assert mooncake.ideal_hit_tokens(records, tph) == (hits, sum(map(len, prompts)))
+    expected = (hits, sum(map(len, prompts[history:])))
+    assert mooncake.ideal_hit_tokens(records[history:], tph, records[:history]) == expected
+
+
+def test_the_history_is_the_seconds_before_the_slice_in_time_order():
+    records = [TraceRecord(timestamp_ms=t, input_length=10, output_length=1, hash_ids=(0,))
+               for t in (9000, 1000, 3000, 2000, 12000, 8999)]
+    trace = TraceSlice(start_s=9.0, duration_s=8.0)
+    assert [r.timestamp_ms for r in mooncake.history(records, trace, 7.0)] == [2000, 3000, 8999]
+    assert mooncake.history(records, trace, 0.0) == []
+    with pytest.raises(ValueError, match="history must be >= 0"):
+        mooncake.history(records, trace, -1.0)
 
 
 def test_the_slice_takes_its_window_in_time_order_and_scales_the_times():

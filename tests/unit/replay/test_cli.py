@@ -57,7 +57,26 @@ def test_a_storage_tier_serves_what_memory_lost(tiny, trace, shape, capsys):
     assert without["decode_hit_rate"] < tiered["decode_hit_rate"] <= tiered["ideal_hit_rate"]
 
 
+@pytest.mark.parametrize("shape", [["--prefill", "1", "--decode", "2"], ["--colocated", "2"]])
+def test_a_history_fills_the_caches_and_is_not_measured(tiny, trace, shape, capsys):
+    """The slice from 0.5 s: three requests; with a second of history the first request (ids 0, 1) is served
+    before it, so the next one's prefix is already cached; every figure is the three's."""
+    def run(*extra: str) -> dict:
+        assert main(["replay", str(trace), "--model", str(tiny), "--kv-cache-memory", "4MiB", "--max-model-len",
+                     "512", "--trace-tokens-per-hash", "64", "--trace-start", "0.5", "--routing", "cache_aware", *shape,
+                     *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    cold, warm = run(), run("--trace-history", "1")
+    assert cold["history_requests"] == 0 and warm["history_requests"] == 1
+    assert cold["requests"] == warm["requests"] == 3 and cold["output_tokens"] == warm["output_tokens"] == 19
+    assert cold["prompt_tokens"] == warm["prompt_tokens"]
+    assert warm["ideal_hit_rate"] > cold["ideal_hit_rate"]
+    assert cold["decode_hit_rate"] < warm["decode_hit_rate"] <= warm["ideal_hit_rate"]
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--colocated", "1", "--trace-history", "-1"], "history must be >= 0"),
     (["--colocated", "2", "--prefill", "1"], "--colocated and --prefill/--decode exclude each other"),
     (["--prefill", "1"], "give --prefill and --decode"),
     (["--colocated", "1", "--kv-cache-memory", "64KiB"], "--kv-cache-memory"),
