@@ -8,7 +8,8 @@ the real engine here, one thread), the cores the nodes share (this machine's), w
 engine (the proxy's and nodes' HTTP hops: the median TTFT of a 16-token request on the idle live cluster, less the
 clock's prefill of it), and the CPU it costs there (the CPU seconds the cluster's processes and this client used
 over the replay, less what the clock charges the engines for, per request). `--offload` adds the storage tier to
-both (a fresh shared directory live, `--kv-offload-size` simulated).
+both (a fresh shared directory live, `--kv-offload-size` simulated); `--history S` has both first serve the S
+seconds of trace before the slice, unmeasured (the probe and the CPU count start after it).
 
 Last line: JSON per policy with live and simulated decode-side hit rate and mean TTFT and their relative errors
 (goals: hit rate within +-10%, mean TTFT within +-25%), the clock, the slice, the CPU model and the date.
@@ -39,7 +40,7 @@ from hybridpd.replay.simulator import ClusterShape, simulate
 from hybridpd.replay.time_model import TimeModel, calibrate
 from hybridpd.server.args import parse_size
 from routing import one_request       # benchmarks/routing.py: one streamed greedy completion
-from trace_replay import TRACE, load_slice, run_setup, sessions_cpu_s
+from trace_replay import TRACE, load_history, load_slice, run_setup, sessions_cpu_s
 
 PROBE_TOKENS = 16
 
@@ -82,11 +83,19 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"],
                         choices=["round_robin", "cache_aware"])
     parser.add_argument("--offload", action="store_true", help="the storage tier on both sides (4GiB)")
+    parser.add_argument("--history", type=float, default=0.0, metavar="S",
+                        help="both sides first serve the S seconds of trace before --trace-start, unmeasured "
+                             "(trace_replay.py's --history; simulated at the trace's own times)")
+    parser.add_argument("--history-time-scale", type=float, default=0.25)
     args = parser.parse_args()
+    if args.history < 0 or not args.history_time_scale > 0:
+        parser.error("--history must be >= 0 and --history-time-scale positive")
     args.preset, args.rounds = "small", 1   # what trace_replay.run_setup reads
 
     model = default_model_dir(args.preset)
     trace, records, prompts, offsets = load_slice(args)
+    history = load_history(args)
+    seen = history.records if history else []
     vocab = read_model_config(model)[0].vocab_size
     print(f"replay_vs_live: {len(records)} requests over {offsets[-1]:.0f} s; calibrating the clock ...", file=sys.stderr,
           flush=True)
@@ -101,13 +110,13 @@ def main() -> int:
             parser.error("--offload compares cache_aware with the tier: give --policies cache_aware")
         print(f"replay_vs_live: {policy} live ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=probe)
+            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=probe, history=history)
         request_s = max(0.0, statistics.median(live["probe"]["idle_ttfts"]) - measured.prefill_s(PROBE_TOKENS))
         clock = TimeModel(**(measured.as_json() | {"request_s": request_s, "cores": os.cpu_count() or 1}))
 
         def run_sim(clock: TimeModel) -> dict[str, Any]:
             return simulate(records, trace, layout, ClusterShape(prefill=2, decode=2), RoutingPolicy(policy), clock,
-                            vocab, CostRule(), offload_bytes=(4 << 30) if args.offload else None)
+                            vocab, CostRule(), offload_bytes=(4 << 30) if args.offload else None, history=seen)
 
         # What the cluster's CPU did beyond the engines' work the clock charges: per request, on the shared cores.
         engine_cpu_s = run_sim(clock)["engine_cpu_s"]
@@ -124,14 +133,16 @@ def main() -> int:
             "clock": clock.as_json(), "live_cpu_s": live["probe"]["cpu_s"], "engine_cpu_s": engine_cpu_s,
         }
     print(json.dumps({**out, "goals": {"hit_rate_error": "within +-0.10", "mean_ttft_error": "within +-0.25"},
-                      "requests": len(records), "ideal_hit_rate": ideal_hit_rate(records, args.tokens_per_hash),
+                      "requests": len(records), "history_requests": len(seen),
+                      "ideal_hit_rate": ideal_hit_rate(records, args.tokens_per_hash, seen),
                       "slice": {k: v for k, v in vars(args).items() if k != "trace"} | {"trace": str(args.trace)},
                       "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
     return 0
 
 
-def ideal_hit_rate(records: list[mooncake.TraceRecord], tokens_per_hash: int) -> float:
-    hits, total = mooncake.ideal_hit_tokens(records, tokens_per_hash)
+def ideal_hit_rate(records: list[mooncake.TraceRecord], tokens_per_hash: int,
+                   history: list[mooncake.TraceRecord]) -> float:
+    hits, total = mooncake.ideal_hit_tokens(records, tokens_per_hash, history)
     return hits / total if total else 0.0
 
 

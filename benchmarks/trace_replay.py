@@ -63,7 +63,7 @@ TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "moon
 
 @dataclass(frozen=True)
 class Workload:
-    """Prompts and the seconds after the start at which each is sent."""
+    """Trace records, their prompts, and the seconds after the start at which each is sent."""
     records: list[mooncake.TraceRecord]
     prompts: list[list[int]]
     offsets: list[float]
@@ -183,9 +183,9 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
               offload_root: Path, restart_at: float | None = None,
               probe: Callable[[Any], Callable[[], Any]] | None = None,
               windows: tuple[tuple[float, float], ...] = (), history: Workload | None = None) -> dict[str, Any]:
-    """`probe`: called with the cluster's info while it is idle, before the replay; what the function it returns
-    gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates are reported.
-    `history`: served first (`serve_history`); every figure is the replay's after it."""
+    """`probe`: called with the cluster's info while it is idle, before the replay (after the history); what the
+    function it returns gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates
+    are reported. `history`: served first (`serve_history`); every figure is the replay's after it."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
     spec = ClusterSpec(
@@ -203,10 +203,10 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
             crasher = threading.Thread(target=crash_and_restart, args=(cluster, info, restart_at, time.monotonic(),
                                                                         back, replayed), daemon=True)
             crasher.start()
-        after = probe(info) if probe is not None else None
         node_metrics = [n.metrics_url for n in (*info.prefill, *info.decode)]
         prefill_metrics = [n.metrics_url for n in info.prefill]
         history_failed = serve_history(info, history, args.max_tokens, node_metrics, bool(tier)) if history else 0
+        after = probe(info) if probe is not None else None
         # each role's CPU over the replay (not with --restart-at: the restarted nodes are other processes)
         roles = {"prefill": {n.pid for n in info.prefill}, "decode": {n.pid for n in info.decode},
                  "proxy": {info.proxy_pid}} if restart_at is None else {}
