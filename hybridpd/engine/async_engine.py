@@ -20,6 +20,7 @@ from hybridpd.engine.kv_cache.events import KVCacheEvent
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput
 from hybridpd.engine.request_streams import OutputSink, RequestStreams
 from hybridpd.errors import EngineDeadError, ServerOverloadedError
+from hybridpd.named_thread import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class AsyncEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
         self._streams.bind(asyncio.get_running_loop())
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = NamedThread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self, grace: float) -> None:

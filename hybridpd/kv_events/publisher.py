@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import zmq
 from hybridpd.engine.kv_cache.events import KVCacheEvent
 from hybridpd.kv_events.config import KVEventsConfig, binds, listen_endpoint
 from hybridpd.kv_events.wire import END_OF_REPLAY, GroupInfo, encode_batch, seq_bytes, seq_of
+from hybridpd.named_thread import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ZmqEventPublisher:
         self.dropped = 0
         self._wake_read, self._wake_write = os.pipe()   # a byte after each queued batch: the thread's wake-up
         os.set_blocking(self._wake_write, False)
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread = NamedThread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
     # -- engine thread ------------------------------------------------------------------------------------------

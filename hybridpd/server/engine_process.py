@@ -49,6 +49,7 @@ from hybridpd.engine.request import RequestOutput
 from hybridpd.gc_heap import freeze_startup_heap
 from hybridpd.kv_events.groups import GroupInfo
 from hybridpd.kv_events.publisher import ZmqEventPublisher
+from hybridpd.named_thread import NamedThread, name_native_thread
 from hybridpd.prefill_node.role import PrefillRole
 from hybridpd.prefill_node.side_channel import PrefillSideChannel
 from hybridpd.server.args import NodeConfigs
@@ -139,9 +140,9 @@ class EngineSide:
         self.link.send(EngineStarted(self.info))
         self._loop = asyncio.get_running_loop()
         self._drain: asyncio.Future[float] = self._loop.create_future()
-        threading.Thread(target=self._read, name="engine-link", daemon=True).start()
+        NamedThread(target=self._read, name="engine-link", daemon=True).start()
         stopped = threading.Event()
-        threading.Thread(target=self._beat, args=(stopped,), name="engine-beat", daemon=True).start()
+        NamedThread(target=self._beat, args=(stopped,), name="engine-beat", daemon=True).start()
         grace = await self._drain
         released = await self._stop(grace)
         stopped.set()
@@ -256,6 +257,7 @@ class EngineSide:
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
     die_with_parent(parent_pid)
+    name_native_thread("engine-process")   # what top and ps show for this process; its threads name themselves
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

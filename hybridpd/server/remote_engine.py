@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncGenerator
 from multiprocessing.connection import Connection
 
@@ -25,6 +24,7 @@ from hybridpd.engine.request import EngineRequest, RequestOutput
 from hybridpd.engine.request_streams import RequestStreams
 from hybridpd.engine.tokenizer import Tokenizer
 from hybridpd.errors import EngineDeadError
+from hybridpd.named_thread import NamedThread
 from hybridpd.server.args import NodeConfigs
 from hybridpd.server.watchdog import EngineVerdict, Watchdog, WatchdogBounds
 from hybridpd.server.engine_link import (
@@ -129,7 +129,7 @@ class RemoteEngine:
         self._loop = asyncio.get_running_loop()
         self._streams.bind(self._loop)
         self._drained = self._loop.create_future()
-        threading.Thread(target=self._read, name="engine-link", daemon=True).start()
+        NamedThread(target=self._read, name="engine-link", daemon=True).start()
 
     def healthy(self) -> bool:
         return self.watchdog.verdict()[0] is EngineVerdict.ALIVE

@@ -84,11 +84,20 @@ def health_reason(node: NodeProcess) -> str:
         return exc.read().decode()
 
 
+def thread_names(pid: int) -> set[str]:
+    """The operating-system names of a process's threads (what top -H and ps -L show)."""
+    return {(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
 def test_the_engine_process_dies_with_its_front(model_dir, tmp_path):
     node = start_node(model_dir, tmp_path, SERVE_ARGS)
     try:
         engine = engine_pid(node)
         assert node.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+        # an operator tells the engine process and its threads apart by name
+        assert Path(f"/proc/{engine}/comm").read_text().strip() == "engine-process"
+        assert {"engine-process", "engine", "engine-link", "engine-beat"} <= thread_names(engine)
+        assert "engine-link" in thread_names(node.proc.pid)   # the front's end of the link
         node.proc.kill()
         node.proc.wait(timeout=WAIT_S)
         wait_for(lambda: gone(engine), "the engine process to exit after its front's SIGKILL")

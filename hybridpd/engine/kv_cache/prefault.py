@@ -25,6 +25,8 @@ import logging
 import queue
 import threading
 
+from hybridpd.named_thread import NamedThread
+
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23   # linux/mman.h, since Linux 5.14
@@ -53,7 +55,7 @@ class Prefaulter:
         with self._lock:
             self._queue.put((address, length))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
+                self._thread = NamedThread(target=self._run, name="kv-prefault", daemon=True)
                 self._thread.start()
 
     def wait_idle(self) -> None:

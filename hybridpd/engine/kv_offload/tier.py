@@ -34,6 +34,7 @@ import torch
 from hybridpd.engine.kv_offload.ring import ByteRing
 from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterProcess, WriterSetup
+from hybridpd.named_thread import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class OffloadTier:
         self._stalled = False                          # a load was abandoned and the loader is not back yet
         self._stop = threading.Event()
         self._rescan_s = rescan_s
-        self._threads = [threading.Thread(target=fn, name=f"kv-offload-{name}", daemon=True)
+        self._threads = [NamedThread(target=fn, name=f"kv-offload-{name}", daemon=True)
                          for name, fn in (("writer", self._write_loop), ("loader", self._load_loop),
                                           ("scanner", self._scan_loop))]
         for thread in self._threads:

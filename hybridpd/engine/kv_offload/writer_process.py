@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 from hybridpd.engine.kv_offload.file_writer import BlockFileWriter, Written
 from hybridpd.engine.kv_offload.layout import GroupLayout
+from hybridpd.named_thread import name_native_thread
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ def serve(ring_fd: int, receive: Connection, answer: Connection) -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s kv-offload-writer: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C reaches the node too: it closes the pipe, this finishes
+    name_native_thread("kv-writer")   # what top and ps show for this process
     os.nice(NICENESS)
     ring_fd, receive_fd, answer_fd = (int(arg) for arg in argv)
     serve(ring_fd, Connection(receive_fd, writable=False), Connection(answer_fd, readable=False))

@@ -89,7 +89,7 @@ def test_the_process_exits_when_closed_and_a_dead_one_is_replaced(tmp_path, ring
         os.kill(second, 0)
 
 
-def test_the_process_runs_below_the_nodes_priority(tmp_path, ring):
+def test_the_process_runs_below_the_nodes_priority_under_a_name_of_its_own(tmp_path, ring):
     fd, memory = ring
     _, setup = setup_for(tmp_path)
     writer = WriterProcess(setup, fd)
@@ -97,5 +97,7 @@ def test_the_process_runs_below_the_nodes_priority(tmp_path, ring):
         writer.write(WriteBatch(((b"1" * 32, ((0, 0),)),), ()))
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, writer.pid) == min(19, ours + NICENESS)
+        with open(f"/proc/{writer.pid}/comm") as comm:   # what top and ps show for it
+            assert comm.read().strip() == "kv-writer"
     finally:
         writer.close(5.0)
