@@ -211,3 +211,80 @@ def test_a_read_that_hangs_is_given_up_and_the_prompt_computed(tiny_dir, tmp_pat
         release.set()
         cold.close()
     assert cold.offload.counters.loaded_blocks == 0   # the read came back after: nothing was copied
+
+
+def recording_plans(cold: LLMEngine) -> list[set[str]]:
+    """The request ids each step of `cold` computes, in order."""
+    plans: list[set[str]] = []
+    run = cold.runner.run
+
+    def recorded(plan: SchedulerPlan):
+        plans.append({item.seq.request_id for item in plan.scheduled})
+        return run(plan)
+
+    cold.runner.run = recorded
+    return plans
+
+
+OTHER = greedy("d", prompt(5, 6), 6)   # a prompt of its own (no hit), beside the one storage holds
+
+
+def test_a_prompt_read_from_storage_joins_the_prefill_step_that_started_its_read(tiny_dir, tmp_path, reference,
+                                                                               monkeypatch):
+    """Both arrive at once: "d" is computed in the first step; "c"'s read, started while planning that step, is
+    waited for (a prefill-only step) and "c" is computed in the same step, not the next."""
+    tokens, _, memory_hit = reference
+    monkeypatch.setattr("hybridpd.engine.engine.READ_JOIN_S", 30.0)   # however slow the machine, the read is in time
+    cold = engine(tiny_dir, written_dir(tiny_dir, tmp_path))
+    plans = recording_plans(cold)
+    out, cached = drive(cold, {0: [OTHER, *SECOND[0]]})
+    cold.close()
+    assert plans[0] == {"c", "d"}
+    assert out["c"] == tokens and cached["c"] == memory_hit
+    assert all_free(cold)
+
+
+def test_a_read_not_back_in_time_leaves_the_step_without_its_prompt(tiny_dir, tmp_path, reference, monkeypatch):
+    """The read is held until the first step has run: the step goes on without "c" after the wait's bound, and "c"
+    is computed once its read is back, with the same tokens."""
+    tokens, _, memory_hit = reference
+    root = written_dir(tiny_dir, tmp_path)
+    first_step_ran = threading.Event()
+    real_read = OffloadStore.read_many
+
+    def held_read(self, block_hash, groups):
+        first_step_ran.wait(30)
+        return real_read(self, block_hash, groups)
+
+    monkeypatch.setattr(OffloadStore, "read_many", held_read)
+    monkeypatch.setattr("hybridpd.engine.engine.READ_JOIN_S", 0.01)
+    cold = engine(tiny_dir, root)
+    plans = recording_plans(cold)
+    run = cold.runner.run
+
+    def then_release(plan: SchedulerPlan):
+        try:
+            return run(plan)
+        finally:
+            first_step_ran.set()
+
+    cold.runner.run = then_release
+    out, cached = drive(cold, {0: [OTHER, *SECOND[0]]})
+    cold.close()
+    assert plans[0] == {"d"} and any("c" in p for p in plans[1:])
+    assert out["c"] == tokens and cached["c"] == memory_hit
+    assert all_free(cold)
+
+
+def test_a_step_with_a_decode_row_does_not_wait_for_a_read(tiny_dir, tmp_path, reference, monkeypatch):
+    """"d" decodes when "c" arrives: the step that starts "c"'s read goes on without waiting (it would widen "d"'s
+    gap), so "c" is computed in a later step however fast its read."""
+    tokens, _, _ = reference
+    monkeypatch.setattr("hybridpd.engine.engine.READ_JOIN_S", 30.0)
+    cold = engine(tiny_dir, written_dir(tiny_dir, tmp_path))
+    plans = recording_plans(cold)
+    out, _ = drive(cold, {0: [OTHER], 2: SECOND[0]})
+    cold.close()
+    assert "c" not in plans[2] and "d" in plans[2] and any("c" in p for p in plans[3:])
+    assert out["c"] == tokens
+    assert all_free(cold)
