@@ -40,9 +40,6 @@ from hybridpd.errors import InvalidRequestError
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 # Blocks per group whose memory is faulted in ahead of the steps that will write them (kv_cache/prefault.py).
 PREFAULT_BLOCKS = 8
-# How long a prefill-only step waits for the storage reads its planning started (`LLMEngine._plan`): page-cache reads
-# of a prompt's blocks take 1-2 ms here; a slower directory costs the step this much and no more
-READ_JOIN_S = 0.005
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +331,9 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self._plan()
+        if self.offload is not None:
+            self._storage_loads_done()
+        plan = self.scheduler.schedule()
         self.storage.prefault_ahead(self.kv.upcoming_blocks(PREFAULT_BLOCKS))
         out = self.runner.run(plan)
         self._record_prompt_logprobs(plan, out)
@@ -342,22 +341,6 @@ class LLMEngine:
         if self.offload is not None:
             self._write_behind()
         return [self._emit(seq, self._logprob(out.sampled.get(seq.request_id))) for seq in touched]
-
-    def _plan(self) -> SchedulerPlan:
-        """The step's plan. With the storage tier, reads finished since the last step join first; and a step that
-        only prefills waits up to `READ_JOIN_S` for the reads its own planning started, whose prompts then join it:
-        a read from the page cache takes a millisecond or two, the prefill step beside it tens, and a prompt left
-        out would wait for that whole step (a step with a decode row never waits: it would widen that row's gap)."""
-        if self.offload is None:
-            return self.scheduler.schedule()
-        self._storage_loads_done()
-        plan = self.scheduler.schedule()
-        fresh = self.scheduler.fresh_reads
-        if fresh and not plan.decodes:
-            self.offload.wait_for_loads(fresh, READ_JOIN_S)
-            self._storage_loads_done()
-            plan = self.scheduler.join_loaded(plan)
-        return plan
 
     def _storage_loads_done(self) -> None:
         """Requests whose storage reads finished join the running ones; a failed read (a file gone, torn, foreign)

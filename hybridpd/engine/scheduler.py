@@ -101,11 +101,6 @@ class SchedulerPlan:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def decodes(self) -> bool:
-        """Some request in it samples its next token after one computed: a decode row, whose gap a wait widens."""
-        return any(_decoding(item.seq) for item in self.scheduled)
-
 
 class Scheduler:
     def __init__(
@@ -135,8 +130,6 @@ class Scheduler:
         self._load_upto: dict[str, int] = {}   # a storage load: the tokens it brings the request to
         self._then_pull: dict[str, _StagedPull] = {}   # remote requests reading part of their prompt from storage first
         self.loaded: deque[Sequence] = deque()
-        self.fresh_reads: tuple[str, ...] = ()   # requests whose storage reads the last `schedule` started
-        self._budget: _Budget | None = None       # what the last `schedule` left of the step's budgets
 
     # -- queues -------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -218,30 +211,11 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         self.kv.expect_admissions(min(len(self.waiting), self.config.max_num_seqs - len(self.running)))
-        budget = self._budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
-        reading = set(self._load_upto)
+        budget = _Budget(self.config.max_num_batched_tokens, self._prefill_cap())
         self._schedule_running(budget, scheduled, preempted)
         if not preempted:  # blocks are short: admitting more now would only preempt again
             self._admit_waiting(budget, scheduled)
-        self.fresh_reads = tuple(rid for rid in self._load_upto if rid not in reading)
         return SchedulerPlan(tuple(scheduled), tuple(preempted))
-
-    def join_loaded(self, plan: SchedulerPlan) -> SchedulerPlan:
-        """`plan` with the requests whose storage reads finished since it was made (the engine waited a moment for
-        the reads a prefill-only step started) taking their next tokens from what its budgets left; one that finds
-        no free block waits for the next step, where preemption can make room."""
-        budget = self._budget
-        assert budget is not None, "join_loaded follows a schedule"
-        joined: list[ScheduledSeq] = []
-        while self.loaded and len(self.running) < self.config.max_num_seqs:
-            seq = self.loaded.popleft()
-            self.running.append(seq)
-            num_new = self._num_new_tokens(seq, budget.for_seq(seq))
-            blocks = self.kv.allocate_slots(seq, num_new) if num_new else None
-            if blocks is not None:
-                joined.append(ScheduledSeq(seq, num_new, blocks))
-                budget.spend(seq, num_new)
-        return replace(plan, scheduled=plan.scheduled + tuple(joined)) if joined else plan
 
     def _prefill_cap(self) -> int:
         """Prefill tokens this step may carry: all of the budget while nothing decodes, else the cap, raised to the

@@ -222,18 +222,6 @@ class OffloadTier:
             if not self._finished:
                 self._pending_lock.wait(timeout)
 
-    def wait_for_loads(self, request_ids: Sequence[str], timeout: float) -> bool:
-        """Wait up to `timeout` until none of these loads is under way (each finished, failed or was given up);
-        True if so."""
-        deadline = time.monotonic() + timeout
-        with self._pending_lock:
-            while any(rid in self._inflight for rid in request_ids):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._pending_lock.wait(left)
-        return True
-
     def wait_written(self, timeout: float) -> bool:
         """Wait up to `timeout` until every write queued so far has reached the disk (or failed); True if so."""
         deadline = time.monotonic() + timeout
