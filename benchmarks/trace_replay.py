@@ -246,12 +246,8 @@ def load_slice(args: argparse.Namespace) -> tuple[mooncake.TraceSlice, list[moon
     trace = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, time_scale=args.time_scale,
                                 start_s=args.trace_start, duration_s=args.trace_duration,
                                 max_requests=args.max_requests, max_output_len=args.max_tokens)
-    records = [r for r in mooncake.select(mooncake.read_trace(args.trace), trace)
-               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
-    vocab = read_model_config(default_model_dir(args.preset))[0].vocab_size
-    rng = np.random.Generator(np.random.PCG64(0))
-    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
-    return trace, records, prompts, mooncake.arrival_offsets(records, trace)
+    records = _fitting(args, mooncake.select(mooncake.read_trace(args.trace), trace))
+    return trace, records, _prompts(args, records, seed=0), mooncake.arrival_offsets(records, trace)
 
 
 def load_history(args: argparse.Namespace) -> Workload | None:
@@ -260,14 +256,23 @@ def load_history(args: argparse.Namespace) -> Workload | None:
     if not args.history:
         return None
     start = mooncake.TraceSlice(tokens_per_hash=args.tokens_per_hash, start_s=args.trace_start)
-    records = [r for r in mooncake.history(mooncake.read_trace(args.trace), start, args.history)
-               if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
-    vocab = read_model_config(default_model_dir(args.preset))[0].vocab_size
-    rng = np.random.Generator(np.random.PCG64(1))
-    prompts = [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
+    records = _fitting(args, mooncake.history(mooncake.read_trace(args.trace), start, args.history))
     first = mooncake.TraceSlice(start_s=records[0].timestamp_ms / 1000 if records else 0.0,
                                 time_scale=args.history_time_scale)
-    return Workload(records, prompts, mooncake.arrival_offsets(records, first))
+    return Workload(records, _prompts(args, records, seed=1), mooncake.arrival_offsets(records, first))
+
+
+def _fitting(args: argparse.Namespace, records: list[mooncake.TraceRecord]) -> list[mooncake.TraceRecord]:
+    """The records whose prompts leave room for `--max-tokens` under `--max-model-len`."""
+    return [r for r in records
+            if mooncake.scaled_length(r, args.tokens_per_hash) < args.max_model_len - args.max_tokens]
+
+
+def _prompts(args: argparse.Namespace, records: list[mooncake.TraceRecord], seed: int) -> list[list[int]]:
+    """The records' prompts as `hybridpd bench` synthesizes them (each one's own tail from the stream `seed`)."""
+    vocab = read_model_config(default_model_dir(args.preset))[0].vocab_size
+    rng = np.random.Generator(np.random.PCG64(seed))
+    return [list(mooncake.prompt_tokens(r, args.tokens_per_hash, vocab, rng)) for r in records]
 
 
 def main() -> int:
