@@ -151,7 +151,9 @@ def summed(metrics_urls: list[str], prefix: str, by_label: bool = False) -> dict
 
 def role_counters(metrics_urls: list[str]) -> dict[str, float]:
     """The counters `role_figures` reads, summed over the nodes."""
-    return summed(metrics_urls, "vllm:prefix_cache_") | summed(metrics_urls, "vllm:time_to_first_token_seconds_")
+    return (summed(metrics_urls, "vllm:prefix_cache_queries")
+            | summed(metrics_urls, "vllm:time_to_first_token_seconds_")
+            | summed(metrics_urls, "vllm:prompt_tokens_cached_by_source", by_label=True))
 
 
 def role_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -160,7 +162,9 @@ def role_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
     def grown(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
     queries, count = grown("vllm:prefix_cache_queries_total"), grown("vllm:time_to_first_token_seconds_count")
-    return {"hit_rate": grown("vllm:prefix_cache_hits_total") / queries if queries else 0.0,
+    hits = sum(grown(name) for name in after if name.startswith("vllm:prompt_tokens_cached_by_source_total")
+               and any(f'source="{source}"' in name for source in ("device", "disk")))
+    return {"hit_rate": hits / queries if queries else 0.0,
             "node_mean_ttft_ms": grown("vllm:time_to_first_token_seconds_sum") / count * 1e3 if count else 0.0}
 
 

@@ -30,6 +30,7 @@ from hybridpd.engine.kv_offload.tier import OffloadTier, TierCounters
 from hybridpd.engine.model.registry import ModelConfig
 from hybridpd.engine.model.generation_config import GenerationDefaults
 from hybridpd.engine.model.loader import load_model
+from hybridpd.engine.prompt_sources import PromptSources
 from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, RequestStatus, TokenLogprob
 from hybridpd.engine.runner import LogitsHook, ModelRunner, RunnerOutput
 from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler, SchedulerPlan
@@ -60,6 +61,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     offload: TierCounters | None = None   # the storage tier's counters, when there is one
+    prompt_sources: PromptSources = PromptSources()
 
 
 @dataclass
@@ -324,6 +326,7 @@ class LLMEngine:
             kv_usage=self.kv.usage(), groups=self.kv.stats(), prompt_tokens=self.num_prompt_tokens_total,
             generation_tokens=self.num_generation_tokens_total,
             offload=self.offload.snapshot() if self.offload is not None else None,
+            prompt_sources=s.sources,
         )
 
     def has_work(self) -> bool:

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from hybridpd import vllm_metrics as vm
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.kv_offload.tier import TierCounters
+from hybridpd.engine.prompt_sources import PromptSources
 
 
 class EngineCollector:
@@ -61,12 +62,41 @@ class EngineCollector:
             queries.add_metric(key, group.query_tokens)
             hits.add_metric(key, group.hit_tokens)
         yield from (free, total, cached, queries, hits)
+        yield from _prompt_source_metrics(stats.prompt_sources, self._labels)
         yield CounterMetricFamily("hybridpd:engine_prompt_tokens", "Prompt tokens admitted",
                                   value=stats.prompt_tokens)
         yield CounterMetricFamily("hybridpd:engine_generation_tokens", "Tokens generated",
                                   value=stats.generation_tokens)
         if stats.offload is not None:
             yield from _offload_metrics(stats.offload)
+
+
+def _prompt_source_metrics(sources: PromptSources, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's prefix-cache and prompt-source counters (engine/prompt_sources.py), from the admissions."""
+    for name, doc, value in (
+        (vm.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens.", sources.queries),
+        (vm.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.", sources.local_hits),
+        (vm.EXTERNAL_PREFIX_CACHE_QUERIES, "External prefix cache queries from KV connector cross-instance cache "
+         "sharing, in terms of number of queried tokens.", sources.external_queries),
+        (vm.EXTERNAL_PREFIX_CACHE_HITS, "External prefix cache hits from KV connector cross-instance cache sharing, "
+         "in terms of number of cached tokens.", sources.external_hits),
+        (vm.PROMPT_TOKENS_CACHED, "Number of cached prompt tokens (local + external).", sources.cached),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=vm.LABELS)
+        counter.add_metric(labels, value)
+        yield counter
+    by_tier = CounterMetricFamily(vm.PROMPT_TOKENS_CACHED_BY_SOURCE, "Prefix-cache hit tokens by the cache tier that "
+                                  "supplied them: device (this node's memory), p2p (pulled from a prefill node) or "
+                                  "disk (the storage tier). Counted at admission; sums to vllm:prefix_cache_hits + "
+                                  "vllm:external_prefix_cache_hits.", labels=[*vm.LABELS, "source"])
+    for source, value in sources.cached_by_source().items():
+        by_tier.add_metric([*labels, source.value], value)
+    yield by_tier
+    by_source = CounterMetricFamily(vm.PROMPT_TOKENS_BY_SOURCE, "Number of prompt tokens by source.",
+                                    labels=[*vm.LABELS, "source"])
+    for source, value in sources.by_source().items():
+        by_source.add_metric([*labels, source.value], value)
+    yield by_source
 
 
 def _offload_metrics(counters: TierCounters) -> Iterator[Metric]:

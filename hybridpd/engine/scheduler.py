@@ -27,6 +27,7 @@ from typing import Protocol
 from hybridpd.config import SchedulerConfig
 from hybridpd.engine.kv_cache.coordinator import CacheHit, KVCacheManager, StepBlocks
 from hybridpd.engine.kv_offload.tier import LoadItem
+from hybridpd.engine.prompt_sources import PromptSources
 from hybridpd.engine.request import FinishReason, RequestStatus
 from hybridpd.engine.sequence import Sequence
 from hybridpd.engine.transfer_params import RemotePrefillParams
@@ -130,6 +131,7 @@ class Scheduler:
         self._load_upto: dict[str, int] = {}   # a storage load: the tokens it brings the request to
         self._then_pull: dict[str, _StagedPull] = {}   # remote requests reading part of their prompt from storage first
         self.loaded: deque[Sequence] = deque()
+        self.sources = PromptSources()   # where admitted prompts' tokens came from (vLLM's metrics)
 
     # -- queues -------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -290,6 +292,8 @@ class Scheduler:
             return False
         self._park_loading(seq, hit.num_tokens)
         seq.num_cached_tokens = stored or hit.num_tokens
+        self._count(seq, hit.num_tokens, pulled=seq.num_prompt_tokens - max(stored, hit.num_tokens),
+                    stored=max(stored - hit.num_tokens, 0))
         assert self.loader is not None
         if not stored:
             self.loader.start_load(seq, hit.num_tokens, blocks)
@@ -325,9 +329,16 @@ class Scheduler:
         self._park_loading(seq, hit.num_tokens)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = upto
+        self._count(seq, hit.num_tokens, stored=upto - hit.num_tokens)
         self._load_upto[seq.request_id] = upto
         self._read_from_storage(seq, blocks, hit.num_tokens, upto)
         return True
+
+    def _count(self, seq: Sequence, local_hit: int, pulled: int = 0, stored: int = 0) -> None:
+        """A request admitted for the first time into `sources` (a preempted one again is not, as in vLLM)."""
+        if seq.num_preemptions == 0:
+            self.sources = self.sources.admitted(seq.num_prompt_tokens, local_hit, pulled=pulled, stored=stored,
+                                                 external=self.loader is not None or self.storage is not None)
 
     def _park_loading(self, seq: Sequence, hit_tokens: int) -> None:
         """`seq` leaves the waiting queue for `loading` (its KV arrives from a loader), computed up to its hit."""
@@ -359,6 +370,7 @@ class Scheduler:
         self._leave_queue(self.waiting.popleft())
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = hit.num_tokens
+        self._count(seq, hit.num_tokens)
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
         return ScheduledSeq(seq, num_new, blocks)

@@ -1,6 +1,7 @@
 """The node front's request-level Prometheus metrics, registered in the registry it is given (never the global one):
 vLLM's names, labels and buckets (hybridpd/vllm_metrics.py), plus our HTTP counter. The engine process exports its
-own families (scheduler gauges, per-group cache figures, the connector's) through the same `/metrics`.
+own families (scheduler gauges, the prefix-cache and prompt-source counters, per-group cache figures, the
+connector's) through the same `/metrics`.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ class ServerMetrics:
         )
         self.prompt_tokens = counter(vm.PROMPT_TOKENS, "Number of prefill tokens processed.")
         self.generation_tokens = counter(vm.GENERATION_TOKENS, "Number of generation tokens processed.")
-        self.prefix_cache_queries = counter(vm.PREFIX_CACHE_QUERIES,
-                                            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter(vm.PREFIX_CACHE_HITS,
-                                         "Prefix cache hits, in terms of number of cached tokens.")
         self._request_success = Counter(vm.REQUEST_SUCCESS, "Count of successfully processed requests.",
                                         [*vm.LABELS, "finished_reason"], registry=registry)
         self._labels = labels
@@ -90,10 +87,8 @@ class RequestTracker:
 
     def observe(self, output: RequestOutput) -> None:
         now = self._clock()
-        if not self._seen:   # the request's first output: its prompt and its local prefix hit are known
+        if not self._seen:   # the request's first output: its prompt and its prefix hit are known
             self._seen = True
-            self._metrics.prefix_cache_queries.inc(output.num_prompt_tokens)
-            self._metrics.prefix_cache_hits.inc(output.num_cached_tokens)
             self.scheduled_at = output.scheduled_at
             self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
         if self.texts is not None:

@@ -12,6 +12,7 @@ a 1,100-token first request.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -66,13 +67,25 @@ def expected(nodes, prompts) -> tuple[list[int], list[int]]:
     return tuple(colocated_token_ids(nodes["prefill"], greedy_body(p)) for p in prompts)
 
 
+def cached_by_source(node) -> dict[str, float]:
+    """vLLM's `vllm:prompt_tokens_cached_by_source` on `node`, by source."""
+    values = node.metric_values("vllm:prompt_tokens_cached_by_source_total")
+    return {re.search(r'source="([a-z0-9_]+)"', labels).group(1): value for labels, value in values.items()}
+
+
 def _pd(nodes, decoder: str, prompt: list[int]) -> tuple[list[int], int, float, float]:
-    """One P/D request; (token ids, cached_tokens, bytes read, decode-side hit tokens counted)."""
+    """One P/D request; (token ids, cached_tokens, bytes read, decode-side hit tokens counted). The decode node's
+    vLLM prompt-source counters grow by its hit (device) and what it pulled (p2p): the whole prompt between them."""
     decode = nodes[decoder]
     bytes_before = metric_total(decode, "hybridpd:kv_bytes_read_total")
     hits_before = metric_total(decode, "hybridpd:kv_decode_hit_tokens_total")
+    sources_before = cached_by_source(decode)
     token_ids, usage = pd_token_ids(nodes["prefill"], decode, greedy_body(prompt))
-    return (token_ids, usage["prompt_tokens_details"]["cached_tokens"],
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    sources = {k: v - sources_before.get(k, 0.0) for k, v in cached_by_source(decode).items()}
+    assert sources == {"device": cached, "host": 0, "p2p": len(prompt) - cached, "disk": 0,
+                       "external_unspecified": 0}, sources
+    return (token_ids, cached,
             metric_total(decode, "hybridpd:kv_bytes_read_total") - bytes_before,
             metric_total(decode, "hybridpd:kv_decode_hit_tokens_total") - hits_before)
 

@@ -92,6 +92,13 @@ def test_token_totals_and_cache_figures_are_plausible(scraped):
     assert total(samples, "vllm:prompt_tokens_total") == prompt_tokens
     assert total(samples, "vllm:prefix_cache_queries_total") == prompt_tokens
     assert 0 <= total(samples, "vllm:prefix_cache_hits_total") <= prompt_tokens
+    # where the prompts' tokens came from (a node with a storage tier queries it for what memory lacked)
+    local = total(samples, "vllm:prefix_cache_hits_total")
+    external = total(samples, "vllm:external_prefix_cache_hits_total")
+    assert total(samples, "vllm:external_prefix_cache_queries_total") == prompt_tokens - local
+    assert total(samples, "vllm:prompt_tokens_cached_by_source_total") == local + external
+    assert total(samples, "vllm:prompt_tokens_cached_total") == local + external
+    assert total(samples, "vllm:prompt_tokens_by_source_total") == prompt_tokens
     assert 0 <= total(samples, "vllm:kv_cache_usage_perc") <= 1
     assert total(samples, "vllm:nixl_num_failed_transfers_total") == 0   # no pull was made
     reasons = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}

@@ -1,7 +1,8 @@
 """Our nodes' vLLM metrics against vLLM's own definitions (vllm/v1/metrics/loggers.py and the NIXL connector's
-metrics, as vLLM 0.11-0.33 define them: name, type, buckets), written down here so that a rename on our side fails a
-test. Collected from every family a node registers: the front's (server/metrics.py), the engine's
-(engine/metrics.py) and the connector's (connector/metrics.py)."""
+metrics, as vLLM 0.11-0.33 define them: name, type, buckets; the prompt-source counters and their `source` labels
+as vLLM 0.32 does), written down here so that a rename on our side fails a test. Collected from every family a
+node registers: the front's (server/metrics.py), the engine's (engine/metrics.py) and the connector's
+(connector/metrics.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ VLLM = [  # (name, type, buckets or None)
     ("vllm:kv_cache_usage_perc", "gauge", None),
     ("vllm:prefix_cache_queries", "counter", None),
     ("vllm:prefix_cache_hits", "counter", None),
+    ("vllm:external_prefix_cache_queries", "counter", None),
+    ("vllm:external_prefix_cache_hits", "counter", None),
+    ("vllm:prompt_tokens_cached", "counter", None),
+    ("vllm:prompt_tokens_cached_by_source", "counter", None),
+    ("vllm:prompt_tokens_by_source", "counter", None),
     ("vllm:prompt_tokens", "counter", None),
     ("vllm:generation_tokens", "counter", None),
     ("vllm:request_success", "counter", None),
@@ -67,6 +73,14 @@ def test_a_vllm_metric_has_vllms_name_type_labels_and_buckets(families, name, ki
     if buckets is not None:
         bounds = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
         assert bounds == [*map(float, buckets), float("inf")]
+
+
+@pytest.mark.parametrize("name, sources", [
+    ("vllm:prompt_tokens_cached_by_source", {"device", "host", "p2p", "disk", "external_unspecified"}),
+    ("vllm:prompt_tokens_by_source", {"local_compute", "local_cache_hit", "external_kv_transfer"}),
+])
+def test_a_by_source_counter_has_every_source_vllm_labels(families, name, sources):
+    assert {sample.labels["source"] for sample in families[name].samples} == sources
 
 
 def test_no_figure_vllm_names_is_also_exported_under_our_prefix(families):
