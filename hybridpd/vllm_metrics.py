@@ -24,6 +24,18 @@ EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
 PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
 PROMPT_TOKENS_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+ITERATION_TOKENS = "vllm:iteration_tokens_total"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"
+REQUEST_DECODE_TIME = "vllm:request_decode_time_seconds"
+REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"
+REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
+REQUEST_PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
+REQUEST_PARAMS_N = "vllm:request_params_n"
+REQUEST_MAX_NUM_GENERATION_TOKENS = "vllm:request_max_num_generation_tokens"
+REQUEST_PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"
+REQUEST_NUM_PREEMPTIONS = "vllm:request_num_preemptions"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
 REQUEST_SUCCESS = "vllm:request_success"
@@ -44,6 +56,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 NIXL_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 NIXL_BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))   # 2 KiB .. 8 GiB
 
 

@@ -35,6 +35,7 @@ from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, 
 from hybridpd.engine.runner import LogitsHook, ModelRunner, RunnerOutput
 from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler, SchedulerPlan
 from hybridpd.engine.sequence import Sequence
+from hybridpd.engine.step_tokens import StepTokenCounter, StepTokens
 from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
 
@@ -62,6 +63,8 @@ class EngineStats:
     generation_tokens: int = 0
     offload: TierCounters | None = None   # the storage tier's counters, when there is one
     prompt_sources: PromptSources = PromptSources()
+    preemptions: int = 0
+    step_tokens: StepTokens = StepTokens()
 
 
 @dataclass
@@ -130,6 +133,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._order = itertools.count()
         self.num_prompt_tokens_total = 0
+        self.step_tokens = StepTokenCounter()
         self.num_generation_tokens_total = 0
         self.stats = EngineStats()
         self.refresh_stats()
@@ -326,7 +330,7 @@ class LLMEngine:
             kv_usage=self.kv.usage(), groups=self.kv.stats(), prompt_tokens=self.num_prompt_tokens_total,
             generation_tokens=self.num_generation_tokens_total,
             offload=self.offload.snapshot() if self.offload is not None else None,
-            prompt_sources=s.sources,
+            prompt_sources=s.sources, preemptions=s.num_preemptions_total, step_tokens=self.step_tokens.snapshot(),
         )
 
     def has_work(self) -> bool:
@@ -338,6 +342,8 @@ class LLMEngine:
             self._storage_loads_done()
         plan = self.scheduler.schedule()
         self.storage.prefault_ahead(self.kv.upcoming_blocks(PREFAULT_BLOCKS))
+        if plan.scheduled:
+            self.step_tokens.observe(plan.num_tokens)
         out = self.runner.run(plan)
         self._record_prompt_logprobs(plan, out)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
@@ -437,6 +443,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_tokens - seq.num_prompt_tokens,
             scheduled_at=seq.scheduled_at,
+            num_preemptions=seq.num_preemptions,
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             stop_reason=seq.stop_reason,

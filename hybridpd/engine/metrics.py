@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from hybridpd import vllm_metrics as vm
 from hybridpd.engine.engine import LLMEngine
@@ -63,6 +63,14 @@ class EngineCollector:
             hits.add_metric(key, group.hit_tokens)
         yield from (free, total, cached, queries, hits)
         yield from _prompt_source_metrics(stats.prompt_sources, self._labels)
+        preemptions = CounterMetricFamily(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.",
+                                          labels=vm.LABELS)
+        preemptions.add_metric(self._labels, stats.preemptions)
+        yield preemptions
+        steps = HistogramMetricFamily(vm.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.",
+                                      labels=vm.LABELS)
+        steps.add_metric(self._labels, stats.step_tokens.cumulative(), stats.step_tokens.total)
+        yield steps
         yield CounterMetricFamily("hybridpd:engine_prompt_tokens", "Prompt tokens admitted",
                                   value=stats.prompt_tokens)
         yield CounterMetricFamily("hybridpd:engine_generation_tokens", "Tokens generated",

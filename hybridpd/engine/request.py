@@ -66,4 +66,5 @@ class RequestOutput:
     # For a request prefilled here for a remote decode node: the top-level `kv_transfer_params` to answer.
     kv_transfer_params: dict[str, Any] | None = None
     scheduled_at: float | None = None   # time.monotonic() when the engine first took the request from its queue
+    num_preemptions: int = 0            # times the engine preempted it so far
     error: Exception | None = field(default=None, compare=False)

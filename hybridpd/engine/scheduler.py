@@ -132,6 +132,7 @@ class Scheduler:
         self._then_pull: dict[str, _StagedPull] = {}   # remote requests reading part of their prompt from storage first
         self.loaded: deque[Sequence] = deque()
         self.sources = PromptSources()   # where admitted prompts' tokens came from (vLLM's metrics)
+        self.num_preemptions_total = 0
 
     # -- queues -------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -389,6 +390,7 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions_total += 1
         seq.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(seq)
 

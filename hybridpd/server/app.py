@@ -190,7 +190,8 @@ class Handlers:
         `keep_alive` (chat and completions, as vLLM's) and `--sse-keep-alive-interval`, a stream whose first output
         takes longer than the interval starts at 200 with keep-alive comments (a failure is then an error event)."""
         self._check_peer(parsed)
-        tracker = self._metrics.tracker(keep_output=self._config.request_logging.outputs)
+        tracker = self._metrics.tracker(keep_output=self._config.request_logging.outputs,
+                                        max_tokens=parsed.engine_request.sampling.max_tokens)
         self._config.request_logging.inputs(parsed, self._engine.tokenizer)
         parsed = replace(parsed, engine_request=replace(parsed.engine_request,
                                                         trace_context=tuple(span.carrier().items())))
@@ -244,7 +245,9 @@ class Handlers:
                        span: Span) -> web.StreamResponse:
         """A body of several choices (`n` > 1, several prompts): each its own engine request, all queued at once; one
         answer, or one stream. A failure of one ends the others (their generators closed: aborted, blocks freed)."""
-        trackers = [self._metrics.tracker(keep_output=self._config.request_logging.outputs) for _ in requests]
+        trackers = [self._metrics.tracker(keep_output=self._config.request_logging.outputs,
+                                          max_tokens=p.engine_request.sampling.max_tokens, one_of_choices=True)
+                    for p in requests]
         for parsed in requests:
             self._config.request_logging.inputs(parsed, self._engine.tokenizer)
         requests = [replace(p, engine_request=replace(p.engine_request, trace_context=tuple(span.carrier().items())))
@@ -262,6 +265,19 @@ class Handlers:
             for parsed, tracker in zip(requests, trackers):
                 record_request(self._tracer, span, parsed, tracker)
                 self._config.request_logging.outputs_of(parsed, tracker)
+            self._observe_choices(requests, trackers)
+
+    def _observe_choices(self, requests: list[ParsedRequest], trackers: list[RequestTracker]) -> None:
+        """vLLM's per-prompt figures of a body with several choices: its `n`, and the most tokens one of a
+        prompt's finished choices generated."""
+        n = 1 + max(p.choice.sample for p in requests if p.choice is not None)
+        by_prompt: dict[int, list[int]] = {}
+        for parsed, tracker in zip(requests, trackers):
+            prompt = parsed.choice.index // n if parsed.choice is not None else 0
+            finished = [tracker.generated] if tracker.finish_reason is not None else []
+            by_prompt.setdefault(prompt, []).extend(finished)
+        for generated in by_prompt.values():
+            self._metrics.observe_choices(n, generated)
 
     async def _choices_answer(self, request: web.Request, requests: list[ParsedRequest],
                               outputs: list[EngineOutputs], trackers: list[RequestTracker]) -> web.StreamResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -47,20 +48,55 @@ class ServerMetrics:
                                              vm.ITL_BUCKETS)
         self.e2e_request_latency = histogram(vm.E2E_REQUEST_LATENCY, "Histogram of e2e request latency in seconds.",
                                              vm.REQUEST_LATENCY_BUCKETS)
+        # a finished request's phases, as vLLM splits them (`RequestPhases`)
+        self.queue_time = histogram(vm.REQUEST_QUEUE_TIME, "Histogram of time spent in WAITING phase for request.",
+                                    vm.REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram(vm.REQUEST_PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.",
+                                      vm.REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram(vm.REQUEST_DECODE_TIME, "Histogram of time spent in DECODE phase for request.",
+                                     vm.REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(vm.REQUEST_INFERENCE_TIME, "Histogram of time spent in RUNNING phase for "
+                                        "request.", vm.REQUEST_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(vm.REQUEST_TIME_PER_OUTPUT_TOKEN, "Histogram of "
+                                               "time_per_output_token_seconds per request.", vm.ITL_BUCKETS)
+        self.prefill_kv_computed = histogram(vm.REQUEST_PREFILL_KV_COMPUTED_TOKENS, "Histogram of new KV tokens "
+                                             "computed during prefill (excluding cached tokens).",
+                                             vm.buckets_1_2_5(max_model_len))
+        self.num_preemptions = histogram(vm.REQUEST_NUM_PREEMPTIONS, "Histogram of the number of times a request "
+                                         "was preempted.", vm.REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.params_max_tokens = histogram(vm.REQUEST_PARAMS_MAX_TOKENS, "Histogram of the max_tokens request "
+                                           "parameter.", vm.buckets_1_2_5(max_model_len))
+        self.params_n = histogram(vm.REQUEST_PARAMS_N, "Histogram of the n request parameter.",
+                                  vm.REQUEST_PARAMS_N_BUCKETS)
+        self.max_num_generation_tokens = histogram(vm.REQUEST_MAX_NUM_GENERATION_TOKENS, "Histogram of maximum "
+                                                   "number of requested generation tokens.",
+                                                   vm.buckets_1_2_5(max_model_len))
 
     def request_success(self, finished_reason: str) -> Counter:
         return self._request_success.labels(**self._labels, finished_reason=finished_reason)
 
-    def tracker(self, keep_output: bool = False) -> RequestTracker:
-        return RequestTracker(self, time.monotonic, keep_output)
+    def tracker(self, keep_output: bool = False, max_tokens: int | None = None,
+                one_of_choices: bool = False) -> RequestTracker:
+        """A request's tracker; `max_tokens` its parameter; `one_of_choices`: one of a body's several choices (its
+        generated tokens then count in `observe_choices`, once per prompt, as vLLM counts its parent request)."""
+        return RequestTracker(self, time.monotonic, keep_output, max_tokens, one_of_choices)
+
+    def observe_choices(self, n: int, generated: list[int]) -> None:
+        """One prompt of a body with `n` choices per prompt, whose choices generated `generated` tokens."""
+        self.params_n.observe(n)
+        if generated:
+            self.max_num_generation_tokens.observe(max(generated))
 
 
 class RequestTracker:
     """Watches one request's outputs as they pass: TTFT at the first output with tokens, ITL between later ones,
     token counts and e2e latency at the finished one."""
 
-    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float], keep_output: bool = False) -> None:
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float], keep_output: bool = False,
+                 max_tokens: int | None = None, one_of_choices: bool = False) -> None:
         self._metrics = metrics
+        self._max_tokens = max_tokens
+        self._one_of_choices = one_of_choices
         self._clock = clock
         self._arrival = clock()
         self._last_token_time: float | None = None
@@ -87,9 +123,10 @@ class RequestTracker:
 
     def observe(self, output: RequestOutput) -> None:
         now = self._clock()
+        if self.scheduled_at is None:   # (a decode node's first output, the prefill node's token, comes before)
+            self.scheduled_at = output.scheduled_at
         if not self._seen:   # the request's first output: its prompt and its prefix hit are known
             self._seen = True
-            self.scheduled_at = output.scheduled_at
             self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
         if self.texts is not None:
             self.texts.append(output.new_text)
@@ -112,6 +149,53 @@ class RequestTracker:
             self._metrics.e2e_request_latency.observe(now - self._arrival)
             reason = output.finish_reason.value if output.finish_reason is not None else "unknown"
             self._metrics.request_success(reason).inc()
+            self._observe_finished(output)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        """vLLM's per-request histograms of a finished request: its phases (`RequestPhases`), tokens and
+        parameters."""
+        metrics = self._metrics
+        phases = RequestPhases.of(self._arrival, self.scheduled_at, self.first_token_at, self._last_token_time,
+                                  self._generated)
+        if phases is not None:
+            metrics.queue_time.observe(phases.queue)
+            metrics.prefill_time.observe(phases.prefill)
+            metrics.decode_time.observe(phases.decode)
+            metrics.inference_time.observe(phases.inference)
+            metrics.time_per_output_token.observe(phases.per_output_token)
+        metrics.prefill_kv_computed.observe(max(output.num_prompt_tokens - output.num_cached_tokens, 0))
+        metrics.num_preemptions.observe(output.num_preemptions)
+        if self._max_tokens:
+            metrics.params_max_tokens.observe(self._max_tokens)
+        if not self._one_of_choices:
+            metrics.params_n.observe(1)
+            metrics.max_num_generation_tokens.observe(self._generated)
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """A finished request's phases as vLLM splits them (vllm/v1/metrics/stats.py), in seconds: queue, from its
+    arrival (at this node's front) to the engine's first scheduling of it; prefill, from there to its first token;
+    decode, from its first token to its last; inference, from its scheduling to its last token; and the mean time
+    per output token after the first. On a P/D decode node the first token is the prefill node's, streamed before
+    the request is scheduled here: its prefill is 0 and its decode holds the pull."""
+
+    queue: float
+    prefill: float
+    decode: float
+    inference: float
+    per_output_token: float
+
+    @classmethod
+    def of(cls, arrival: float, scheduled: float | None, first_token: float | None, last_token: float | None,
+           generated: int) -> RequestPhases | None:
+        """The phases, or None for a request that was never scheduled or generated nothing."""
+        if scheduled is None or first_token is None or last_token is None:
+            return None
+        decode = last_token - first_token
+        return cls(queue=max(scheduled - arrival, 0.0), prefill=max(first_token - scheduled, 0.0), decode=decode,
+                   inference=max(last_token - scheduled, 0.0),
+                   per_output_token=decode / (generated - 1) if generated > 1 else 0.0)
 
 
 def _endpoint_label(request: web.Request) -> str:

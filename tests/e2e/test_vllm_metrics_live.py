@@ -80,6 +80,16 @@ def total(samples, name: str) -> float:
     ("vllm:request_generation_tokens_count", REQUESTS),
     ("vllm:request_prompt_tokens_count", REQUESTS),
     ("vllm:num_requests_running", 0),
+    ("vllm:request_queue_time_seconds_count", REQUESTS),
+    ("vllm:request_prefill_time_seconds_count", REQUESTS),
+    ("vllm:request_decode_time_seconds_count", REQUESTS),
+    ("vllm:request_inference_time_seconds_count", REQUESTS),
+    ("vllm:request_time_per_output_token_seconds_count", REQUESTS),
+    ("vllm:request_params_max_tokens_sum", REQUESTS * MAX_TOKENS),
+    ("vllm:request_params_n_sum", REQUESTS),
+    ("vllm:request_max_num_generation_tokens_sum", REQUESTS * MAX_TOKENS),
+    ("vllm:request_num_preemptions_count", REQUESTS),
+    ("vllm:num_preemptions_total", 0),
     ("vllm:num_requests_waiting", 0),
 ])
 def test_a_live_node_exports_vllm_metrics_that_count_its_requests(scraped, name, expected):
@@ -99,6 +109,11 @@ def test_token_totals_and_cache_figures_are_plausible(scraped):
     assert total(samples, "vllm:prompt_tokens_cached_by_source_total") == local + external
     assert total(samples, "vllm:prompt_tokens_cached_total") == local + external
     assert total(samples, "vllm:prompt_tokens_by_source_total") == prompt_tokens
+    computed = sum(sample.value for sample in samples["vllm:prompt_tokens_by_source_total"]
+                   if sample.labels["source"] == "local_compute")
+    assert total(samples, "vllm:request_prefill_kv_computed_tokens_sum") == prompt_tokens - local - external
+    # every step's rows: the prompts' computed tokens and a row per later token of each request
+    assert total(samples, "vllm:iteration_tokens_total_sum") == computed + REQUESTS * (MAX_TOKENS - 1)
     assert 0 <= total(samples, "vllm:kv_cache_usage_perc") <= 1
     assert total(samples, "vllm:nixl_num_failed_transfers_total") == 0   # no pull was made
     reasons = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}

@@ -19,6 +19,10 @@ from hybridpd.server.metrics import ServerMetrics
 
 MAX_MODEL_LEN = 512
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500]   # vLLM's build_1_2_5_buckets(max_model_len)
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0]
 VLLM = [  # (name, type, buckets or None)
     ("vllm:num_requests_running", "gauge", None),
     ("vllm:num_requests_waiting", "gauge", None),
@@ -38,11 +42,19 @@ VLLM = [  # (name, type, buckets or None)
     ("vllm:time_to_first_token_seconds", "histogram",
      [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
       160.0, 640.0, 2560.0]),
-    ("vllm:inter_token_latency_seconds", "histogram",
-     [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]),
-    ("vllm:e2e_request_latency_seconds", "histogram",
-     [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-      1920.0, 7680.0]),
+    ("vllm:inter_token_latency_seconds", "histogram", ITL_BUCKETS),
+    ("vllm:e2e_request_latency_seconds", "histogram", LATENCY_BUCKETS),
+    *((name, "histogram", LATENCY_BUCKETS) for name in (
+        "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds")),
+    ("vllm:request_time_per_output_token_seconds", "histogram", ITL_BUCKETS),
+    *((name, "histogram", TOKEN_BUCKETS) for name in (
+        "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens",
+        "vllm:request_prefill_kv_computed_tokens")),
+    ("vllm:request_params_n", "histogram", [1, 2, 5, 10, 20]),
+    ("vllm:request_num_preemptions", "histogram", [1, 2, 3, 4, 5, 10, 20]),
+    ("vllm:num_preemptions", "counter", None),
+    ("vllm:iteration_tokens_total", "histogram", [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]),
     ("vllm:nixl_xfer_time_seconds", "histogram",
      [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]),
     ("vllm:nixl_bytes_transferred", "histogram", [2 ** (10 + i) for i in range(1, 25, 2)]),
