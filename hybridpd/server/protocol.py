@@ -34,6 +34,7 @@ from hybridpd.completion_prompts import one_prompt, several_prompts
 from hybridpd.engine.continued_chat import render_continuing
 from hybridpd.engine.transfer_params import RemoteDecodeParams, parse_kv_transfer_params
 from hybridpd.engine.request import EngineRequest
+from hybridpd.engine.sampling_params import GREEDY_TEMPERATURE
 from hybridpd.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from hybridpd.errors import InvalidRequestError
 from hybridpd.samples import MAX_N, sample_seed
@@ -438,6 +439,8 @@ def parse_choices(body: dict[str, Any], endpoint: Endpoint, engine: EngineClient
         raise InvalidRequestError("kv_transfer_params go with a single prompt and n 1 (a P/D proxy splits a body "
                                   "of several choices into requests of one)", param)
     parsed = [parse({**body, "prompt": prompt} if prompts else body) for prompt in prompts or (None,)]
+    if n > 1 and parsed[0].engine_request.sampling.temperature < GREEDY_TEMPERATURE:   # n copies of one answer
+        raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {n}.", "n")
     response_id, created = parsed[0].request_id, parsed[0].created
     return [_sample(one, p * n + i, i, response_id, created) for p, one in enumerate(parsed) for i in range(n)]
 

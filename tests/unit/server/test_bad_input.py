@@ -69,6 +69,8 @@ def error_of(out: dict, status: int) -> dict:
         (COMPLETIONS, {"prompt": "x", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n"),
         (CHAT, {"messages": USER, "n": 3, "kv_transfer_params": {"do_remote_decode": True}}, "n"),
         (CHAT, {"messages": USER, "n": 2, "best_of": 3}, "best_of"),
+        (COMPLETIONS, {"prompt": "x", "n": 2, "temperature": 0}, "n"),     # vLLM: n must be 1 when greedy
+        (CHAT, {"messages": USER, "n": 3, "temperature": 0.0}, "n"),
         (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo"),
         (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
         (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
