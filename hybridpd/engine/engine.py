@@ -342,9 +342,10 @@ class LLMEngine:
             self._storage_loads_done()
         plan = self.scheduler.schedule()
         self.storage.prefault_ahead(self.kv.upcoming_blocks(PREFAULT_BLOCKS))
-        if plan.scheduled:
-            self.step_tokens.observe(plan.num_tokens)
+        prompt_tokens = plan.num_prompt_tokens
         out = self.runner.run(plan)
+        if plan.scheduled:
+            self.step_tokens.observe(prompt_tokens + len(out.sampled))
         self._record_prompt_logprobs(plan, out)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in out.sampled.items()})
         if self.offload is not None:

@@ -3,7 +3,7 @@ tier, or computed here, counted as vLLM's scheduler counts them for its metrics.
 
 vLLM 0.32 (vllm/v1/metrics) counts, per request when it is first scheduled (a preempted request again is not): the
 prompt tokens looked up in the prefix cache and those it held (`vllm:prefix_cache_queries` / `_hits`: the local
-cache alone); where a KV connector is configured, the tokens left after that hit (`vllm:external_prefix_cache_
+cache alone, none with prefix caching off); where a KV connector is configured, the tokens left after that hit (`vllm:external_prefix_cache_
 queries`) and those the connector supplies (`_hits`); the cached tokens by the tier that supplied them
 (`vllm:prompt_tokens_cached_by_source`, which sums to the local and external hits: `device` for the local cache,
 `p2p` for another instance, `disk`, `host`, `external_unspecified`); and every prompt token by source
@@ -44,7 +44,8 @@ class PromptTokenSource(str, Enum):
 class PromptSources:
     """Totals since start-up, in tokens."""
 
-    queries: int = 0            # prompt tokens of the admitted requests
+    prompt_tokens: int = 0      # of the admitted requests
+    queries: int = 0            # of them looked up in the local prefix cache (none with prefix caching off)
     local_hits: int = 0         # of them held by the local prefix cache
     external_queries: int = 0   # left after the local hit, where tokens can come from outside
     pulled: int = 0             # brought from a prefill node
@@ -67,19 +68,20 @@ class PromptSources:
         return counts
 
     def by_source(self) -> dict[PromptTokenSource, int]:
-        return {PromptTokenSource.LOCAL_COMPUTE: self.queries - self.cached,
+        return {PromptTokenSource.LOCAL_COMPUTE: self.prompt_tokens - self.cached,
                 PromptTokenSource.LOCAL_CACHE_HIT: self.local_hits,
                 PromptTokenSource.EXTERNAL_KV_TRANSFER: self.external_hits}
 
-    def admitted(self, prompt_tokens: int, local_hit: int, *, external: bool, pulled: int = 0,
-                 stored: int = 0) -> PromptSources:
+    def admitted(self, prompt_tokens: int, local_hit: int, *, external: bool, pulled: int = 0, stored: int = 0,
+                 looked_up: bool = True) -> PromptSources:
         """These totals with one more request admitted: `prompt_tokens` of which the local cache held `local_hit`,
         `pulled` and `stored` came from outside; `external`: whether anything could have (a connector or a
-        tier)."""
+        tier); `looked_up`: whether the local cache was (prefix caching on)."""
         if min(local_hit, pulled, stored) < 0 or local_hit + pulled + stored > prompt_tokens:
             raise ValueError(f"a prompt of {prompt_tokens} tokens cannot take {local_hit} from the local cache, "
                              f"{pulled} pulled and {stored} from storage")
         return PromptSources(
-            queries=self.queries + prompt_tokens, local_hits=self.local_hits + local_hit,
+            prompt_tokens=self.prompt_tokens + prompt_tokens,
+            queries=self.queries + (prompt_tokens if looked_up else 0), local_hits=self.local_hits + local_hit,
             external_queries=self.external_queries + (prompt_tokens - local_hit if external else 0),
             pulled=self.pulled + pulled, stored=self.stored + stored)

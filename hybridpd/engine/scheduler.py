@@ -87,6 +87,13 @@ class ScheduledSeq:
     blocks: StepBlocks
 
     @property
+    def prompt_tokens(self) -> int:
+        """Of the tokens this step computes for the sequence, those of its prompt."""
+        seq = self.seq
+        return max(min(seq.num_computed_tokens + self.num_new_tokens, seq.num_prompt_tokens) - seq.num_computed_tokens,
+                   0)
+
+    @property
     def samples(self) -> bool:
         """This step brings the sequence level with its tokens, so its last row's logits pick the next token."""
         seq = self.seq
@@ -101,6 +108,10 @@ class SchedulerPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -339,7 +350,8 @@ class Scheduler:
         """A request admitted for the first time into `sources` (a preempted one again is not, as in vLLM)."""
         if seq.num_preemptions == 0:
             self.sources = self.sources.admitted(seq.num_prompt_tokens, local_hit, pulled=pulled, stored=stored,
-                                                 external=self.loader is not None or self.storage is not None)
+                                                 external=self.loader is not None or self.storage is not None,
+                                                 looked_up=self.kv.caching)
 
     def _park_loading(self, seq: Sequence, hit_tokens: int) -> None:
         """`seq` leaves the waiting queue for `loading` (its KV arrives from a loader), computed up to its hit."""

@@ -1,15 +1,16 @@
 """Tokens per engine step as a histogram with vLLM's buckets (`vllm:iteration_tokens_total`), kept by the engine
 thread and read by the metrics scrape from a frozen snapshot.
 
-vLLM observes, per engine step, the prompt tokens it computed plus the tokens it generated; here a step's tokens
-are the rows it computes (a prefill chunk's tokens and one row per decoding request), the same count for every
-step that generates a token per row.
+vLLM observes, per engine step, the prompt tokens it computed plus the tokens it generated (a prompt of P tokens and
+M output tokens: P + M over its steps), and so does the engine.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+
+from prometheus_client.utils import floatToGoString
 
 # vllm/v1/metrics/buckets.py: ITERATION_TOKENS_BUCKETS
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -24,9 +25,10 @@ class StepTokens:
     total: int = 0
 
     def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus's (upper bound, steps at most that) pairs, "+Inf" last."""
+        """Prometheus's (upper bound, steps at most that) pairs, "+Inf" last; bounds written as prometheus_client
+        writes a histogram's ("1.0"), as vLLM's are."""
         out, running = [], 0
-        for bound, steps in zip((*map(str, ITERATION_TOKENS_BUCKETS), "+Inf"), self.buckets):
+        for bound, steps in zip((*map(floatToGoString, ITERATION_TOKENS_BUCKETS), "+Inf"), self.buckets):
             running += steps
             out.append((bound, running))
         return out

@@ -37,6 +37,8 @@ class ServerMetrics:
         self._request_success = Counter(vm.REQUEST_SUCCESS, "Count of successfully processed requests.",
                                         [*vm.LABELS, "finished_reason"], registry=registry)
         self._labels = labels
+        for reason in vm.FINISHED_REASONS:
+            self.request_success(reason)
         self.request_prompt_tokens = histogram(vm.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.",
                                                vm.buckets_1_2_5(max_model_len))
         self.request_generation_tokens = histogram(vm.REQUEST_GENERATION_TOKENS,

@@ -112,8 +112,8 @@ def test_token_totals_and_cache_figures_are_plausible(scraped):
     computed = sum(sample.value for sample in samples["vllm:prompt_tokens_by_source_total"]
                    if sample.labels["source"] == "local_compute")
     assert total(samples, "vllm:request_prefill_kv_computed_tokens_sum") == prompt_tokens - local - external
-    # every step's rows: the prompts' computed tokens and a row per later token of each request
-    assert total(samples, "vllm:iteration_tokens_total_sum") == computed + REQUESTS * (MAX_TOKENS - 1)
+    # every step's prompt tokens computed and tokens generated, as vLLM counts them
+    assert total(samples, "vllm:iteration_tokens_total_sum") == computed + REQUESTS * MAX_TOKENS
     assert 0 <= total(samples, "vllm:kv_cache_usage_perc") <= 1
     assert total(samples, "vllm:nixl_num_failed_transfers_total") == 0   # no pull was made
     reasons = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}

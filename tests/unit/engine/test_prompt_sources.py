@@ -27,7 +27,7 @@ def test_an_admission_adds_up_as_vllm_counts_it(prompt, local, pulled, stored, e
     totals = PromptSources().admitted(7, 3, external=True).admitted(prompt, local, pulled=pulled, stored=stored,
                                                                     external=external)
     external_queries, external_hits, computed = expected
-    assert totals.queries == 7 + prompt and totals.local_hits == 3 + local
+    assert totals.queries == totals.prompt_tokens == 7 + prompt and totals.local_hits == 3 + local
     assert totals.external_queries == 4 + external_queries and totals.external_hits == external_hits
     by_tier = totals.cached_by_source()
     assert set(by_tier) == set(CacheHitSource)                     # every label vLLM exports, zeros included
@@ -37,6 +37,12 @@ def test_an_admission_adds_up_as_vllm_counts_it(prompt, local, pulled, stored, e
     by_source = totals.by_source()
     assert by_source[PromptTokenSource.LOCAL_COMPUTE] == 4 + computed
     assert sum(by_source.values()) == totals.queries
+
+
+def test_with_prefix_caching_off_nothing_is_looked_up_locally():
+    totals = PromptSources().admitted(20, 0, external=True, pulled=12, looked_up=False)
+    assert (totals.prompt_tokens, totals.queries, totals.external_queries, totals.external_hits) == (20, 0, 20, 12)
+    assert totals.by_source()[PromptTokenSource.LOCAL_COMPUTE] == 8
 
 
 @pytest.mark.parametrize("local, pulled, stored", [(-1, 0, 0), (8, 8, 8), (0, 21, 0)])
@@ -60,7 +66,7 @@ def test_a_node_without_a_connector_counts_local_hits_and_no_external_queries():
     run_to_end(sched)
     sched.add(make_seq("b", 20, max_tokens=1))
     run_to_end(sched)
-    assert sched.sources == PromptSources(queries=40, local_hits=16, external_queries=0)
+    assert sched.sources == PromptSources(prompt_tokens=40, queries=40, local_hits=16, external_queries=0)
     assert all_free(kv)
 
 
@@ -74,7 +80,8 @@ def test_a_decode_node_counts_what_it_pulls_beyond_its_local_hit():
     (_, hit, _), = loader.started
     assert hit == 16
     # the local request: queried outside (a connector is there), nothing found; the remote one: 16 here, 4 pulled
-    assert sched.sources == PromptSources(queries=40, local_hits=16, external_queries=24, pulled=4)
+    assert sched.sources == PromptSources(prompt_tokens=40, queries=40, local_hits=16, external_queries=24,
+                                           pulled=4)
     sched.finish_load("r", ok=True)
     run_to_end(sched)
     assert all_free(kv)
