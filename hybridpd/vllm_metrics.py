@@ -4,7 +4,7 @@ dashboards the latency histograms; the P/D views the NIXL connector's figures).
 
 Where vLLM has a figure, a node exports it under vLLM's name only (one series per figure, vLLM's types and buckets,
 labels `model_name` and `engine`); what vLLM has no name for keeps ours (`hybridpd:*`): per-group-kind prefix-cache
-hits, blocks per group, leases, requests waiting for remote KV, decode-side hits of pulled prompts. Our connector
+hits, blocks per group, leases, decode-side hits of pulled prompts, the storage tier's writes and reads. Our connector
 figures per pull (`hybridpd:kv_bytes_read`, `hybridpd:kv_read_seconds`) stay beside `vllm:nixl_*` because they
 count a request's whole pull (every group, the lease's heartbeat included), not one NIXL transfer.
 """
@@ -16,6 +16,8 @@ LABELS = ("model_name", "engine")
 
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+NUM_REQUESTS_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+NUM_REQUESTS_KV_FETCH_BY_STAGE = "vllm:num_requests_kv_fetch_by_stage"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"

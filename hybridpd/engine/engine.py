@@ -56,7 +56,9 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
-    num_loading: int = 0
+    num_loading: int = 0          # KV arriving (a pull or a storage read)
+    num_loaded: int = 0           # KV arrived, not running yet
+    num_remote_waiting: int = 0   # of the waiting ones, those whose KV a prefill node holds (no pull started)
     kv_usage: float = 0.0
     groups: tuple[GroupStats, ...] = ()
     prompt_tokens: int = 0
@@ -327,6 +329,7 @@ class LLMEngine:
         s = self.scheduler
         self.stats = EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
+            num_loaded=len(s.loaded), num_remote_waiting=sum(seq.remote_prefill is not None for seq in s.waiting),
             kv_usage=self.kv.usage(), groups=self.kv.stats(), prompt_tokens=self.num_prompt_tokens_total,
             generation_tokens=self.num_generation_tokens_total,
             offload=self.offload.snapshot() if self.offload is not None else None,

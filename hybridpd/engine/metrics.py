@@ -33,17 +33,31 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
+        fetching = stats.num_loading + stats.num_loaded   # vLLM keeps these in its waiting queue too
         for name, doc, value in (
             (vm.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", stats.num_running),
-            (vm.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", stats.num_waiting),
+            (vm.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", stats.num_waiting + fetching),
             (vm.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=vm.LABELS)
             gauge.add_metric(self._labels, value)
             yield gauge
-        yield GaugeMetricFamily("hybridpd:num_requests_waiting_for_remote_kv",
-                                "Requests whose prompt KV is being pulled from a prefill node",
-                                value=stats.num_loading)
+        by_reason = GaugeMetricFamily(vm.NUM_REQUESTS_WAITING_BY_REASON, "Number of waiting requests by reason. "
+                                      "Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = "
+                                      "deferred by transient constraints (KV transfer). Sum of all reasons equals "
+                                      "vllm:num_requests_waiting.", labels=[*vm.LABELS, "reason"])
+        by_reason.add_metric([*self._labels, "capacity"], stats.num_waiting)
+        by_reason.add_metric([*self._labels, "deferred"], fetching)
+        yield by_reason
+        by_stage = GaugeMetricFamily(vm.NUM_REQUESTS_KV_FETCH_BY_STAGE, "Number of waiting requests by async KV load "
+                                     "stage. Stage labels: 'waiting_to_start' = needs an async KV load that has not "
+                                     "started; 'in_progress' = load started and not yet reported finished; "
+                                     "'completed_waiting' = load finished, request not running yet.",
+                                     labels=[*vm.LABELS, "stage"])
+        for stage, value in (("waiting_to_start", stats.num_remote_waiting), ("in_progress", stats.num_loading),
+                             ("completed_waiting", stats.num_loaded)):
+            by_stage.add_metric([*self._labels, stage], value)
+        yield by_stage
         labels = ["group", "kind"]
         free = GaugeMetricFamily("hybridpd:kv_free_blocks", "Free blocks per KV group (cached ones included)",
                                  labels=labels)

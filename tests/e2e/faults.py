@@ -31,6 +31,7 @@ REQUEST_TIMEOUT_S = 90.0
 # Node flags for every fault test: small cache, one thread, short enough load timeout that a hang would show.
 NODE_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "4096", "--kv-load-timeout", "30")
 LEASE_LABEL = "hybridpd:kv_leases_held"
+PULLING = 'vllm:num_requests_kv_fetch_by_stage{stage="in_progress"}'   # requests whose KV is being pulled
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -43,8 +44,9 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) 
 
 
 def metric(node: NodeProcess, name: str) -> float:
-    """The sum over labels of one metric (0 when absent)."""
-    return sum(node.metric_values(name).values())
+    """The sum over labels of one metric (0 when absent); `name{label="value"}` sums the samples with that label."""
+    name, _, having = name.partition("{")
+    return sum(value for labels, value in node.metric_values(name).items() if having.rstrip("}") in labels)
 
 
 def scrape(url: str, name: str, having: str = "") -> float:
@@ -65,8 +67,7 @@ def assert_clean(*nodes: NodeProcess, timeout: float = WAIT_S) -> None:
     for node in nodes:
         wait_for(lambda n=node: metric(n, LEASE_LABEL) == 0, f"no lease held on {node.url}", timeout)
         assert_blocks_free(node, timeout=timeout)
-        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                      "hybridpd:num_requests_waiting_for_remote_kv"):
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", PULLING):
             wait_for(lambda n=node, g=gauge: metric(n, g) == 0, f"{gauge} == 0 on {node.url}", timeout)
 
 

@@ -19,6 +19,7 @@ import pytest
 from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.faults import (
     NODE_ARGS,
+    PULLING,
     REQUEST_TIMEOUT_S,
     NodeSlot,
     StreamingClient,
@@ -62,7 +63,7 @@ def test_decode_killed_while_pulling_lets_the_lease_expire(slots):
         with frozen(prefill):
             future = pool.submit(decode.post_json, "/v1/completions", {**body, "kv_transfer_params": params},
                                  REQUEST_TIMEOUT_S)
-            wait_for(lambda: metric(decode, "hybridpd:num_requests_waiting_for_remote_kv") == 1,
+            wait_for(lambda: metric(decode, PULLING) == 1,
                      "the decode node to start pulling")
             slots["decode"].kill()
         with pytest.raises(OSError):  # the connection died with the node: no answer at all, never a stale one

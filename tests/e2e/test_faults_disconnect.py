@@ -21,6 +21,7 @@ import pytest
 from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.faults import (
     NODE_ARGS,
+    PULLING,
     NodeSlot,
     ProxyProcess,
     StreamingClient,
@@ -119,7 +120,7 @@ def test_client_leaves_during_the_pull(cluster):
     client = StreamingClient(decode.port, "/v1/completions", {**body, "kv_transfer_params": params})
     with frozen(prefill):
         client.send()
-        wait_for(lambda: metric(decode, "hybridpd:num_requests_waiting_for_remote_kv") == 1,
+        wait_for(lambda: metric(decode, PULLING) == 1,
                  "the decode node to start pulling")
         client.disconnect()
     # The pull, once the prefill node answers, runs to its end (a READ is never abandoned half-way: it writes into

@@ -25,6 +25,7 @@ from hybridpd.presets.checkpoints import write_checkpoint
 from tests.e2e.nodes import NodeProcess, free_port
 from tests.e2e.faults import (
     NODE_ARGS,
+    PULLING,
     REQUEST_TIMEOUT_S,
     NodeSlot,
     assert_clean,
@@ -108,7 +109,7 @@ def test_prefill_killed_during_the_pull(slots):
                    for policy in bodies}
         for policy in bodies:
             node = slots[policy].get()
-            wait_for(lambda n=node: metric(n, "hybridpd:num_requests_waiting_for_remote_kv") == 1,
+            wait_for(lambda n=node: metric(n, PULLING) == 1,
                      f"the {policy} decode node to start pulling")
         slots["prefill"].kill()
         outcomes = {policy: (bodies[policy], params[policy], futures[policy].result()) for policy in bodies}

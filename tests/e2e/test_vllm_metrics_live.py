@@ -91,6 +91,8 @@ def total(samples, name: str) -> float:
     ("vllm:request_num_preemptions_count", REQUESTS),
     ("vllm:num_preemptions_total", 0),
     ("vllm:num_requests_waiting", 0),
+    ("vllm:num_requests_waiting_by_reason", 0),
+    ("vllm:num_requests_kv_fetch_by_stage", 0),
 ])
 def test_a_live_node_exports_vllm_metrics_that_count_its_requests(scraped, name, expected):
     samples, _ = scraped
@@ -117,7 +119,7 @@ def test_token_totals_and_cache_figures_are_plausible(scraped):
     assert 0 <= total(samples, "vllm:kv_cache_usage_perc") <= 1
     assert total(samples, "vllm:nixl_num_failed_transfers_total") == 0   # no pull was made
     reasons = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}
-    assert reasons == {"length": REQUESTS}
+    assert reasons == {"length": REQUESTS, "stop": 0, "abort": 0, "error": 0, "repetition": 0}   # vLLM's, at 0 first
 
 
 def test_the_dashboard_has_grafanas_fields_and_queries_only_exported_metrics(cluster, scraped):

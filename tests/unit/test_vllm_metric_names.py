@@ -26,6 +26,8 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 VLLM = [  # (name, type, buckets or None)
     ("vllm:num_requests_running", "gauge", None),
     ("vllm:num_requests_waiting", "gauge", None),
+    ("vllm:num_requests_waiting_by_reason", "gauge", None),
+    ("vllm:num_requests_kv_fetch_by_stage", "gauge", None),
     ("vllm:kv_cache_usage_perc", "gauge", None),
     ("vllm:prefix_cache_queries", "counter", None),
     ("vllm:prefix_cache_hits", "counter", None),
@@ -90,12 +92,30 @@ def test_a_vllm_metric_has_vllms_name_type_labels_and_buckets(families, name, ki
 @pytest.mark.parametrize("name, sources", [
     ("vllm:prompt_tokens_cached_by_source", {"device", "host", "p2p", "disk", "external_unspecified"}),
     ("vllm:prompt_tokens_by_source", {"local_compute", "local_cache_hit", "external_kv_transfer"}),
+    ("vllm:num_requests_waiting_by_reason", {"capacity", "deferred"}),
+    ("vllm:num_requests_kv_fetch_by_stage", {"waiting_to_start", "in_progress", "completed_waiting"}),
 ])
-def test_a_by_source_counter_has_every_source_vllm_labels(families, name, sources):
-    assert {sample.labels["source"] for sample in families[name].samples} == sources
+def test_a_family_by_source_reason_or_stage_has_every_label_vllm_gives_it(families, name, sources):
+    label = next(k for k in families[name].samples[0].labels if k not in LABELS)
+    assert {sample.labels[label] for sample in families[name].samples} == sources
 
 
 def test_no_figure_vllm_names_is_also_exported_under_our_prefix(families):
     ours = {name.removeprefix("hybridpd:") for name in families if name.startswith("hybridpd:")}
     theirs = {name.removeprefix("vllm:") for name, _, _ in VLLM}
     assert not ours & theirs, ours & theirs
+
+
+def test_requests_whose_kv_is_on_its_way_wait_as_in_vllm():
+    """vLLM keeps a request whose KV it loads in its waiting queue: waiting counts them, as 'deferred'."""
+    registry = CollectorRegistry()
+    stats = EngineStats(num_waiting=3, num_remote_waiting=1, num_loading=2, num_loaded=1)
+    EngineCollector(SimpleNamespace(stats=stats), "m").register(registry)
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {**LABELS, **labels})
+    assert value("vllm:num_requests_waiting") == 6
+    assert (value("vllm:num_requests_waiting_by_reason", reason="capacity"),
+            value("vllm:num_requests_waiting_by_reason", reason="deferred")) == (3, 3)
+    assert [value("vllm:num_requests_kv_fetch_by_stage", stage=stage)
+            for stage in ("waiting_to_start", "in_progress", "completed_waiting")] == [1, 2, 1]
