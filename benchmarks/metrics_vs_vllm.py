@@ -8,8 +8,9 @@ refuses `n` > 1 with greedy sampling). Then, for every `vllm:` family our node e
 each histogram's bucket bounds as written (`le`), and the value of every series whose value the requests decide
 (token counts, request counts, parameters, preemptions, tokens per engine step, the prompt tokens by source).
 Timings (TTFT, ITL, e2e latency, the phases) are compared by their observation counts only; what vLLM cannot export
-without a KV connector (the `vllm:nixl_*` families, `vllm:external_prefix_cache_queries`, which a node counts as a
-connector is always configured here) is listed apart.
+without a KV connector (the `vllm:nixl_*` families, `vllm:num_requests_kv_fetch_by_stage`, and
+`vllm:external_prefix_cache_queries`, which a node counts as a connector is always configured here) is listed
+apart.
 
 Last line: JSON {"identical": n, "families": m, "differing": {family: [(series, ours, vllm), ...]}, "not_in_vllm":
 [...], the model, CPU and date}.
