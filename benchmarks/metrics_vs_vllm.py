@@ -2,15 +2,15 @@
 `/metrics` are compared family by family as an operator's tools read them.
 
 Not a speed figure: an agreement check. Both serve `--preset`'s checkpoint in float32 (vLLM from the venv
-`vs_vllm.py` builds, with its prefix caching off, as ours here) and answer the same completions by token ids:
-`--prompts` prompts of 8-20 tokens (greedy, 5 tokens each, EOS ignored) and one prompt with `n` = 2 (sampled, vLLM
-refuses `n` > 1 with greedy sampling). Then, for every `vllm:` family our node exports: its type, its label names,
+`vs_vllm.py` builds), prefix caching off and `--kv-cache-metrics` on (every block followed), and answer the same
+completions by token ids: `--prompts` prompts of 8-20 tokens (greedy, 5 tokens each, EOS ignored) and one prompt
+with `n` = 2 (sampled: vLLM refuses `n` > 1 with greedy sampling). Then, for every `vllm:` family our node exports: its type, its label names,
 each histogram's bucket bounds as written (`le`), and the value of every series whose value the requests decide
 (token counts, request counts, parameters, preemptions, tokens per engine step, the prompt tokens by source).
-Timings (TTFT, ITL, e2e latency, the phases) are compared by their observation counts only; what vLLM cannot export
-without a KV connector (the `vllm:nixl_*` families, `vllm:num_requests_kv_fetch_by_stage`, and
-`vllm:external_prefix_cache_queries`, which a node counts as a connector is always configured here) is listed
-apart.
+Timings (TTFT, ITL, e2e latency, the phases) are compared by their observation counts only, the block residency
+histograms by their form (which blocks end when is each side's own); what vLLM cannot export without a KV connector
+(the `vllm:nixl_*` families, `vllm:num_requests_kv_fetch_by_stage`, and `vllm:external_prefix_cache_queries`, which
+a node counts as a connector is always configured here) is listed apart.
 
 Last line: JSON {"identical": n, "families": m, "differing": {family: [(series, ours, vllm), ...]}, "not_in_vllm":
 [...], the model, CPU and date}.
@@ -36,7 +36,11 @@ TIMINGS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds
            "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
            "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds")
 CONNECTOR_ONLY = ("vllm:external_prefix_cache_queries",)   # vLLM counts it only with a KV connector configured
+# which blocks are followed and when their memory is reused is each side's own: their form only
+RESIDENCY = ("vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
+             "vllm:kv_block_reuse_gap_seconds")
 SERVER_LABELS = ("model_name", "engine")
+KV_CACHE_METRICS = ["--kv-cache-metrics", "--kv-cache-metrics-sample", "1"]
 
 
 def complete(url: str, body: dict[str, Any]) -> None:
@@ -68,7 +72,7 @@ def compared(name: str, ours: Any, theirs: Any) -> list[tuple[str, Any, Any]]:
     for key in sorted(set(mine) & set(vllm)):
         sample, labels = key
         timing_value = name in TIMINGS and not sample.endswith("_count")
-        if not timing_value and mine[key] != vllm[key]:
+        if not timing_value and name not in RESIDENCY and mine[key] != vllm[key]:
             out.append((f"{sample}{dict(labels)}", mine[key], vllm[key]))
     return out
 
@@ -76,7 +80,8 @@ def compared(name: str, ours: Any, theirs: Any) -> list[tuple[str, Any, Any]]:
 def main() -> None:
     args = agreement_args(__doc__, 4, "greedy prompts (one more with n = 2)")
     model_dir = model_dir_of(args.preset)
-    with both_served(model_dir, args.venv, [], ["--no-enable-prefix-caching", "--skip-tokenizer-init"]) as sides:
+    with both_served(model_dir, args.venv, KV_CACHE_METRICS,
+                     ["--no-enable-prefix-caching", "--skip-tokenizer-init", *KV_CACHE_METRICS]) as sides:
         for url, model in sides.values():
             for i in range(args.prompts):
                 complete(url, {"model": model, "prompt": [5 + i, 9, 11, 13] * (i + 2), "max_tokens": 5,

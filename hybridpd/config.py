@@ -44,6 +44,7 @@ class CacheConfig:
     kv_offload_dir: Path | None = None      # the storage tier's directory (None: no storage tier)
     kv_offload_size: int = 64 << 30         # its capacity in bytes (least recently used files evicted beyond it)
     kv_offload_read_timeout: float = 30.0   # seconds a read from it may take before its request is recomputed
+    kv_cache_metrics_sample: float | None = None   # --kv-cache-metrics: the share of blocks followed (None: off)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -52,6 +53,8 @@ class CacheConfig:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.kv_offload_size <= 0:
             raise ValueError(f"--kv-offload-size must be positive, got {self.kv_offload_size}")
+        if self.kv_cache_metrics_sample is not None and not 0 < self.kv_cache_metrics_sample <= 1:
+            raise ValueError(f"--kv-cache-metrics-sample must be in (0, 1], got {self.kv_cache_metrics_sample}")
         if self.kv_offload_read_timeout <= 0:
             raise ValueError(f"--kv-load-timeout must be positive, got {self.kv_offload_read_timeout}")
         if self.num_blocks is not None and self.num_blocks < 2:

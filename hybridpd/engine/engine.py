@@ -21,6 +21,7 @@ from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Medium
 from hybridpd.engine.kv_cache.capacity import capacity_report
 from hybridpd.engine.kv_cache.memory import KVLayout, blocks_for_count, layout_for_memory
+from hybridpd.engine.kv_cache.residency import Residency
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, group_layers
 from hybridpd.engine.kv_cache.storage import KVCacheStorage
 from hybridpd.engine.kv_offload.identity import group_key, model_key
@@ -35,7 +36,8 @@ from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, 
 from hybridpd.engine.runner import LogitsHook, ModelRunner, RunnerOutput
 from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler, SchedulerPlan
 from hybridpd.engine.sequence import Sequence
-from hybridpd.engine.step_tokens import StepTokenCounter, StepTokens
+from hybridpd.engine.histogram import HistogramSnapshot
+from hybridpd.engine.step_tokens import NO_STEPS, step_token_counts
 from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
 
@@ -66,7 +68,8 @@ class EngineStats:
     offload: TierCounters | None = None   # the storage tier's counters, when there is one
     prompt_sources: PromptSources = PromptSources()
     preemptions: int = 0
-    step_tokens: StepTokens = StepTokens()
+    step_tokens: HistogramSnapshot = NO_STEPS
+    residency: Residency | None = None   # with --kv-cache-metrics
 
 
 @dataclass
@@ -135,7 +138,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._order = itertools.count()
         self.num_prompt_tokens_total = 0
-        self.step_tokens = StepTokenCounter()
+        self.step_tokens = step_token_counts()
         self.num_generation_tokens_total = 0
         self.stats = EngineStats()
         self.refresh_stats()
@@ -334,6 +337,7 @@ class LLMEngine:
             generation_tokens=self.num_generation_tokens_total,
             offload=self.offload.snapshot() if self.offload is not None else None,
             prompt_sources=s.sources, preemptions=s.num_preemptions_total, step_tokens=self.step_tokens.snapshot(),
+            residency=self.kv.residency.snapshot() if self.kv.residency is not None else None,
         )
 
     def has_work(self) -> bool:

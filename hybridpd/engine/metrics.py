@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from hybridpd import vllm_metrics as vm
 from hybridpd.engine.engine import LLMEngine
+from hybridpd.engine.histogram import HistogramSnapshot
 from hybridpd.engine.kv_offload.tier import TierCounters
 from hybridpd.engine.prompt_sources import PromptSources
 
@@ -27,6 +28,11 @@ class EngineCollector:
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(self)
+
+    def _histogram(self, name: str, doc: str, snapshot: HistogramSnapshot) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=vm.LABELS)
+        family.add_metric(self._labels, snapshot.cumulative(), snapshot.total)
+        return family
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily; names are not known to clash
@@ -81,10 +87,20 @@ class EngineCollector:
                                           labels=vm.LABELS)
         preemptions.add_metric(self._labels, stats.preemptions)
         yield preemptions
-        steps = HistogramMetricFamily(vm.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.",
-                                      labels=vm.LABELS)
-        steps.add_metric(self._labels, stats.step_tokens.cumulative(), stats.step_tokens.total)
-        yield steps
+        yield self._histogram(vm.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.",
+                              stats.step_tokens)
+        if stats.residency is not None:
+            residency = stats.residency
+            for name, doc, snapshot in (
+                (vm.KV_BLOCK_LIFETIME, "Histogram of KV cache block lifetime from allocation to eviction. Sampled "
+                 "metrics (controlled by --kv-cache-metrics-sample).", residency.lifetime),
+                (vm.KV_BLOCK_IDLE_BEFORE_EVICT, "Histogram of idle time before KV cache block eviction. Sampled "
+                 "metrics (controlled by --kv-cache-metrics-sample).", residency.idle_before_evict),
+                (vm.KV_BLOCK_REUSE_GAP, "Histogram of time gaps between consecutive KV cache block accesses. Only "
+                 "the most recent accesses are recorded (ring buffer). Sampled metrics (controlled by "
+                 "--kv-cache-metrics-sample).", residency.reuse_gap),
+            ):
+                yield self._histogram(name, doc, snapshot)
         yield CounterMetricFamily("hybridpd:engine_prompt_tokens", "Prompt tokens admitted",
                                   value=stats.prompt_tokens)
         yield CounterMetricFamily("hybridpd:engine_generation_tokens", "Tokens generated",

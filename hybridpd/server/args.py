@@ -171,6 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-offload-size", type=parse_size, default=64 << 30, metavar="SIZE",
                        help="the most the storage tier keeps under --kv-offload-dir for this model (least recently "
                             "used blocks evicted beyond it; vLLM calls its own --kv-offloading-size; default 64GiB)")
+    cache.add_argument("--kv-cache-metrics", action="store_true",
+                       help="vLLM's sampled KV cache residency metrics: each block's lifetime, its idle time before "
+                            "its memory is reused and the gaps between its reuses (vllm:kv_block_*_seconds)")
+    cache.add_argument("--kv-cache-metrics-sample", type=float, default=0.01, metavar="SHARE",
+                       help="the share of allocated blocks --kv-cache-metrics follows, in (0, 1] (default 0.01)")
 
     sched = parser.add_argument_group("scheduler and model")
     sched.add_argument("--max-num-seqs", type=int, default=32)
@@ -261,6 +266,7 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 kv_offload_dir=args.kv_offload_dir,
                 kv_offload_size=args.kv_offload_size,
                 kv_offload_read_timeout=args.kv_load_timeout,
+                kv_cache_metrics_sample=args.kv_cache_metrics_sample if args.kv_cache_metrics else None,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

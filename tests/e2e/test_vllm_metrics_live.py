@@ -40,7 +40,8 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     offload = tmp_path_factory.mktemp("kv-offload")
     node = start_node(model, logs, ["--num-blocks", "256", "--max-model-len", "512", "--kv-offload-dir", str(offload),
-                                    "--kv-offload-size", "64MiB"])
+                                    "--kv-offload-size", "64MiB", "--kv-cache-metrics", "--kv-cache-metrics-sample",
+                                    "1"])
     proxy = None
     try:
         proxy = start_proxy(node, node, logs)
@@ -97,6 +98,16 @@ def total(samples, name: str) -> float:
 def test_a_live_node_exports_vllm_metrics_that_count_its_requests(scraped, name, expected):
     samples, _ = scraped
     assert total(samples, name) == expected
+
+
+def test_with_kv_cache_metrics_a_reused_block_reports_its_residency(scraped):
+    """Every block followed (`--kv-cache-metrics-sample 1`): a later request's blocks reuse the memory of an earlier
+    one's unhashed last block, each such end observed once in both histograms, its idle time within its lifetime."""
+    samples, _ = scraped
+    ended = total(samples, "vllm:kv_block_lifetime_seconds_count")
+    assert ended >= 1 and total(samples, "vllm:kv_block_idle_before_evict_seconds_count") == ended
+    assert 0 <= total(samples, "vllm:kv_block_idle_before_evict_seconds_sum") <= total(
+        samples, "vllm:kv_block_lifetime_seconds_sum")
 
 
 def test_token_totals_and_cache_figures_are_plausible(scraped):

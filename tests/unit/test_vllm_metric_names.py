@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from hybridpd.connector.metrics import ConnectorMetrics
 from hybridpd.engine.engine import EngineStats
+from hybridpd.engine.kv_cache.residency import BlockResidency
 from hybridpd.engine.kv_offload.tier import TierCounters
 from hybridpd.engine.metrics import EngineCollector
 from hybridpd.server.metrics import ServerMetrics
@@ -21,6 +22,8 @@ MAX_MODEL_LEN = 512
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500]   # vLLM's build_1_2_5_buckets(max_model_len)
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0]
+RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200,
+                     1800]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0]
 VLLM = [  # (name, type, buckets or None)
@@ -57,6 +60,9 @@ VLLM = [  # (name, type, buckets or None)
     ("vllm:request_num_preemptions", "histogram", [1, 2, 3, 4, 5, 10, 20]),
     ("vllm:num_preemptions", "counter", None),
     ("vllm:iteration_tokens_total", "histogram", [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]),
+    *((name, "histogram", RESIDENCY_BUCKETS) for name in (
+        "vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
+        "vllm:kv_block_reuse_gap_seconds")),
     ("vllm:nixl_xfer_time_seconds", "histogram",
      [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]),
     ("vllm:nixl_bytes_transferred", "histogram", [2 ** (10 + i) for i in range(1, 25, 2)]),
@@ -72,7 +78,8 @@ def families():
     server = ServerMetrics(registry, "m", MAX_MODEL_LEN)
     server.request_success("length").inc()
     ConnectorMetrics(registry, "m")
-    stats = EngineStats(num_running=1, num_waiting=2, num_loading=0, kv_usage=0.5, offload=TierCounters())
+    stats = EngineStats(num_running=1, num_waiting=2, num_loading=0, kv_usage=0.5, offload=TierCounters(),
+                        residency=BlockResidency(0.5).snapshot())   # --kv-cache-metrics
     EngineCollector(SimpleNamespace(stats=stats), "m").register(registry)
     return {family.name: family for family in registry.collect()}
 

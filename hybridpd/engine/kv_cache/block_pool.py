@@ -21,6 +21,7 @@ from hybridpd.engine.kv_cache.hashing import BlockHash
 
 if TYPE_CHECKING:
     from hybridpd.engine.kv_cache.budget import PageBudget
+    from hybridpd.engine.kv_cache.residency import PoolResidency
 
 NULL_BLOCK_ID = 0
 
@@ -32,9 +33,11 @@ class KVCacheInvariantError(AssertionError):
 class BlockPool:
     def __init__(self, num_blocks: int, on_removed: Callable[[BlockHash], None] | None = None, *,
                  budget: PageBudget | None = None, page_bytes: int = 0,
-                 on_released: Callable[[int], None] | None = None, cached_cap: int | None = None) -> None:
+                 on_released: Callable[[int], None] | None = None, cached_cap: int | None = None,
+                 residency: PoolResidency | None = None) -> None:
         """`budget`: share it with other pools (blocks of `page_bytes` each, none resident yet); `cached_cap`: a
-        best-effort allocation takes another pool's cached block only while this one holds fewer cached blocks."""
+        best-effort allocation takes another pool's cached block only while this one holds fewer cached blocks;
+        `residency`: hears every allocation, prefix hit and memory handed back (residency.py)."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         if budget is not None and page_bytes < 1:
@@ -48,6 +51,7 @@ class BlockPool:
         self._budget = budget
         self._on_released = on_released
         self._cached_cap = cached_cap
+        self._residency = residency
         if budget is None:
             self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
             self._spare: list[int] = []
@@ -129,6 +133,8 @@ class BlockPool:
             if self._refs[b] == 0:
                 self._dequeue(b)
             self._refs[b] += 1
+            if self._residency is not None:
+                self._residency.accessed(b)
 
     def allocate(self, n: int, *, best_effort: bool = False) -> list[int]:
         """n blocks with reference 1, evicting (un-hashing) cached ones as needed (budget.py says in which order).
@@ -140,6 +146,8 @@ class BlockPool:
             b = self._take(best_effort)
             self._refs[b] = 1
             out.append(b)
+            if self._residency is not None:
+                self._residency.allocated(b)
         return out
 
     def _take(self, best_effort: bool) -> int:
@@ -208,6 +216,8 @@ class BlockPool:
         b = self._pop_front()
         self._spare.append(b)
         self._budget.used -= self.page_bytes
+        if self._residency is not None:
+            self._residency.ended(b)
         if self._on_released is not None:
             self._on_released(b)
         return True

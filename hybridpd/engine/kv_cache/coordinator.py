@@ -27,6 +27,7 @@ from hybridpd.engine.kv_cache.offload_hits import StorageIndex, WithStorage
 from hybridpd.engine.kv_cache.mamba import MambaManager
 from hybridpd.engine.kv_cache.managers import make_manager
 from hybridpd.engine.kv_cache.memory import SharedMemory
+from hybridpd.engine.kv_cache.residency import BlockResidency
 from hybridpd.engine.kv_cache.single_type import TokenRange
 from hybridpd.engine.kv_cache.spec import KVCacheGroup, MambaSpec
 from hybridpd.engine.kv_cache.validation import validate_layout
@@ -44,6 +45,8 @@ class KVCacheManager:
         self.caching = config.enable_prefix_caching
         self._events: list[KVCacheEvent] | None = [] if config.enable_kv_cache_events else None
         self._budget = PageBudget(shared.capacity) if shared is not None else None
+        sample = config.kv_cache_metrics_sample
+        self.residency = BlockResidency(sample) if sample is not None else None   # --kv-cache-metrics
         self._growth_bytes = sum(g.page_size_bytes for g in groups if not isinstance(g.spec, MambaSpec))
         self._pools = tuple(self._pool(g, n, shared, on_release) for g, n in enumerate(num_blocks))
         self._managers = tuple(
@@ -74,12 +77,13 @@ class KVCacheManager:
 
     def _pool(self, g: int, n: int, shared: SharedMemory | None,
               on_release: Callable[[int, int], None] | None) -> BlockPool:
+        residency = self.residency.for_pool(g) if self.residency is not None else None
         if shared is None:
-            return BlockPool(n, self._removal_recorder(g))
+            return BlockPool(n, self._removal_recorder(g), residency=residency)
         cap = shared.mamba_cached_cap if isinstance(self.groups[g].spec, MambaSpec) else None
         release = (lambda block: on_release(g, block)) if on_release is not None else None
         return BlockPool(n, self._removal_recorder(g), budget=self._budget, page_bytes=self.groups[g].page_size_bytes,
-                         on_released=release, cached_cap=cap)
+                         on_released=release, cached_cap=cap, residency=residency)
 
     def _removal_recorder(self, group_idx: int):
         events = self._events
@@ -351,6 +355,8 @@ class KVCacheManager:
         mark = len(self._events) if self._events is not None else 0
         for pool in self._pools:
             pool.reset_cache()
+        if self.residency is not None:
+            self.residency.reset()
         if self._events is not None and all(pool.num_cached == 0 for pool in self._pools):
             del self._events[mark:]
             self._events.append(AllBlocksCleared())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpd.engine.step_tokens import ITERATION_TOKENS_BUCKETS, StepTokenCounter
+from hybridpd.engine.step_tokens import ITERATION_TOKENS_BUCKETS, step_token_counts
 
 
 @pytest.mark.parametrize("steps, at_most", [
@@ -17,7 +17,7 @@ from hybridpd.engine.step_tokens import ITERATION_TOKENS_BUCKETS, StepTokenCount
     ([16384, 16385], (0, 0, 0, 2)),
 ])
 def test_a_step_counts_at_every_bound_it_does_not_exceed(steps, at_most):
-    counter = StepTokenCounter()
+    counter = step_token_counts()
     for tokens in steps:
         counter.observe(tokens)
     snapshot = counter.snapshot()
