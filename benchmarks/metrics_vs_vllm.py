@@ -4,13 +4,15 @@
 Not a speed figure: an agreement check. Both serve `--preset`'s checkpoint in float32 (vLLM from the venv
 `vs_vllm.py` builds), prefix caching off and `--kv-cache-metrics` on (every block followed), and answer the same
 completions by token ids: `--prompts` prompts of 8-20 tokens (greedy, 5 tokens each, EOS ignored) and one prompt
-with `n` = 2 (sampled: vLLM refuses `n` > 1 with greedy sampling). Then, for every `vllm:` family our node exports: its type, its label names,
-each histogram's bucket bounds as written (`le`), and the value of every series whose value the requests decide
-(token counts, request counts, parameters, preemptions, tokens per engine step, the prompt tokens by source).
-Timings (TTFT, ITL, e2e latency, the phases) are compared by their observation counts only, the block residency
-histograms by their form (which blocks end when is each side's own); what vLLM cannot export without a KV connector
-(the `vllm:nixl_*` families, `vllm:num_requests_kv_fetch_by_stage`, and `vllm:external_prefix_cache_queries`, which
-a node counts as a connector is always configured here) is listed apart.
+with `n` = 2 (sampled: vLLM refuses `n` > 1 with greedy sampling). Then, for every `vllm:` family our node exports:
+its type, its label names, each histogram's bucket bounds as written (`le`), and the value of every series whose
+value the requests decide (token counts, request counts, parameters, preemptions, the prompt tokens by source, the
+tokens of all engine steps together: how requests share steps is each side's scheduling). Timings (TTFT, ITL, e2e
+latency, the phases) are compared by their observation counts only, the block residency histograms by their form
+(which blocks end when is each side's own), `vllm:cache_config_info` by its label names (ours among vLLM's: each side
+states its own cache); what vLLM cannot export without a KV connector (the `vllm:nixl_*` families,
+`vllm:num_requests_kv_fetch_by_stage`, and `vllm:external_prefix_cache_queries`, which a node counts as a connector
+is always configured here) is listed apart.
 
 Last line: JSON {"identical": n, "families": m, "differing": {family: [(series, ours, vllm), ...]}, "not_in_vllm":
 [...], the model, CPU and date}.
@@ -40,6 +42,8 @@ CONNECTOR_ONLY = ("vllm:external_prefix_cache_queries",)   # vLLM counts it only
 RESIDENCY = ("vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
              "vllm:kv_block_reuse_gap_seconds")
 SERVER_LABELS = ("model_name", "engine")
+STEPS = "vllm:iteration_tokens_total"   # how requests share steps is each side's scheduling: its sum only
+INFO = "vllm:cache_config_info"   # each side's own cache: its labels only (ours a subset of vLLM's)
 KV_CACHE_METRICS = ["--kv-cache-metrics", "--kv-cache-metrics-sample", "1"]
 
 
@@ -63,16 +67,21 @@ def view(family: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def compared(name: str, ours: Any, theirs: Any) -> list[tuple[str, Any, Any]]:
     """What differs between one family on both sides: its type, its series (labels, histogram bounds) and the values
-    the requests decide (a timing's observation counts only)."""
+    the requests decide (a timing's observation counts only; the cache's configuration: that each label of ours is
+    one of vLLM's)."""
     if ours.type != theirs.type:
         return [("type", ours.type, theirs.type)]
+    if name == INFO:
+        mine, vllm = set(ours.samples[0].labels), set(theirs.samples[0].labels)
+        return [("labels", sorted(mine - vllm), None)] if mine - vllm else []
     mine, vllm = view(ours), view(theirs)
     out = [(f"{sample}{dict(labels)}", "present" if (sample, labels) in mine else None,
             "present" if (sample, labels) in vllm else None) for sample, labels in sorted(set(mine) ^ set(vllm))]
     for key in sorted(set(mine) & set(vllm)):
         sample, labels = key
         timing_value = name in TIMINGS and not sample.endswith("_count")
-        if not timing_value and name not in RESIDENCY and mine[key] != vllm[key]:
+        scheduled_value = name == STEPS and not sample.endswith("_sum")
+        if not (timing_value or scheduled_value) and name not in RESIDENCY and mine[key] != vllm[key]:
             out.append((f"{sample}{dict(labels)}", mine[key], vllm[key]))
     return out
 

@@ -15,6 +15,7 @@ import torch
 
 from hybridpd.config import EngineConfig, MambaCacheMode
 from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.engine.cache_info import cache_config_info
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.grammar import Grammar, GrammarCompiler
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
@@ -70,6 +71,7 @@ class EngineStats:
     preemptions: int = 0
     step_tokens: HistogramSnapshot = NO_STEPS
     residency: Residency | None = None   # with --kv-cache-metrics
+    cache_info: tuple[tuple[str, str], ...] = ()   # vllm:cache_config_info's labels (cache_info.py)
 
 
 @dataclass
@@ -117,9 +119,11 @@ class LLMEngine:
         layout = self._layout()
         self.num_blocks = layout.num_blocks
         self.storage = KVCacheStorage(self.groups, self.num_blocks)
-        for line in capacity_report(self.groups, self.num_blocks, self.max_model_len, config.scheduler.max_num_seqs,
-                                    layout.shared):
+        report, self.capacity = capacity_report(self.groups, self.num_blocks, self.max_model_len,
+                                                config.scheduler.max_num_seqs, layout.shared)
+        for line in report:
             log.info("%s", line)
+        self.cache_info = cache_config_info(config.cache, self.capacity, self.mamba_interval if has_mamba else None)
         self.kv = KVCacheManager(self.groups, self.num_blocks, config.cache, shared=layout.shared,
                                  on_release=self.storage.release)
         align = has_mamba and config.cache.mamba_cache_mode is MambaCacheMode.ALIGN
@@ -338,6 +342,7 @@ class LLMEngine:
             offload=self.offload.snapshot() if self.offload is not None else None,
             prompt_sources=s.sources, preemptions=s.num_preemptions_total, step_tokens=self.step_tokens.snapshot(),
             residency=self.kv.residency.snapshot() if self.kv.residency is not None else None,
+            cache_info=self.cache_info,
         )
 
     def has_work(self) -> bool:

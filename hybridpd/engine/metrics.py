@@ -82,6 +82,11 @@ class EngineCollector:
             queries.add_metric(key, group.query_tokens)
             hits.add_metric(key, group.hit_tokens)
         yield from (free, total, cached, queries, hits)
+        if stats.cache_info:
+            info = GaugeMetricFamily(vm.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig",
+                                     labels=[*(name for name, _ in stats.cache_info), "engine"])
+            info.add_metric([*(value for _, value in stats.cache_info), vm.ENGINE_INDEX], 1)
+            yield info
         yield from _prompt_source_metrics(stats.prompt_sources, self._labels)
         preemptions = CounterMetricFamily(vm.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.",
                                           labels=vm.LABELS)

@@ -100,6 +100,15 @@ def test_a_live_node_exports_vllm_metrics_that_count_its_requests(scraped, name,
     assert total(samples, name) == expected
 
 
+def test_the_cache_config_info_states_the_nodes_block_size_and_capacity(scraped):
+    """`vllm:cache_config_info` as the start-up report states the cache (--num-blocks 256: 255 usable blocks)."""
+    samples, _ = scraped
+    (sample,) = samples["vllm:cache_config_info"]
+    assert sample.value == 1 and sample.labels["engine"] == "0"
+    assert (sample.labels["block_size"], sample.labels["num_gpu_blocks"], sample.labels["kv_cache_size_tokens"],
+            sample.labels["kv_offloading_size"]) == ("16", "255", str(255 * 16), str(64 / 1024))
+
+
 def test_with_kv_cache_metrics_a_reused_block_reports_its_residency(scraped):
     """Every block followed (`--kv-cache-metrics-sample 1`): a later request's blocks reuse the memory of an earlier
     one's unhashed last block, each such end observed once in both histograms, its idle time within its lifetime."""

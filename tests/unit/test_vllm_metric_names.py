@@ -11,8 +11,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from hybridpd.config import CacheConfig
 from hybridpd.connector.metrics import ConnectorMetrics
+from hybridpd.engine.cache_info import cache_config_info
 from hybridpd.engine.engine import EngineStats
+from hybridpd.engine.kv_cache.capacity import KVCapacity
 from hybridpd.engine.kv_cache.residency import BlockResidency
 from hybridpd.engine.kv_offload.tier import TierCounters
 from hybridpd.engine.metrics import EngineCollector
@@ -126,3 +129,21 @@ def test_requests_whose_kv_is_on_its_way_wait_as_in_vllm():
             value("vllm:num_requests_waiting_by_reason", reason="deferred")) == (3, 3)
     assert [value("vllm:num_requests_kv_fetch_by_stage", stage=stage)
             for stage in ("waiting_to_start", "in_progress", "completed_waiting")] == [1, 2, 1]
+
+
+def test_the_cache_config_info_is_a_gauge_at_one_labelled_as_vllm_labels_it():
+    """vLLM's `vllm:cache_config_info`: its cache configuration as labels (those with a meaning here, vLLM's names
+    and writing) and `engine`, no `model_name`; what the Gateway API inference extension reads for the block size
+    and the capacity."""
+    capacity = KVCapacity(size_tokens=4096, max_concurrency=3, memory_bytes=1 << 20)
+    info = cache_config_info(CacheConfig(block_size=16), capacity, 64)
+    registry = CollectorRegistry()
+    EngineCollector(SimpleNamespace(stats=EngineStats(cache_info=info)), "m").register(registry)
+    (sample,) = {family.name: family for family in registry.collect()}["vllm:cache_config_info"].samples
+    assert sample.value == 1 and "model_name" not in sample.labels
+    assert {k: sample.labels[k] for k in ("engine", "block_size", "num_gpu_blocks", "kv_cache_size_tokens",
+                                          "kv_cache_max_concurrency", "enable_prefix_caching", "mamba_block_size",
+                                          "kv_offloading_size", "cache_dtype")} == {
+        "engine": "0", "block_size": "16", "num_gpu_blocks": "256", "kv_cache_size_tokens": "4096",
+        "kv_cache_max_concurrency": "3.0", "enable_prefix_caching": "True", "mamba_block_size": "64",
+        "kv_offloading_size": "None", "cache_dtype": "auto"}

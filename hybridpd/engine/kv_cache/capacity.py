@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hybridpd.engine.kv_cache.memory import SharedMemory, request_attention_bytes
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """The summary of a capacity report: the tokens the full attention holds, how many requests of the max length fit
+    side by side, and the KV memory's bytes."""
+
+    size_tokens: int
+    max_concurrency: int
+    memory_bytes: int
+
+    @property
+    def size_text(self) -> str:
+        return f"{self.size_tokens:,} tokens" if self.size_tokens else "no full-attention tokens"
+
+
 def capacity_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], max_model_len: int,
-                    max_num_seqs: int, shared: SharedMemory | None = None) -> list[str]:
+                    max_num_seqs: int, shared: SharedMemory | None = None) -> tuple[list[str], KVCapacity]:
     """One line per group, then the summary: KV cache size in tokens, and the maximum concurrency for requests of
     `max_model_len` tokens (full attention limits it; a window needs only its window's blocks per request)."""
     if shared is not None:
@@ -30,16 +46,14 @@ def capacity_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...
             limits.append(usable // per_request)
         elif isinstance(spec, FullAttentionSpec):
             limits.append(usable // -(-max_model_len // spec.block_size))
-    attention = [(n - 1) * g.spec.block_size for n, g in zip(num_blocks, groups) if isinstance(g.spec, FullAttentionSpec)]
-    size = f"{min(attention):,} tokens" if attention else "no full-attention tokens"
-    concurrency = min(limits) if limits else 0
-    lines.append(f"KV cache size: {size} in {total_bytes / 2**20:.1f} MiB; maximum concurrency for "
-                 f"{max_model_len:,} tokens per request: {concurrency}x")
-    return lines
+    capacity = KVCapacity(_attention_tokens(groups, num_blocks), min(limits) if limits else 0, total_bytes)
+    lines.append(f"KV cache size: {capacity.size_text} in {total_bytes / 2**20:.1f} MiB; maximum concurrency for "
+                 f"{max_model_len:,} tokens per request: {capacity.max_concurrency}x")
+    return lines, capacity
 
 
 def _shared_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...], max_model_len: int,
-                   max_num_seqs: int, shared: SharedMemory) -> list[str]:
+                   max_num_seqs: int, shared: SharedMemory) -> tuple[list[str], KVCapacity]:
     """Groups that share one budget: what each could hold alone, and how many requests fit side by side."""
     lines = []
     for gid, (group, n) in enumerate(zip(groups, num_blocks)):
@@ -55,9 +69,14 @@ def _shared_report(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...]
                          f"memory, up to {n - 1} = {(n - 1) * spec.block_size:,} tokens")
     mamba = sum(g.page_size_bytes for g in groups if isinstance(g.spec, MambaSpec))
     per_request = request_attention_bytes(groups, max_model_len) + mamba
-    attention = [(n - 1) * g.spec.block_size for n, g in zip(num_blocks, groups) if isinstance(g.spec, FullAttentionSpec)]
-    size = f"{min(attention):,} tokens" if attention else "no full-attention tokens"
-    lines.append(f"KV cache size: {size} in {shared.capacity / 2**20:.1f} MiB shared by every group (no running "
-                 f"slot set aside; --max-num-seqs {max_num_seqs}); maximum concurrency for {max_model_len:,} tokens "
-                 f"per request: {shared.capacity // per_request}x")
-    return lines
+    capacity = KVCapacity(_attention_tokens(groups, num_blocks), shared.capacity // per_request, shared.capacity)
+    lines.append(f"KV cache size: {capacity.size_text} in {shared.capacity / 2**20:.1f} MiB shared by every group (no "
+                 f"running slot set aside; --max-num-seqs {max_num_seqs}); maximum concurrency for "
+                 f"{max_model_len:,} tokens per request: {capacity.max_concurrency}x")
+    return lines, capacity
+
+
+def _attention_tokens(groups: tuple[KVCacheGroup, ...], num_blocks: tuple[int, ...]) -> int:
+    """The tokens the smallest full-attention group holds (0 without one)."""
+    return min(((n - 1) * g.spec.block_size for n, g in zip(num_blocks, groups)
+                if isinstance(g.spec, FullAttentionSpec)), default=0)

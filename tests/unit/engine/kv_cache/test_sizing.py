@@ -47,8 +47,10 @@ def test_every_preset_admits_a_request_of_its_max_length_at_the_default_budget(p
     length = config.max_position_embeddings
     layout = layout_for_memory(groups, DEFAULT_KV_CACHE_MEMORY, max_num_seqs=32, max_model_len=length)
     assert fits(groups, layout.num_blocks, length)
-    summary = capacity_report(groups, layout.num_blocks, length, 32, layout.shared)[-1]
+    report, capacity = capacity_report(groups, layout.num_blocks, length, 32, layout.shared)
+    summary = report[-1]
     assert not summary.endswith(": 0x"), summary
+    assert summary.endswith(f": {capacity.max_concurrency}x") and capacity.max_concurrency >= 1
     assert admitted(groups, layout, length, max_num_seqs=32) >= 1   # and it is served, not only counted
 
 
