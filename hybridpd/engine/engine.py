@@ -457,6 +457,7 @@ class LLMEngine:
             num_output_tokens=seq.num_tokens - seq.num_prompt_tokens,
             scheduled_at=seq.scheduled_at,
             num_preemptions=seq.num_preemptions,
+            num_pulled_tokens=seq.num_pulled_tokens,
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             stop_reason=seq.stop_reason,

@@ -67,4 +67,5 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     scheduled_at: float | None = None   # time.monotonic() when the engine first took the request from its queue
     num_preemptions: int = 0            # times the engine preempted it so far
+    num_pulled_tokens: int = 0          # of its prompt, what a pull from a prefill node brought (not cached)
     error: Exception | None = field(default=None, compare=False)

@@ -304,8 +304,8 @@ class Scheduler:
             return False
         self._park_loading(seq, hit.num_tokens)
         seq.num_cached_tokens = stored or hit.num_tokens
-        self._count(seq, hit.num_tokens, pulled=seq.num_prompt_tokens - max(stored, hit.num_tokens),
-                    stored=max(stored - hit.num_tokens, 0))
+        seq.num_pulled_tokens = seq.num_prompt_tokens - seq.num_cached_tokens
+        self._count(seq, hit.num_tokens, pulled=seq.num_pulled_tokens, stored=max(stored - hit.num_tokens, 0))
         assert self.loader is not None
         if not stored:
             self.loader.start_load(seq, hit.num_tokens, blocks)
@@ -331,6 +331,7 @@ class Scheduler:
             self.loader.start_load(seq, staged.stored_tokens, staged.rest)
         else:
             seq.num_cached_tokens = staged.hit_tokens
+            seq.num_pulled_tokens = seq.num_prompt_tokens - staged.hit_tokens
             self.loader.start_load(seq, staged.hit_tokens, staged.blocks)
 
     def _start_storage_load(self, seq: Sequence, hit: CacheHit, upto: int) -> bool:

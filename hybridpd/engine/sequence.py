@@ -34,6 +34,7 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0                # the local prefix hit at (first) admission
+    num_pulled_tokens: int = 0                # of its prompt, what a pull from a prefill node brought
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None      # the stop string or stop token id that ended it
     num_preemptions: int = 0

@@ -165,7 +165,8 @@ class RequestTracker:
             metrics.decode_time.observe(phases.decode)
             metrics.inference_time.observe(phases.inference)
             metrics.time_per_output_token.observe(phases.per_output_token)
-        metrics.prefill_kv_computed.observe(max(output.num_prompt_tokens - output.num_cached_tokens, 0))
+        computed = output.num_prompt_tokens - output.num_cached_tokens - output.num_pulled_tokens
+        metrics.prefill_kv_computed.observe(max(computed, 0))   # a decode node computes none of a pulled prompt
         metrics.num_preemptions.observe(output.num_preemptions)
         if self._max_tokens:
             metrics.params_max_tokens.observe(self._max_tokens)

@@ -75,13 +75,19 @@ def cached_by_source(node) -> dict[str, float]:
 
 def _pd(nodes, decoder: str, prompt: list[int]) -> tuple[list[int], int, float, float]:
     """One P/D request; (token ids, cached_tokens, bytes read, decode-side hit tokens counted). The decode node's
-    vLLM prompt-source counters grow by its hit (device) and what it pulled (p2p): the whole prompt between them."""
+    vLLM prompt-source counters grow by its hit (device) and what it pulled (p2p): the whole prompt between them, none
+    of it computed there."""
     decode = nodes[decoder]
     bytes_before = metric_total(decode, "hybridpd:kv_bytes_read_total")
     hits_before = metric_total(decode, "hybridpd:kv_decode_hit_tokens_total")
     sources_before = cached_by_source(decode)
+    computed_before = [metric_total(decode, f"vllm:request_prefill_kv_computed_tokens_{figure}")
+                       for figure in ("sum", "count")]
     token_ids, usage = pd_token_ids(nodes["prefill"], decode, greedy_body(prompt))
     cached = usage["prompt_tokens_details"]["cached_tokens"]
+    computed = [metric_total(decode, f"vllm:request_prefill_kv_computed_tokens_{figure}") - before
+                for figure, before in zip(("sum", "count"), computed_before)]
+    assert computed == [0, 1], computed   # observed once, and nothing of the prompt computed here
     sources = {k: v - sources_before.get(k, 0.0) for k, v in cached_by_source(decode).items()}
     assert sources == {"device": cached, "host": 0, "p2p": len(prompt) - cached, "disk": 0,
                        "external_unspecified": 0}, sources

@@ -39,11 +39,11 @@ class Clock:
 
 
 def output(tokens: int, *, scheduled_at: float | None, finished: bool = False, preemptions: int = 0,
-           cached: int = 0) -> RequestOutput:
+           cached: int = 0, pulled: int = 0) -> RequestOutput:
     return RequestOutput(request_id="r", new_token_ids=(5,) * tokens, new_text="", num_prompt_tokens=10,
                          num_cached_tokens=cached, num_output_tokens=0, finished=finished,
                          finish_reason=FinishReason.LENGTH if finished else None, scheduled_at=scheduled_at,
-                         num_preemptions=preemptions)
+                         num_preemptions=preemptions, num_pulled_tokens=pulled)
 
 
 def value(registry: CollectorRegistry, name: str) -> float:
@@ -67,13 +67,14 @@ def test_a_decode_node_request_is_observed_once_it_finishes(metrics):
     clock.now = 0.6
     tracker.observe(output(1, scheduled_at=0.2))                   # after the pull
     clock.now = 1.1
-    tracker.observe(output(1, scheduled_at=0.2, finished=True, preemptions=1, cached=4))
+    tracker.observe(output(1, scheduled_at=0.2, finished=True, preemptions=1, cached=4, pulled=6))
     assert value(registry, "vllm:request_queue_time_seconds_sum") == pytest.approx(0.2)
     assert value(registry, "vllm:request_prefill_time_seconds_sum") == 0.0
     assert value(registry, "vllm:request_decode_time_seconds_sum") == pytest.approx(1.0)
     assert value(registry, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.9)
     assert value(registry, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.5)
-    assert value(registry, "vllm:request_prefill_kv_computed_tokens_sum") == 6
+    assert value(registry, "vllm:request_prefill_kv_computed_tokens_count") == 1
+    assert value(registry, "vllm:request_prefill_kv_computed_tokens_sum") == 0   # 4 hit here, 6 pulled
     assert value(registry, "vllm:request_num_preemptions_sum") == 1
     assert value(registry, "vllm:request_params_max_tokens_sum") == 8
     assert value(registry, "vllm:request_params_n_sum") == 1
