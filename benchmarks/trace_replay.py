@@ -153,19 +153,25 @@ def role_counters(metrics_urls: list[str]) -> dict[str, float]:
     """The counters `role_figures` reads, summed over the nodes."""
     return (summed(metrics_urls, "vllm:prefix_cache_queries")
             | summed(metrics_urls, "vllm:time_to_first_token_seconds_")
+            | summed(metrics_urls, "vllm:request_queue_time_seconds_")
+            | summed(metrics_urls, "vllm:request_prefill_time_seconds_")
             | summed(metrics_urls, "vllm:prompt_tokens_cached_by_source", by_label=True))
 
 
 def role_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The nodes' own view between two `role_counters`: their prefix-cache hit rate (memory and storage) and mean
-    time from a request's arrival at the node to its first token."""
+    """The nodes' own view between two `role_counters`: their prefix-cache hit rate (memory and storage), mean
+    time from a request's arrival at the node to its first token, and its two phases (vLLM's): queued (to the
+    engine's first scheduling of it) and prefill (from there to its first token: a storage read's wait included)."""
     def grown(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
     queries, count = grown("vllm:prefix_cache_queries_total"), grown("vllm:time_to_first_token_seconds_count")
     hits = sum(grown(name) for name in after if name.startswith("vllm:prompt_tokens_cached_by_source_total")
                and any(f'source="{source}"' in name for source in ("device", "disk")))
     return {"hit_rate": hits / queries if queries else 0.0,
-            "node_mean_ttft_ms": grown("vllm:time_to_first_token_seconds_sum") / count * 1e3 if count else 0.0}
+            "node_mean_ttft_ms": grown("vllm:time_to_first_token_seconds_sum") / count * 1e3 if count else 0.0,
+            **{f"node_mean_{phase}_ms": (grown(f"vllm:request_{phase}_time_seconds_sum") * 1e3
+                                         / max(grown(f"vllm:request_{phase}_time_seconds_count"), 1))
+               for phase in ("queue", "prefill")}}
 
 
 def serve_history(info: Any, history: Workload, max_tokens: int, metrics_urls: list[str], tier: bool) -> int:
@@ -237,6 +243,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
         "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
+        "prefill_node_mean_queue_ms": prefill_side["node_mean_queue_ms"],
+        "prefill_node_mean_prefill_ms": prefill_side["node_mean_prefill_ms"],
         "token_ids": [r["token_ids"] for r in results], "tier": counters, "probe": probed,
         "window_hit_rates": [window_hit_rate(results, start, end)[0] for start, end in windows],
         "history_failed": history_failed,
@@ -350,7 +358,8 @@ def main() -> int:
                 last = runs[name][-1]
                 print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
                       f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
-                      f"{last['prefill_node_mean_ttft_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, "
+                      f"{last['prefill_node_mean_ttft_ms']:.0f}: queued {last['prefill_node_mean_queue_ms']:.0f}, "
+                      f"prefill {last['prefill_node_mean_prefill_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, "
                       f"CPU s {last['cpu_s']}", flush=True)
 
     def mean(name: str, key: str) -> float | None:

@@ -161,6 +161,10 @@ def _offload_metrics(counters: TierCounters) -> Iterator[Metric]:
                               "prompt was computed instead)", value=counters.load_misses)
     yield CounterMetricFamily("hybridpd:kv_offload_load_timeouts", "Storage reads given up after --kv-load-timeout "
                               "(the prompt was computed instead)", value=counters.load_timeouts)
+    loads = HistogramMetricFamily("hybridpd:kv_offload_load_seconds", "Seconds from a request's storage read being "
+                                  "asked for to its end (behind the reads before it included)")
+    loads.add_metric([], counters.load_seconds.cumulative(), counters.load_seconds.total)
+    yield loads
     cpu = CounterMetricFamily("hybridpd:kv_offload_thread_cpu_seconds", "CPU time of the storage tier's threads: the "
                               "writer (its process and the thread that feeds it), the loader and the scanner (not the "
                               "engine thread's offers and hit searches)",

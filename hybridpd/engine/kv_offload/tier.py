@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from hybridpd.engine.histogram import HistogramCounts, HistogramSnapshot
 from hybridpd.engine.kv_offload.ring import ByteRing
 from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterProcess, WriterSetup
@@ -58,6 +59,9 @@ class _Load:
     abandoned: bool = False   # the engine gave up on it: copy nothing more into its blocks
 
 
+LOAD_SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
 @dataclass
 class TierCounters:
     written: int = 0
@@ -73,6 +77,9 @@ class TierCounters:
     writer_cpu_s: float = 0.0
     loader_cpu_s: float = 0.0
     scanner_cpu_s: float = 0.0
+    # seconds from a request's read being asked for to its end (behind the reads before it included); set in
+    # `snapshot`, from the loader's running counts
+    load_seconds: HistogramSnapshot = HistogramSnapshot.empty(LOAD_SECONDS_BUCKETS)
 
 
 class OffloadTier:
@@ -100,6 +107,8 @@ class OffloadTier:
         self._ring = ByteRing(queue_bytes)
         self._queued_lock = threading.Condition()   # notified as the writer gives bytes back
         self._loads: queue.Queue = queue.Queue()
+        self._load_seconds = HistogramCounts(LOAD_SECONDS_BUCKETS)
+        self._load_seconds_lock = threading.Lock()
         self._finished: deque[tuple[str, bool]] = deque()
         self._pending_lock = threading.Condition()   # also guards `_inflight`, `_stalled` and every copy into pages
         self._inflight: dict[str, _Load] = {}          # loads asked for and not finished nor abandoned
@@ -199,7 +208,8 @@ class OffloadTier:
         return [load.request_id for load in overdue]
 
     def snapshot(self) -> TierCounters:
-        return replace(self.counters)
+        with self._load_seconds_lock:   # never the pending lock: the loader holds it while it copies pages
+            return replace(self.counters, load_seconds=self._load_seconds.snapshot())
 
     def take_changes(self) -> list[tuple[bool, int, bytes]]:
         """What the tier came to hold or lost since the last call: (held, group, hash), oldest first."""
@@ -316,6 +326,8 @@ class OffloadTier:
                 if not load.abandoned:   # finished before it leaves `_inflight`: `loading` (read unlocked) sees one
                     self._finished.append((load.request_id, ok))
                     del self._inflight[load.request_id]
+                    with self._load_seconds_lock:
+                        self._load_seconds.observe(time.monotonic() - load.started)
                 self._pending_lock.notify_all()
 
     def _scan_loop(self) -> None:

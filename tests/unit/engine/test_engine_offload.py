@@ -75,6 +75,7 @@ def test_a_hit_only_storage_holds_is_served_like_computing_it(tiny_dir, tmp_path
     out, cached = drive(cold, SECOND)
     assert memory_hit > 0 and cached["c"] == memory_hit   # the same prefix, now read from storage
     assert cold.offload.counters.loaded_blocks > 0 and cold.offload.counters.load_misses == 0
+    assert cold.offload.snapshot().load_seconds.count == 1   # the one read, timed
     sources = cold.scheduler.sources   # vLLM's metrics: the disk's hit, none of it the memory's
     assert (sources.stored, sources.local_hits, sources.external_queries) == (memory_hit, 0, sources.queries)
     assert out["c"] == tokens
