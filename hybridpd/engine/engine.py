@@ -18,6 +18,7 @@ from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.cache_info import cache_config_info
 from hybridpd.engine.detokenizer import Detokenizer
 from hybridpd.engine.grammar import Grammar, GrammarCompiler
+from hybridpd.engine.histogram import HistogramSnapshot
 from hybridpd.engine.kv_cache.coordinator import GroupStats, KVCacheManager
 from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Medium
 from hybridpd.engine.kv_cache.capacity import capacity_report
@@ -37,7 +38,6 @@ from hybridpd.engine.request import EngineRequest, FinishReason, RequestOutput, 
 from hybridpd.engine.runner import LogitsHook, ModelRunner, RunnerOutput
 from hybridpd.engine.scheduler import RemoteKVLoader, Scheduler, SchedulerPlan
 from hybridpd.engine.sequence import Sequence
-from hybridpd.engine.histogram import HistogramSnapshot
 from hybridpd.engine.step_tokens import NO_STEPS, step_token_counts
 from hybridpd.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridpd.errors import InvalidRequestError
@@ -142,8 +142,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._order = itertools.count()
         self.num_prompt_tokens_total = 0
-        self.step_tokens = step_token_counts()
         self.num_generation_tokens_total = 0
+        self.step_tokens = step_token_counts()
         self.stats = EngineStats()
         self.refresh_stats()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from hybridpd.engine.prompt_sources import PromptSources
 from hybridpd.engine.request import FinishReason, RequestStatus
 
 from .sched_harness import (
@@ -239,6 +240,9 @@ def test_remote_prefill_pulls_only_what_the_local_hit_lacks():
     step(sched)
     (_, hit, blocks), = loader.started
     assert hit == 16                                   # full attention alone decides (Mamba skipped)
+    # vLLM's prompt sources: the local request queried outside (a connector is there) and found nothing; the remote
+    # one took 16 tokens here and pulls 4
+    assert sched.sources == PromptSources(prompt_tokens=40, queries=40, local_hits=16, external_queries=24, pulled=4)
     # Full attention pulls the block after its hit (a hit stops short of the prompt's end); the window's one
     # visible block is full and held here under its hash, so it is taken from the local cache, not pulled.
     assert [[i for i, _ in load] for load in blocks.load] == [[4], [], [0]]

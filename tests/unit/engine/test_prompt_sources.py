@@ -1,6 +1,6 @@
 """Where admitted prompts' tokens come from (engine/prompt_sources.py), as vLLM's metrics count it: the totals'
-arithmetic, and the scheduler's counts for a computed prompt, a local hit, a pull after a local hit, and a
-preempted request admitted again (not counted twice)."""
+arithmetic, and the scheduler's counts for a computed prompt, a local hit, and a preempted request admitted again
+(not counted twice); a pull after a local hit is counted in test_engine_scheduler.py's scenario of it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 
 from hybridpd.engine.prompt_sources import CacheHitSource, PromptSources, PromptTokenSource
 
-from tests.unit.engine.sched_harness import FakeLoader, all_free, fa, make_kv, make_scheduler, make_seq, \
-    remote_params, step
+from tests.unit.engine.sched_harness import all_free, fa, make_kv, make_scheduler, make_seq, step
 
 MAX_STEPS = 500
 
@@ -67,23 +66,6 @@ def test_a_node_without_a_connector_counts_local_hits_and_no_external_queries():
     sched.add(make_seq("b", 20, max_tokens=1))
     run_to_end(sched)
     assert sched.sources == PromptSources(prompt_tokens=40, queries=40, local_hits=16, external_queries=0)
-    assert all_free(kv)
-
-
-def test_a_decode_node_counts_what_it_pulls_beyond_its_local_hit():
-    kv, loader = make_kv(), FakeLoader()
-    sched = make_scheduler(kv, loader=loader)
-    sched.add(make_seq("local", 20, max_tokens=1))
-    run_to_end(sched)
-    sched.add(make_seq("r", 20, kv_transfer=remote_params(20)))
-    step(sched)
-    (_, hit, _), = loader.started
-    assert hit == 16
-    # the local request: queried outside (a connector is there), nothing found; the remote one: 16 here, 4 pulled
-    assert sched.sources == PromptSources(prompt_tokens=40, queries=40, local_hits=16, external_queries=24,
-                                           pulled=4)
-    sched.finish_load("r", ok=True)
-    run_to_end(sched)
     assert all_free(kv)
 
 
