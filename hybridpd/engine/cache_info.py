@@ -18,7 +18,7 @@ from hybridpd.engine.kv_cache.capacity import KVCapacity
 
 def cache_config_info(cache: CacheConfig, capacity: KVCapacity, mamba_block_size: int | None) -> tuple[
         tuple[str, str], ...]:
-    """(label, value) pairs, in vLLM's order of its own fields where it has them."""
+    """(label, value) pairs, by name (as Prometheus writes labels)."""
     return (
         ("block_size", str(cache.block_size)),
         ("cache_dtype", "auto"),

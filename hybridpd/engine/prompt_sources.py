@@ -3,14 +3,14 @@ tier, or computed here, counted as vLLM's scheduler counts them for its metrics.
 
 vLLM 0.32 (vllm/v1/metrics) counts, per request when it is first scheduled (a preempted request again is not): the
 prompt tokens looked up in the prefix cache and those it held (`vllm:prefix_cache_queries` / `_hits`: the local
-cache alone, none with prefix caching off); where a KV connector is configured, the tokens left after that hit (`vllm:external_prefix_cache_
-queries`) and those the connector supplies (`_hits`); the cached tokens by the tier that supplied them
-(`vllm:prompt_tokens_cached_by_source`, which sums to the local and external hits: `device` for the local cache,
-`p2p` for another instance, `disk`, `host`, `external_unspecified`); and every prompt token by source
+cache alone, none with prefix caching off); where a KV connector is configured, the tokens left after that hit
+(`vllm:external_prefix_cache_queries`) and those the connector supplies (`_hits`); the cached tokens by the tier that
+supplied them (`vllm:prompt_tokens_cached_by_source`, which sums to the local and external hits: `device` for the
+local cache, `p2p` for another instance, `disk`, `host`, `external_unspecified`); and every prompt token by source
 (`vllm:prompt_tokens_by_source`: `local_compute`, `local_cache_hit`, `external_kv_transfer`). Here the local cache is
 the node's memory (`device`: this engine's own, CPU or not), a remote prefill's pull is `p2p` and the storage tier
 (`--kv-offload-dir`) is `disk`. The connector is "configured" where a request can get tokens from outside: a node
-that pulls (a decode role) or has a storage tier.
+that can pull (every node here: each is kv_both) or has a storage tier.
 
 Counted at admission, as vLLM counts them: a storage read that then fails is recomputed (or pulled) without the
 counts changing, as vLLM's do not on a failed load.
