@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hybridpd.bench import mooncake
+from hybridpd.config import MambaRetentionPolicy
 from hybridpd.proxy.config import CostRule, RoutingPolicy
 from hybridpd.server.args import parse_size
 
@@ -24,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a storage tier of this size (one directory every node shares, as --kv-offload-dir on "
                              "a shared volume); default: none")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--mamba-cache-retention", choices=[p.value for p in MambaRetentionPolicy],
+                        default=MambaRetentionPolicy.SPARSE.value,
+                        help="which Mamba states a request saves, as the nodes' flag: a few chosen boundaries, or "
+                             "every interval")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--trace-tokens-per-hash", type=int, default=16)
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                             for chosen in (mooncake.select(every, trace),
                                            mooncake.history(every, trace, args.trace_history)))
         layout = NodeLayout.of(model_dir, args.kv_cache_memory, args.block_size, args.max_num_seqs,
-                               args.max_model_len)
+                               args.max_model_len, MambaRetentionPolicy(args.mamba_cache_retention))
         vocab = read_model_config(model_dir)[0].vocab_size
         result = simulate(records, trace, layout, shape, RoutingPolicy(args.routing), clock, vocab, CostRule(),
                           offload_bytes=args.kv_offload_size, history=history)

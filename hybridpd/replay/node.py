@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hybridpd.config import CacheConfig
+from hybridpd.config import CacheConfig, MambaRetentionPolicy
 from hybridpd.engine.kv_cache.cache_types import StepBlocks
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager
 from hybridpd.engine.kv_cache.memory import SharedMemory, layout_for_memory
@@ -52,7 +52,8 @@ class NodeLayout:
     shared: SharedMemory | None = None
 
     @classmethod
-    def of(cls, model_dir: Path, memory: int, block_size: int, max_num_seqs: int, max_model_len: int) -> NodeLayout:
+    def of(cls, model_dir: Path, memory: int, block_size: int, max_num_seqs: int, max_model_len: int,
+           retention: MambaRetentionPolicy = MambaRetentionPolicy.SPARSE) -> NodeLayout:
         config, build = read_model_config(model_dir)
         with torch.device("meta"):
             model = build(torch.float32)
@@ -62,8 +63,8 @@ class NodeLayout:
             layout = layout_for_memory(groups, memory, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         except ValueError as exc:
             raise SimulationError(str(exc)) from exc
-        return cls(groups, layout.num_blocks, CacheConfig(block_size=block_size, enable_kv_cache_events=True),
-                   layout.shared)
+        return cls(groups, layout.num_blocks, CacheConfig(block_size=block_size, enable_kv_cache_events=True,
+                                                          mamba_retention=retention), layout.shared)
 
 
 @dataclass(frozen=True)

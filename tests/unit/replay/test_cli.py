@@ -97,3 +97,19 @@ def test_a_storage_tier_of_no_size_is_refused(tiny, trace, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["replay", str(trace), "--model", str(tiny), "--colocated", "1", "--kv-offload-size", "0"])
     assert exit_.value.code == 2 and "--kv-offload-size: not a positive size" in capsys.readouterr().err
+
+
+def test_saving_every_mamba_state_lets_a_prefix_hit_go_further(tiny, tmp_path, capsys):
+    """The nodes' `--mamba-cache-retention`: the second request shares 3 of the first's 8 blocks of prompt; with a
+    few chosen states saved its hit ends at an earlier one, with every interval's state at the shared prefix."""
+    path = tmp_path / "shared.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"timestamp": 0, "input_length": 4096, "output_length": 4, "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7]},
+        {"timestamp": 500, "input_length": 2048, "output_length": 4, "hash_ids": [0, 1, 2, 9]})))
+
+    def hit_rate(retention: str) -> float:
+        assert main(["replay", str(path), "--model", str(tiny), "--kv-cache-memory", "4MiB", "--max-model-len", "512",
+                     "--trace-tokens-per-hash", "40", "--colocated", "1", "--mamba-cache-retention", retention]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_hit_rate"]
+
+    assert 0 < hit_rate("sparse") < hit_rate("every")
