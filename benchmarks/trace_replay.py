@@ -203,7 +203,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         kv_events=name != "round_robin",
         serve_args=("--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len), *tier),
         proxy_args=("--routing", "round_robin" if name == "round_robin" else "cache_aware", "--prefill-timeout",
-                    "1200", "--decode-timeout", "1200"),
+                    "1200", "--decode-timeout", "1200",
+                    *(("--pd-threshold", str(args.pd_threshold)) if name != "round_robin" else ())),
     )
     cluster = LocalCluster(spec)
     with cluster as info:
@@ -223,12 +224,15 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         cpu_before = {role: sessions_cpu_s(pids) for role, pids in roles.items()}
         prefill_before = role_counters(prefill_metrics)
         tier_before = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
+        alone_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total")
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
         counters = {label: value - tier_before.get(label, 0.0) for label, value in
                     summed(node_metrics, "hybridpd:kv_offload_", by_label=True).items()} if tier else {}
         prefill_side = role_figures(prefill_before, role_counters(prefill_metrics))
+        alone = sum(summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total").values()) - sum(
+            alone_before.values())
         replayed.set()
     if restart_at is not None:
         before = window_hit_rate(results, restart_at - 60, restart_at)
@@ -242,6 +246,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
         "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
+        "decode_alone_requests": alone,
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "prefill_node_mean_queue_ms": prefill_side["node_mean_queue_ms"],
         "prefill_node_mean_prefill_ms": prefill_side["node_mean_prefill_ms"],
@@ -300,6 +305,9 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="48MiB")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--pd-threshold", type=int, default=0, metavar="TOKENS",
+                        help="the proxy's --pd-threshold in the cache_aware setups (a request its decode node would "
+                             "compute fewer prompt tokens of is served whole there); 0: always disaggregate")
     parser.add_argument("--offload-root", type=Path, default=None,
                         help="where the tier's directory is made (default: the system's temporary directory)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
@@ -360,7 +368,8 @@ def main() -> int:
                       f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
                       f"{last['prefill_node_mean_ttft_ms']:.0f}: queued {last['prefill_node_mean_queue_ms']:.0f}, "
                       f"prefill {last['prefill_node_mean_prefill_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, "
-                      f"CPU s {last['cpu_s']}", flush=True)
+                      f"CPU s {last['cpu_s']}, served by a decode node alone {last['decode_alone_requests']:.0f}",
+                      flush=True)
 
     def mean(name: str, key: str) -> float | None:
         return statistics.mean(run[key] for run in runs[name]) if runs.get(name) else None

@@ -17,7 +17,9 @@ A request's path through the proxy:
 A body asking for `n` > 1 samples goes through as one such request per sample (proxy/samples.py), its answers merged.
 With `--routing cache_aware` the prompt is tokenized first (RECEIVED -> TOKENIZED) and each hop's node is chosen by
 proxy/cache_aware.py from the nodes' KV events (proxy/kv_feed.py); each hit it predicted is compared with the
-node's report (X-HybridPD-Cached-Tokens) in the metrics.
+node's report (X-HybridPD-Cached-Tokens) in the metrics. With `--pd-threshold` a request whose chosen decode node
+would compute fewer prompt tokens than the threshold skips PREFILLING: TOKENIZED -> DECODING(whole on that node),
+counted in hybridpd_proxy_decode_alone_total.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from hybridpd import __version__
 from hybridpd.api_keys import REFUSAL, ApiKeys
 from hybridpd.cors import install as install_cors
 from hybridpd.proxy.bodies import decode_body, prefill_body, sample_bodies, served_whole, wants_stream
-from hybridpd.proxy.cache_aware import Choice, cache_salt, choose, token_ids_in_body, tokenize_body, truncated
+from hybridpd.proxy.cache_aware import (
+    Choice, cache_salt, choose, choose_decode_alone, token_ids_in_body, tokenize_body, truncated,
+)
 from hybridpd.proxy.config import ProxyConfig, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.errors import UpstreamError, UpstreamRejectedError
 from hybridpd.proxy.health import check_all, health_body
@@ -189,6 +193,12 @@ class Proxy:
             if served_whole(body):
                 with self.tracer.span("whole call", span.carrier()) as call:
                     return await self._whole(reply, path, body, request_id, prompt, call.carrier())
+            alone = self._decode_alone(prompt)
+            if alone is not None:   # the decode node holds nearly all of the prompt: no prefill call
+                self.metrics.count_decode_alone()
+                with self.tracer.span("decode call", span.carrier()) as call:
+                    return await self._decode(reply, path, decode_body(body, None), request_id, prompt, None,
+                                              call.carrier(), first=alone)
             with self.tracer.span("prefill call", span.carrier()) as call:
                 answer = await reply.wait(self._prefill_or_fall_back(path, body, request_id, prompt, call.carrier()))
             kv_params = answer.kv_transfer_params if answer is not None else None
@@ -244,6 +254,15 @@ class Proxy:
         if prompt is None or self.feeds is None:
             return Choice(upstream=router.pick(exclude=exclude), predicted_hit=None, work_tokens=0)
         return choose(router, role, prompt, self.feeds.index, self.config.cost_rule, exclude)
+
+    def _decode_alone(self, prompt: PromptHashes | None) -> Choice | None:
+        """The decode node that serves the request whole by `--pd-threshold` (proxy/cache_aware.py), or None."""
+        if prompt is None or self.feeds is None or not self.config.cost_rule.pd_threshold:
+            return None
+        try:
+            return choose_decode_alone(self.routers[Role.DECODE], prompt, self.feeds.index, self.config.cost_rule)
+        except NoUpstreamError:
+            return None   # the decode call after the prefill says so
 
     def _compare(self, choice: Choice, reported: int | None) -> None:
         if choice.predicted_hit is not None and reported is not None:
@@ -303,11 +322,10 @@ class Proxy:
 
     async def _decode(
         self, reply: Reply, path: str, body: dict[str, Any], request_id: str, prompt: PromptHashes | None,
-        lease: HeldLease | None, trace: Carrier, role: Role = Role.DECODE,
+        lease: HeldLease | None, trace: Carrier, role: Role = Role.DECODE, first: Choice | None = None,
     ) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
-            stream = await self._open_decode(stack, path, body, request_id, prompt, lease=lease, trace=trace,
-                                             role=role)
+            stream = await self._open_decode(stack, path, body, request_id, prompt, first, lease, trace, role)
             headers = {"Content-Type": stream.content_type, "X-Request-Id": request_id}
             if not wants_stream(body):
                 return web.Response(status=stream.status, body=await stream.read_all(), headers=headers)

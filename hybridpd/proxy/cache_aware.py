@@ -29,6 +29,12 @@ and its memory together; reading a block back costs more than finding it in memo
 (`--storage-hit-weight`, 0.5: benchmarks/offload_io.py reads the small preset's blocks at ~80 MB/s here, where
 computing them runs at a few thousand tokens a second).
 
+Disaggregate or not (`--pd-threshold`, llm-d's prefix-based decision): the decode node is chosen first, by the same
+rule; when the prompt tokens it would compute itself (the prompt less its hybrid hit over every group, memory and
+storage: it would prefill the request as a colocated node does) are fewer than the threshold, it serves the request
+whole. A prompt the decode node has almost all of skips the prefill node's queue, the pull and a second HTTP call;
+the decode node computes a short suffix beside its decodes, which is what the threshold bounds.
+
 The prompt is tokenized once per request: token-id prompts as they are; text and chat through a node's
 `POST /tokenize`, which renders and tokenizes exactly as the node will (same chat template, same special tokens).
 """
@@ -85,6 +91,21 @@ def choose(router: Router, role: Role, prompt: PromptHashes, index_of: Callable[
     upstream = router.pick(exclude=exclude, costs=costs)
     hit = hits[upstreams.index(upstream)]
     return Choice(upstream=upstream, predicted_hit=hit, work_tokens=num_tokens - (hit or 0))
+
+
+def choose_decode_alone(router: Router, prompt: PromptHashes, index_of: Callable[[Upstream], NodeIndex | None],
+                        rule: CostRule) -> Choice | None:
+    """The decode node that serves the request whole (no prefill call), or None: disaggregate. None too when the
+    threshold is off or nothing is known of the chosen node's cache."""
+    if not rule.pd_threshold:
+        return None
+    upstream = choose(router, Role.DECODE, prompt, index_of, rule).upstream
+    index = index_of(upstream)
+    if index is None:
+        return None
+    hit = index.prefill_hit(prompt, index.has_storage)
+    miss = prompt.num_tokens - hit
+    return Choice(upstream=upstream, predicted_hit=hit, work_tokens=miss) if miss < rule.pd_threshold else None
 
 
 _MAX_TOKEN_ID = 2 ** 63 - 1   # what the nodes' block hashes encode; a larger id is the node's 400, not our prediction

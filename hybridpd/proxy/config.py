@@ -31,6 +31,9 @@ class CostRule:
     load_tokens_per_request: int = 32
     queued_tokens_weight: float = 0.5
     storage_hit_weight: float = 0.5   # a token the node reads from its storage tier, against one it computes
+    # Disaggregate only a prompt of which the chosen decode node would compute at least this many tokens itself;
+    # below, that node serves the request whole (no prefill call, no pull). 0: every request is disaggregated.
+    pd_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.load_tokens_per_request < 0:
@@ -39,6 +42,8 @@ class CostRule:
             raise ValueError(f"--queued-tokens-weight must be in [0, 1], got {self.queued_tokens_weight}")
         if not 0 <= self.storage_hit_weight <= 1:
             raise ValueError(f"--storage-hit-weight must be in [0, 1], got {self.storage_hit_weight}")
+        if self.pd_threshold < 0:
+            raise ValueError(f"--pd-threshold must be >= 0, got {self.pd_threshold}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +166,8 @@ class ProxyConfig:
                      "decode_first_byte_timeout", "connect_timeout", "health_timeout", "probe_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.cost_rule.pd_threshold and self.routing is not RoutingPolicy.CACHE_AWARE:
+            raise ValueError("--pd-threshold needs --routing cache_aware (it reads the decode node's predicted hit)")
         if self.cluster_token is not None and not self.cluster_token:
             raise ValueError("the cluster token must not be empty")
 

@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-hit-weight", type=float, default=0.5, metavar="W",
                         help="cache_aware: how much a prompt token a node would read from its storage tier "
                              "(--kv-offload-dir) saves against one held in memory, in [0, 1]")
+    parser.add_argument("--pd-threshold", type=int, default=0, metavar="TOKENS",
+                        help="cache_aware: send a request to a prefill node only when the decode node chosen for it "
+                             "would compute at least TOKENS of its prompt (its hit in memory and storage known from "
+                             "its KV events); a shorter miss is served whole there, with no prefill call and no pull "
+                             "(llm-d's prefix-based P/D decision, its nonCachedTokens). 0 (default): always "
+                             "disaggregate")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for a whole prefill call")
     parser.add_argument("--prefill-first-byte-timeout", type=float, default=5.0,
                         help="seconds for a prefill node's first byte (its HTTP front's 100 Continue); a node "
@@ -157,7 +163,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         routing=RoutingPolicy(args.routing),
         cost_rule=CostRule(load_tokens_per_request=args.load_tokens_per_request,
                            queued_tokens_weight=args.queued_tokens_weight,
-                           storage_hit_weight=args.storage_hit_weight),
+                           storage_hit_weight=args.storage_hit_weight, pd_threshold=args.pd_threshold),
         prefill_timeout=args.prefill_timeout,
         prefill_first_byte_timeout=args.prefill_first_byte_timeout,
         decode_timeout=args.decode_timeout,

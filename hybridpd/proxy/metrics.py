@@ -40,6 +40,10 @@ class ProxyMetrics:
             "hybridpd_proxy_fallback_colocated", "Requests a decode node prefilled itself because no prefill node "
             "could take them", registry=self.registry,
         )
+        self.decode_alone = Counter(
+            "hybridpd_proxy_decode_alone", "Requests a decode node served whole because it would compute fewer of "
+            "their prompt tokens than --pd-threshold (no prefill call)", registry=self.registry,
+        )
         self.upstream_outstanding = Gauge(
             "hybridpd_proxy_upstream_outstanding", "Calls in flight to a node",
             ["role", "upstream"], registry=self.registry,
@@ -98,6 +102,9 @@ class ProxyMetrics:
 
     def count_fallback(self) -> None:
         self.fallback_colocated.inc()
+
+    def count_decode_alone(self) -> None:
+        self.decode_alone.inc()
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offload-size", type=parse_size, default=None,
                         help="a storage tier of this size (one directory every node shares, as --kv-offload-dir on "
                              "a shared volume); default: none")
+    parser.add_argument("--pd-threshold", type=int, default=0, metavar="TOKENS",
+                        help="the proxy's flag (cache_aware): a request whose decode node would compute fewer prompt "
+                             "tokens than this is served whole there; 0: always disaggregate")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--mamba-cache-retention", choices=[p.value for p in MambaRetentionPolicy],
                         default=MambaRetentionPolicy.SPARSE.value,
@@ -62,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         shape = ClusterShape(prefill=args.prefill, decode=args.decode, colocated=args.colocated)
+        rule = CostRule(pd_threshold=args.pd_threshold)
+        if rule.pd_threshold and args.routing != RoutingPolicy.CACHE_AWARE.value:
+            raise ValueError("--pd-threshold needs --routing cache_aware (it reads the decode node's index)")
         clock = TimeModel(**json.loads(args.time_model.read_text())) if args.time_model else TimeModel()
         trace = mooncake.TraceSlice(tokens_per_hash=args.trace_tokens_per_hash, time_scale=args.trace_time_scale,
                                     start_s=args.trace_start, duration_s=args.trace_duration,
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         layout = NodeLayout.of(model_dir, args.kv_cache_memory, args.block_size, args.max_num_seqs,
                                args.max_model_len, MambaRetentionPolicy(args.mamba_cache_retention))
         vocab = read_model_config(model_dir)[0].vocab_size
-        result = simulate(records, trace, layout, shape, RoutingPolicy(args.routing), clock, vocab, CostRule(),
+        result = simulate(records, trace, layout, shape, RoutingPolicy(args.routing), clock, vocab, rule,
                           offload_bytes=args.kv_offload_size, history=history)
     except (ValueError, TypeError, OSError, SimulationError) as exc:
         print(f"hybridpd replay: {exc}", file=sys.stderr)

@@ -6,7 +6,9 @@ events built), the node serves the prompt (its hit over every group; the rest co
 a node, which takes its full-attention hit, pulls the rest and decodes. Colocated (`--colocated N`): one router, one
 node does both. Clock (time_model.py): a node computes one prompt at a time (a FIFO queue), so TTFT = queueing +
 prefill; a call stays in flight for the router until its node is done with it; decode steps are batched (each request
-gets `decode_step_s` per token), so ITL is that step plus a pull spread over the outputs.
+gets `decode_step_s` per token), so ITL is that step plus a pull spread over the outputs. With cache_aware and the
+rule's `pd_threshold` a request whose chosen decode node would compute fewer prompt tokens than it is served whole
+there, as a colocated node serves it (its prompts in the node's own FIFO).
 """
 
 from __future__ import annotations
@@ -18,19 +20,21 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hybridpd.bench import mooncake
 from hybridpd.proxy.block_holders import BlockHolders
-from hybridpd.proxy.cache_aware import choose
+from hybridpd.proxy.cache_aware import choose, choose_decode_alone
 from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import PromptHashes
 from hybridpd.proxy.routing import Router
 from hybridpd.replay.node import NodeLayout, Served, SimNode
 from hybridpd.replay.storage import SimStorage
 from hybridpd.replay.time_model import TimeModel
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,17 @@ class _Role:
         self.decisions += 1
         return upstream
 
+    def alone(self, prompt: PromptHashes, rule: CostRule, now: float) -> Upstream | None:
+        """The node of this (decode) role that serves the request whole by `--pd-threshold`, or None."""
+        if self.router.policy is not RoutingPolicy.CACHE_AWARE or not rule.pd_threshold:
+            return None
+        self.advance(now)
+        choice, seconds = timed_decision(
+            lambda: choose_decode_alone(self.router, prompt, lambda u: self.nodes[u].index, rule))
+        self.deciding_s += seconds
+        self.decisions += 1
+        return None if choice is None else choice.upstream
+
     def in_flight_until(self, upstream: Upstream, work_tokens: int, end: float) -> None:
         call = self.router.in_flight(upstream, work_tokens)
         call.__enter__()
@@ -82,7 +97,7 @@ class _Role:
         heapq.heappush(self._calls, (end, self._order, call))
 
 
-def timed_decision(decide: Callable[[], Upstream]) -> tuple[Upstream, float]:
+def timed_decision(decide: Callable[[], _T]) -> tuple[_T, float]:
     """A routing decision and the seconds it took. The collector waits meanwhile: its passes here walk the simulated
     nodes' block objects, which a proxy's heap does not hold (its indexes are sets of bytes, which the collector does
     not track)."""
@@ -186,6 +201,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
     prefill = {"memory": 0, "storage": 0}
     decode = {"memory": 0, "storage": 0}
     ttfts, itls, finishes = [], [], []
+    served_alone = 0   # requests a decode node served whole (`--pd-threshold`)
     for i, (record, arrival) in enumerate(zip(served_records, offsets)):
         measured = i >= len(history)
         prompt = list(mooncake.prompt_tokens(record, trace.tokens_per_hash, vocab_size, rng))
@@ -197,12 +213,15 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
             role.advance(arrival)
         cores.forget_before(arrival)
         cores.run(arrival, clock.request_cpu_s)
-        first = roles[0]
-        upstream = first.pick(hashes, rule)
+        alone = None if shape.colocated else roles[1].alone(hashes, rule, arrival)
+        first = roles[1] if alone is not None else roles[0]
+        upstream = alone or first.pick(hashes, rule)
         node = first.nodes[upstream]
-        served = node.colocated(rid, prompt, outputs) if shape.colocated else node.prefill(rid, prompt)
+        whole = shape.colocated or alone is not None
+        served = node.colocated(rid, prompt, outputs) if whole else node.prefill(rid, prompt)
         if measured:
-            _count(decode if shape.colocated else prefill, served)
+            _count(decode if whole else prefill, served)
+            served_alone += alone is not None
         _storage_seen(storage, nodes)
         computed = len(prompt) - served.cached_tokens
         prefill_s = clock.prefill_s(computed) + clock.storage_s(served.read_bytes)
@@ -210,7 +229,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         node.busy_until = prefilled
         first.in_flight_until(upstream, computed, prefilled)
         fetch_s = 0.0
-        if not shape.colocated:
+        if not whole:
             decode_role = roles[1]
             decode_role.advance(prefilled)
             d_upstream = decode_role.pick(hashes, rule)
@@ -222,7 +241,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         done = prefilled + fetch_s + clock.decode_step_s * (n_out - 1)
         cores.run(prefilled + fetch_s, clock.decode_step_s * (n_out - 1))   # the decode node's CPU, shared
         engine_cpu_s += (prefill_s + clock.decode_step_s * (n_out - 1)) if measured else 0.0
-        if not shape.colocated:
+        if not whole:
             decode_role.in_flight_until(d_upstream, 0, done)
         if not measured:
             continue
@@ -240,6 +259,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         "requests": len(records), "prompt_tokens": prompt_total, "output_tokens": output_total,
         "ideal_hit_rate": hits / total if total else None,
         "prefill_hit_rate": None if shape.colocated else sum(prefill.values()) / prompt_total,
+        "decode_alone_requests": None if shape.colocated else served_alone,
         "decode_hit_rate": sum(decode.values()) / prompt_total,
         "prefill_storage_hit_rate": None if shape.colocated or storage is None else prefill["storage"] / prompt_total,
         "decode_storage_hit_rate": None if storage is None else decode["storage"] / prompt_total,

@@ -9,7 +9,9 @@ import pytest
 from hybridpd.engine.kv_cache.hashing import RequestBlockHashes
 from hybridpd.kv_events import wire
 from hybridpd.kv_events.wire import GroupInfo
-from hybridpd.proxy.cache_aware import cache_salt, choose, token_ids_in_body, tokenize_body, truncated
+from hybridpd.proxy.cache_aware import (
+    cache_salt, choose, choose_decode_alone, token_ids_in_body, tokenize_body, truncated,
+)
 from hybridpd.proxy.config import CostRule, Role, RoutingPolicy, Upstream
 from hybridpd.proxy.kv_index import NodeIndex, PromptHashes
 from hybridpd.proxy.routing import Router
@@ -74,6 +76,45 @@ def test_prefill_hit_needs_a_mamba_state_at_the_hit():
     assert choice.predicted_hit == 16
 
 
+@pytest.mark.parametrize("threshold, held, mamba_upto, medium, expected_hit", [
+    (0, PROMPT, 32, "GPU", None),      # off: every request is disaggregated
+    (2, PROMPT, 32, "GPU", 32),        # 1 token to compute < 2: the decode node serves it whole
+    (1, PROMPT, 32, "GPU", None),      # 1 is not below 1
+    (16, PROMPT, 24, "GPU", 24),       # the hybrid hit ends at the Mamba state: 9 to compute < 16
+    (9, PROMPT, 24, "GPU", None),      # ...not < 9
+    (32, PROMPT, None, "GPU", None),   # full attention alone is no hit for a prompt computed here: 33 to compute
+    (2, PROMPT, 32, "DISK", 32),       # what its storage tier holds counts (read, not computed)
+    (40, [], None, "GPU", 0),          # a threshold above the prompt: whole prompts are served whole
+])
+def test_a_decode_node_serves_alone_what_it_would_compute_little_of(threshold, held, mamba_upto, medium,
+                                                                    expected_hit):
+    node = _node(1)
+    router = Router((node,), RoutingPolicy.CACHE_AWARE)
+    index = _index_holding(held, mamba_upto, medium) if held else NodeIndex(GROUPS)
+    choice = choose_decode_alone(router, PromptHashes(PROMPT, None), lambda u: index, CostRule(pd_threshold=threshold))
+    if expected_hit is None:
+        assert choice is None
+    else:
+        assert choice is not None and choice.upstream == node
+        assert (choice.predicted_hit, choice.work_tokens) == (expected_hit, len(PROMPT) - expected_hit)
+
+
+def test_a_decode_node_without_an_index_never_serves_alone():
+    router = Router((_node(1),), RoutingPolicy.CACHE_AWARE)
+    assert choose_decode_alone(router, PromptHashes(PROMPT, None), lambda u: None, CostRule(pd_threshold=64)) is None
+
+
+def test_the_decode_node_chosen_to_serve_alone_is_the_cost_rules():
+    """Both nodes hold the prompt; the one with calls in flight loses, and it is the other's miss that counts."""
+    busy, idle = _node(1), _node(2)
+    router = Router((busy, idle), RoutingPolicy.CACHE_AWARE)
+    indexes = {busy: _index_holding(PROMPT, 32), idle: _index_holding(PROMPT, 16)}
+    rule = CostRule(pd_threshold=20)
+    with router.in_flight(busy, work_tokens=8), router.in_flight(busy, work_tokens=8):
+        choice = choose_decode_alone(router, PromptHashes(PROMPT, None), indexes.get, rule)
+    assert choice is not None and (choice.upstream, choice.predicted_hit) == (idle, 16)
+
+
 @pytest.mark.parametrize("in_flight_on_holder, work_per_call, load_per_request, weight, expected_port", [
     (0, 1, 32, 1.0, 1),     # the holder wins: 1 vs 33
     (3, 1, 8, 1.0, 1),      # calls in flight that cost less than the hit saves keep it there: 1 + 3 + 24 = 28 < 33
@@ -110,6 +151,8 @@ def test_a_hot_prefix_spreads_once_its_node_is_busy(in_flight_on_holder, work_pe
 def test_a_cost_rule_out_of_range_is_refused(load, weight, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         CostRule(load_tokens_per_request=load, queued_tokens_weight=weight)
+    with pytest.raises(ValueError, match=re.escape("--pd-threshold must be >= 0")):
+        CostRule(pd_threshold=-1)
 
 
 def test_without_any_index_it_is_least_outstanding_work():

@@ -27,6 +27,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     (["--tls-key", "/nonexistent/key.pem"], "--tls-cert and --tls-key go together"),
     (["--load-tokens-per-request", "-1"], "--load-tokens-per-request must be >= 0"),
     (["--queued-tokens-weight", "2"], "--queued-tokens-weight must be in [0, 1]"),
+    (["--pd-threshold", "-1", "--routing", "cache_aware"], "--pd-threshold must be >= 0"),
+    (["--pd-threshold", "64"], "--pd-threshold needs --routing cache_aware"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(argv, message, capsys):
     assert run(_parse(argv)) == 2

@@ -80,6 +80,9 @@ def test_a_history_fills_the_caches_and_is_not_measured(tiny, trace, shape, caps
     (["--colocated", "2", "--prefill", "1"], "--colocated and --prefill/--decode exclude each other"),
     (["--prefill", "1"], "give --prefill and --decode"),
     (["--colocated", "1", "--kv-cache-memory", "64KiB"], "--kv-cache-memory"),
+    (["--prefill", "1", "--decode", "1", "--pd-threshold", "64"], "--pd-threshold needs --routing cache_aware"),
+    (["--prefill", "1", "--decode", "1", "--routing", "cache_aware", "--pd-threshold", "-1"],
+     "--pd-threshold must be >= 0"),
 ])
 def test_bad_runs_say_why(tiny, trace, args, message, capsys):
     assert main(["replay", str(trace), "--model", str(tiny), "--max-model-len", "512", *args]) == 2
@@ -113,3 +116,27 @@ def test_saving_every_mamba_state_lets_a_prefix_hit_go_further(tiny, tmp_path, c
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_hit_rate"]
 
     assert 0 < hit_rate("sparse") < hit_rate("every")
+
+
+def test_a_turn_its_decode_node_holds_is_served_there_alone(tiny, tmp_path, capsys):
+    """`--pd-threshold 100` at 64 tokens per hash id: the first prompt (64 tokens) is a miss below it, served whole by
+    the decode node; the second extends it by 64 tokens, which that node alone would compute (it holds the first
+    prompt, its Mamba state included), so it is served there too; the third, 192 new tokens, goes through the prefill
+    node. Without the threshold every request does."""
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [0]},
+        {"timestamp": 500, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]},
+        {"timestamp": 900, "input_length": 1536, "output_length": 4, "hash_ids": [5, 6, 7]})))
+
+    def run(threshold: int) -> dict:
+        assert main(["replay", str(path), "--model", str(tiny), "--kv-cache-memory", "4MiB", "--max-model-len", "512",
+                     "--trace-tokens-per-hash", "64", "--prefill", "1", "--decode", "1", "--routing", "cache_aware",
+                     "--pd-threshold", str(threshold)]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    disaggregated, alone = run(0), run(100)
+    assert disaggregated["decode_alone_requests"] == 0 and alone["decode_alone_requests"] == 2
+    assert alone["prefill_hit_rate"] == 0   # only the miss reached the prefill node
+    assert alone["decode_hit_rate"] == 64 / 384   # the second prompt's first 64 tokens, found on the decode node
+    assert alone["output_tokens"] == disaggregated["output_tokens"] == 12
