@@ -174,6 +174,16 @@ def role_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
                for phase in ("queue", "prefill")}}
 
 
+def alone_figures(before: dict[str, float], after: dict[str, float], alone: float) -> dict[str, float | None]:
+    """The decode nodes' own mean TTFT and prefill phase of the requests they served whole (`--pd-threshold`): a
+    remotely prefilled request's first token is its prefill node's, out at once (TTFT and prefill phase 0 on its
+    decode node: the pull is in its second token), so the decode nodes' sums are those requests' alone."""
+    def grown(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    return {f"decode_alone_node_mean_{name}_ms": grown(f"vllm:{metric}_seconds_sum") * 1e3 / alone if alone else None
+            for name, metric in (("ttft", "time_to_first_token"), ("prefill", "request_prefill_time"))}
+
+
 def serve_history(info: Any, history: Workload, max_tokens: int, metrics_urls: list[str], tier: bool) -> int:
     """The requests before the slice, served and not measured; then, with the tier, until its writers have
     stored what they were given (its written and dropped counts unchanged for a second). How many failed."""
@@ -223,6 +233,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
                  "proxy": {info.proxy_pid}} if restart_at is None else {}
         cpu_before = {role: sessions_cpu_s(pids) for role, pids in roles.items()}
         prefill_before = role_counters(prefill_metrics)
+        decode_metrics = [n.metrics_url for n in info.decode]
+        decode_before = role_counters(decode_metrics)
         tier_before = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
         alone_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total")
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
@@ -231,6 +243,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         counters = {label: value - tier_before.get(label, 0.0) for label, value in
                     summed(node_metrics, "hybridpd:kv_offload_", by_label=True).items()} if tier else {}
         prefill_side = role_figures(prefill_before, role_counters(prefill_metrics))
+        decode_after = role_counters(decode_metrics)
         alone = sum(summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total").values()) - sum(
             alone_before.values())
         replayed.set()
@@ -247,6 +260,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
         "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
         "decode_alone_requests": alone,
+        **alone_figures(decode_before, decode_after, alone),
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "prefill_node_mean_queue_ms": prefill_side["node_mean_queue_ms"],
         "prefill_node_mean_prefill_ms": prefill_side["node_mean_prefill_ms"],
