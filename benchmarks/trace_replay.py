@@ -237,6 +237,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         decode_before = role_counters(decode_metrics)
         tier_before = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
         alone_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total")
+        predictions_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True)
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
@@ -246,6 +247,9 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         decode_after = role_counters(decode_metrics)
         alone = sum(summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total").values()) - sum(
             alone_before.values())
+        predictions = {name: value - predictions_before.get(name, 0.0) for name, value in
+                       summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True).items()
+                       if "hit" in name and "_created" not in name}
         replayed.set()
     if restart_at is not None:
         before = window_hit_rate(results, restart_at - 60, restart_at)
@@ -259,7 +263,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
         "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
-        "decode_alone_requests": alone,
+        "decode_alone_requests": alone, "predictions": predictions,
         **alone_figures(decode_before, decode_after, alone),
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
         "prefill_node_mean_queue_ms": prefill_side["node_mean_queue_ms"],
