@@ -21,7 +21,8 @@ from hybridpd.server.args import configs_from_args as node_configs, parse_size
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"  # the API the manifests are written against (kubectl 1.32 renders them here)
-TARGETS = ["base", "overlays/image-model", "overlays/pvc-model", "overlays/monitoring", "overlays/kv-offload"]
+TARGETS = ["base", "overlays/image-model", "overlays/pvc-model", "overlays/monitoring", "overlays/kv-offload",
+           "overlays/cache-aware"]
 POD_IP = "10.1.2.3"
 
 if shutil.which("kubectl") is None:
@@ -72,6 +73,24 @@ def test_every_container_parses_with_our_cli(rendered, tmp_path):
             config = proxy_config(parsed)
             assert config.prefill_dns is not None and config.decode_dns is not None
             assert config.cluster_token == "a-cluster-token"
+
+
+def test_the_cache_aware_overlay_publishes_events_where_the_pods_expose_them(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("a-cluster-token\n")
+    for name, _, container in containers(render("overlays/cache-aware")):
+        args = [a.replace("$(POD_IP)", POD_IP).replace("/etc/hybridpd/token/token", str(token))
+                for a in container["args"]]
+        parsed = build_parser(args[0]).parse_args(args)
+        if args[0] == "proxy":
+            config = proxy_config(parsed)
+            assert config.routing.value == "cache_aware" and config.cost_rule.pd_threshold > 0
+            continue
+        events = node_configs(parsed, default_model_dir=lambda: Path("/opt/hybridpd/cache/small-v2")).kv_events
+        assert events.publishes, name
+        ports = {p["containerPort"] for p in container["ports"]}
+        for endpoint in (events.endpoint, events.replay_endpoint):
+            assert endpoint is not None and endpoint.startswith("tcp://*:") and int(endpoint.rsplit(":", 1)[1]) in ports
 
 
 def test_node_pods_are_sized_from_their_flags(rendered):
