@@ -9,7 +9,8 @@ engine (the proxy's and nodes' HTTP hops: the median TTFT of a 16-token request 
 clock's prefill of it), and the CPU it costs there (the CPU seconds the cluster's processes and this client used
 over the replay, less what the clock charges the engines for, per request). `--offload` adds the storage tier to
 both (a fresh shared directory live, `--kv-offload-size` simulated); `--history S` has both first serve the S
-seconds of trace before the slice, unmeasured (the probe and the CPU count start after it).
+seconds of trace before the slice, unmeasured (the probe and the CPU count start after it); `--pd-threshold` gives
+cache_aware the proxy's flag on both.
 
 Last line: JSON per policy with live and simulated decode-side hit rate and mean TTFT and their relative errors
 (goals: hit rate within +-10%, mean TTFT within +-25%), the clock, the slice, the CPU model and the date.
@@ -83,6 +84,8 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"],
                         choices=["round_robin", "cache_aware"])
     parser.add_argument("--offload", action="store_true", help="the storage tier on both sides (4GiB)")
+    parser.add_argument("--pd-threshold", type=int, default=0, metavar="TOKENS",
+                        help="the proxy's --pd-threshold with cache_aware, on both sides; 0: always disaggregate")
     parser.add_argument("--history", type=float, default=0.0, metavar="S",
                         help="both sides first serve the S seconds of trace before --trace-start, unmeasured "
                              "(trace_replay.py's --history; simulated at the trace's own times)")
@@ -116,7 +119,8 @@ def main() -> int:
 
         def run_sim(clock: TimeModel) -> dict[str, Any]:
             return simulate(records, trace, layout, ClusterShape(prefill=2, decode=2), RoutingPolicy(policy), clock,
-                            vocab, CostRule(), offload_bytes=(4 << 30) if args.offload else None, history=seen)
+                            vocab, CostRule(pd_threshold=args.pd_threshold if policy == "cache_aware" else 0),
+                            offload_bytes=(4 << 30) if args.offload else None, history=seen)
 
         # What the cluster's CPU did beyond the engines' work the clock charges: per request, on the shared cores.
         engine_cpu_s = run_sim(clock)["engine_cpu_s"]
