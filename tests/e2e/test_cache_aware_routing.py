@@ -3,8 +3,7 @@
 prefix land on the nodes that hold it and the hits the proxy predicted are the hits the nodes report; a decode node
 killed and restarted leaves the proxy's index and is indexed again from nothing; every block is back in its pool.
 
-The test synchronises on state, never on time: before each request it waits until the proxy has applied every
-event batch each node published (the nodes' `kv_event_batches_published` gauge, the proxy's `kv_event_batches`)."""
+The test synchronises on state, never on time (tests/e2e/kv_cluster.py: `wait_synced` before each request)."""
 
 from __future__ import annotations
 
@@ -19,66 +18,18 @@ from collections.abc import Iterator
 import pytest
 
 from hybridpd.launcher.cluster import LocalCluster
-from hybridpd.launcher.ports import free_cluster_ports
-from hybridpd.launcher.spec import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, ClusterInfo, ClusterSpec, NodeInfo
-from tests.e2e.nodes import NodeProcess, assert_blocks_free, make_tiny_checkpoint
+from hybridpd.launcher.spec import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, ClusterInfo
+from tests.e2e.kv_cluster import (
+    BLOCK, SYNC_TIMEOUT, address, cache_aware_cluster, calls, gauge, get, view, wait_synced,
+)
+from tests.e2e.nodes import assert_blocks_free
 from tests.e2e.vllm_kv_events import BlockStored, VLLMSubscriber, replay
-
-SYNC_TIMEOUT = 60.0
-BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[tuple[LocalCluster, ClusterInfo]]:
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
-    proxy_port, base_port = free_cluster_ports(4, kv_events=True)
-    spec = ClusterSpec(
-        num_prefill=2, num_decode=2, model_dir=model, port=proxy_port, base_port=base_port,
-        run_dir=tmp_path_factory.mktemp("run"), startup_timeout=240.0, stop_grace=10.0, kv_events=True,
-        serve_args=("--kv-cache-memory", "64MiB", "--block-size", str(BLOCK)),
-        proxy_args=("--routing", "cache_aware", "--prefill-timeout", "60", "--decode-timeout", "60"),
-    )
-    local = LocalCluster(spec)
-    try:
-        yield local, local.start()
-    finally:
-        local.stop()
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
-
-
-def _gauge(text: str, name: str, label: str | None = None) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name) and (label is None or f'upstream="{label}"' in line):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def _address(node: NodeInfo) -> str:
-    return f"127.0.0.1:{node.port}"
-
-
-def _wait_synced(info: ClusterInfo, nodes: tuple[NodeInfo, ...] | None = None) -> None:
-    """Until the proxy has applied every batch each node published (and has an index of each)."""
-    nodes = nodes if nodes is not None else info.prefill + info.decode
-    deadline = time.monotonic() + SYNC_TIMEOUT
-    while True:
-        proxy = _get(info.proxy_url + "/metrics")
-        behind = []
-        for node in nodes:
-            published = _gauge(_get(node.metrics_url), "hybridpd:kv_event_batches_published")
-            applied = _gauge(proxy, "hybridpd_proxy_kv_event_batches", _address(node))
-            hashes = _gauge(proxy, "hybridpd_proxy_kv_index_hashes", _address(node))
-            if published is None or applied is None or hashes is None or hashes < 0 or applied < published:
-                behind.append((node.name, published, applied, hashes))
-        if not behind:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the proxy did not catch up with the nodes' events: {behind}")
-        time.sleep(0.1)
+    with cache_aware_cluster(tmp_path_factory, 2, 2) as started:
+        yield started
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 4) -> dict:
@@ -89,17 +40,9 @@ def _complete(url: str, prompt: list[int], max_tokens: int = 4) -> dict:
         return json.loads(response.read())
 
 
-def _calls(info: ClusterInfo, node: NodeInfo) -> float:
-    proxy = _get(info.proxy_url + "/metrics")
-    for line in proxy.splitlines():
-        if line.startswith("hybridpd_proxy_upstream_requests_total") and f'upstream="{_address(node)}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def _predictions(info: ClusterInfo) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in _get(info.proxy_url + "/metrics").splitlines():
+    for line in get(info.proxy_url + "/metrics").splitlines():
         if line.startswith("hybridpd_proxy_hit_predictions_total{"):
             outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
             out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -112,9 +55,9 @@ def test_a_consumer_that_knows_only_vllms_format_decodes_a_nodes_events(cluster)
     offset = node.port - local.spec.base_port
     endpoint = f"tcp://127.0.0.1:{local.spec.base_port + EVENTS_PORT_OFFSET + offset}"
     replay_endpoint = f"tcp://127.0.0.1:{local.spec.base_port + REPLAY_PORT_OFFSET + offset}"
-    groups = json.loads(_get(node.url + "/kv_events"))["groups"]
+    groups = json.loads(get(node.url + "/kv_events"))["groups"]
     # where vLLM's own endpoint says the events are (one data-parallel rank)
-    (rank, source), = json.loads(_get(node.url + "/kv_event_sources")).items()
+    (rank, source), = json.loads(get(node.url + "/kv_event_sources")).items()
     assert (rank, source["enable_kv_cache_events"], source["publisher"], source["topic"]) == ("0", True, "zmq",
                                                                                               "kv-events")
     assert (source["endpoint"], source["replay_endpoint"]) == (endpoint, replay_endpoint)
@@ -153,53 +96,49 @@ def test_shared_prefixes_land_where_they_are_cached_and_predictions_hold(cluster
     local, info = cluster
     rng = random.Random(11)
     prefix = [rng.randrange(1, 200) for _ in range(6 * BLOCK)]
-    first_decode_calls = [_calls(info, n) for n in info.decode]
-    _wait_synced(info)
+    first_decode_calls = [calls(info, n) for n in info.decode]
+    wait_synced(info)
     _complete(info.proxy_url, prefix + [rng.randrange(1, 200) for _ in range(5)])
-    holder = [n for n, before in zip(info.decode, first_decode_calls) if _calls(info, n) > before]
+    holder = [n for n, before in zip(info.decode, first_decode_calls) if calls(info, n) > before]
     assert len(holder) == 1
-    before = [_calls(info, n) for n in info.decode]
+    before = [calls(info, n) for n in info.decode]
     for _ in range(5):
-        _wait_synced(info)
+        wait_synced(info)
         answer = _complete(info.proxy_url, prefix + [rng.randrange(1, 200) for _ in range(rng.randrange(1, 20))])
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix) - BLOCK
-    after = [_calls(info, n) for n in info.decode]
+    after = [calls(info, n) for n in info.decode]
     assert [a - b for a, b in zip(after, before)] == [5 if n is holder[0] else 0 for n in info.decode]
     predictions = _predictions(info)
     assert predictions.get("exact", 0) >= 10   # 5 requests x (prefill + decode) at least, all exact
     assert predictions.get("over", 0) == 0 and predictions.get("under", 0) == 0, predictions
     for node in info.prefill + info.decode:
-        assert_blocks_free(_view(node))
+        assert_blocks_free(view(node))
 
 
 def test_a_restarted_decode_node_is_indexed_again_from_nothing(cluster):
     local, info = cluster
-    _wait_synced(info)
-    victim = max(info.decode, key=lambda n: _gauge(_get(info.proxy_url + "/metrics"),
-                                                      "hybridpd_proxy_kv_index_hashes", _address(n)) or 0)
+    wait_synced(info)
+    victim = max(info.decode, key=lambda n: gauge(get(info.proxy_url + "/metrics"),
+                                                      "hybridpd_proxy_kv_index_hashes", address(n)) or 0)
     child = next(c for c in local.children if c.name == victim.name)
     os.kill(child.pid, signal.SIGKILL)
     deadline = time.monotonic() + SYNC_TIMEOUT
-    while _gauge(_get(info.proxy_url + "/metrics"), "hybridpd_proxy_kv_index_hashes", _address(victim)) != -1:
+    while gauge(get(info.proxy_url + "/metrics"), "hybridpd_proxy_kv_index_hashes", address(victim)) != -1:
         assert time.monotonic() < deadline, "the proxy kept the index of a node that stopped answering"
         time.sleep(0.1)
     local.respawn(child)
     deadline = time.monotonic() + 240
     while True:
-        hashes = _gauge(_get(info.proxy_url + "/metrics"), "hybridpd_proxy_kv_index_hashes", _address(victim))
+        hashes = gauge(get(info.proxy_url + "/metrics"), "hybridpd_proxy_kv_index_hashes", address(victim))
         if hashes == 0:
             break
         assert time.monotonic() < deadline, f"the restarted node was not indexed again ({hashes})"
         time.sleep(0.2)
     rng = random.Random(13)
     for _ in range(4):   # new prefixes: each lands somewhere, the restarted node takes its share
-        _wait_synced(info)
+        wait_synced(info)
         _complete(info.proxy_url, [rng.randrange(1, 200) for _ in range(3 * BLOCK)])
-    _wait_synced(info)
+    wait_synced(info)
     for node in info.prefill + info.decode:
-        assert_blocks_free(_view(node))
+        assert_blocks_free(view(node))
 
-
-def _view(node: NodeInfo) -> NodeProcess:
-    """What `assert_blocks_free` reads of a node (its metrics), for a node LocalCluster started."""
-    return NodeProcess(None, node.port, node.kv_port, node.log_path)  # type: ignore[arg-type]

@@ -12,32 +12,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from hybridpd.launcher.cluster import LocalCluster
-from hybridpd.launcher.ports import free_cluster_ports
-from hybridpd.launcher.spec import ClusterInfo, ClusterSpec
-from tests.e2e.nodes import assert_blocks_free, make_tiny_checkpoint
-from tests.e2e.test_cache_aware_routing import _calls, _gauge, _get, _view, _wait_synced
+from hybridpd.launcher.spec import ClusterInfo
+from tests.e2e.kv_cluster import BLOCK, cache_aware_cluster, calls, gauge, get, view, wait_synced
+from tests.e2e.nodes import assert_blocks_free
 
-BLOCK = 16
 THRESHOLD = 24
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[ClusterInfo]:
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
-    proxy_port, base_port = free_cluster_ports(2, kv_events=True)
-    spec = ClusterSpec(
-        num_prefill=1, num_decode=1, model_dir=model, port=proxy_port, base_port=base_port,
-        run_dir=tmp_path_factory.mktemp("run"), startup_timeout=240.0, stop_grace=10.0, kv_events=True,
-        serve_args=("--kv-cache-memory", "64MiB", "--block-size", str(BLOCK)),
-        proxy_args=("--routing", "cache_aware", "--pd-threshold", str(THRESHOLD), "--prefill-timeout", "60",
-                    "--decode-timeout", "60"),
-    )
-    local = LocalCluster(spec)
-    try:
-        yield local.start()
-    finally:
-        local.stop()
+    with cache_aware_cluster(tmp_path_factory, 1, 1, ("--pd-threshold", str(THRESHOLD))) as (_, info):
+        yield info
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -50,7 +35,7 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
 
 
 def _served_alone(info: ClusterInfo) -> float:
-    return _gauge(_get(info.proxy_url + "/metrics"), "hybridpd_proxy_decode_alone_total") or 0.0
+    return gauge(get(info.proxy_url + "/metrics"), "hybridpd_proxy_decode_alone_total") or 0.0
 
 
 def test_a_prompt_the_decode_node_holds_is_served_there_alone(cluster):
@@ -58,26 +43,26 @@ def test_a_prompt_the_decode_node_holds_is_served_there_alone(cluster):
     (prefill,), (decode,) = info.prefill, info.decode
     rng = random.Random(5)
     first = [rng.randrange(1, 200) for _ in range(6 * BLOCK + 5)]
-    _wait_synced(info)
+    wait_synced(info)
     answer = _complete(info.proxy_url, first, max_tokens=2 * BLOCK)   # nothing held anywhere: disaggregated
-    assert (_calls(info, prefill), _served_alone(info)) == (1, 0)
+    assert (calls(info, prefill), _served_alone(info)) == (1, 0)
     generated = answer["choices"][0]["text"]
     assert generated
 
     # The next turn: the same prompt, its answer's tokens and a few more; the decode node holds all but the last few
     turn = first + answer["choices"][0]["token_ids"] + [rng.randrange(1, 200) for _ in range(3)]
-    _wait_synced(info)
+    wait_synced(info)
     again = _complete(info.proxy_url, turn, max_tokens=8)
-    assert (_calls(info, prefill), _served_alone(info)) == (1, 1)
+    assert (calls(info, prefill), _served_alone(info)) == (1, 1)
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < len(turn) - cached < THRESHOLD   # computed there, not pulled
     assert again["choices"][0]["text"] == _complete(prefill.url, turn, max_tokens=8)["choices"][0]["text"]
 
     # A new prompt the decode node holds nothing of goes through the prefill node again
-    _wait_synced(info)
+    wait_synced(info)
     _complete(info.proxy_url, [rng.randrange(1, 200) for _ in range(3 * BLOCK)], max_tokens=2)
-    assert _served_alone(info) == 1 and _calls(info, prefill) == 2   # the proxy's calls (not the one asked directly)
-    _wait_synced(info)
+    assert _served_alone(info) == 1 and calls(info, prefill) == 2   # the proxy's calls (not the one asked directly)
+    wait_synced(info)
     for node in (prefill, decode):
-        assert_blocks_free(_view(node))
+        assert_blocks_free(view(node))
 
