@@ -5,7 +5,7 @@ slice sent at its arrival times through the proxy, streamed, greedy; decode-side
 cached tokens, TTFT at the client). Simulated: `hybridpd replay`'s `simulate` on the same records, the same node
 memory and max length, the same policy, under a clock measured in this run: the model's step costs (`calibrate`,
 the real engine here, one thread), the cores the nodes share (this machine's), what a request waits outside the
-engine (the proxy's and nodes' HTTP hops: the median TTFT of a 16-token request on the idle live cluster, less the
+engine (the proxy's and nodes' HTTP hops: the median TTFT of a short request on the idle live cluster, less the
 clock's prefill of it), and the CPU it costs there (the CPU seconds the cluster's processes and this client used
 over the replay, less what the clock charges the engines for, per request). `--offload` adds the storage tier to
 both (a fresh shared directory live, `--kv-offload-size` simulated); `--history S` has both first serve the S
@@ -46,18 +46,18 @@ from trace_replay import TRACE, load_history, load_slice, run_setup, sessions_cp
 PROBE_TOKENS = 16
 
 
-def idle_ttfts(url: str, repeats: int = 7) -> list[float]:
-    """TTFTs of a 16-token request on the idle cluster (distinct prompts: no hit)."""
+def idle_ttfts(url: str, tokens: int, repeats: int = 7) -> list[float]:
+    """TTFTs of a request of `tokens` tokens on the idle cluster (distinct prompts: no hit)."""
     async def run() -> list[float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            return [(await one_request(session, url, [1 + k] * PROBE_TOKENS, 1))["ttft"] for k in range(repeats)]
+            return [(await one_request(session, url, [1 + k] * tokens, 1))["ttft"] for k in range(repeats)]
     return asyncio.run(run())
 
 
-def probe(info: Any):
-    """On the idle cluster: the TTFTs of a short request; then the CPU the cluster and this client use over the
-    replay."""
-    ttfts = idle_ttfts(info.proxy_url)
+def probe(info: Any, tokens: int = PROBE_TOKENS):
+    """On the idle cluster: the TTFTs of a short request (`tokens` long: past `--pd-threshold`, so that it is
+    disaggregated, as the clock's `request_s` is); then the CPU the cluster and this client use over the replay."""
+    ttfts = idle_ttfts(info.proxy_url, tokens)
     sessions = {node.pid for node in info.nodes} | {info.proxy_pid}
     cluster, client = sessions_cpu_s(sessions), time.process_time()
 
@@ -107,14 +107,16 @@ def main() -> int:
     layout = NodeLayout.of(model, memory, 16, 32, args.max_model_len)
 
     out: dict[str, Any] = {}
+    tokens = PROBE_TOKENS + args.pd_threshold   # the probe's prompt: disaggregated under the threshold too
     for policy in args.policies:
         setup = "tier" if args.offload else policy
         if args.offload and policy == "round_robin":
             parser.error("--offload compares cache_aware with the tier: give --policies cache_aware")
         print(f"replay_vs_live: {policy} live ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=probe, history=history)
-        request_s = max(0.0, statistics.median(live["probe"]["idle_ttfts"]) - measured.prefill_s(PROBE_TOKENS))
+            live = run_setup(setup, args, prompts, offsets, Path(tmp) / "kv", probe=lambda info: probe(info, tokens),
+                             history=history)
+        request_s = max(0.0, statistics.median(live["probe"]["idle_ttfts"]) - measured.prefill_s(tokens))
         clock = TimeModel(**(measured.as_json() | {"request_s": request_s, "cores": os.cpu_count() or 1}))
 
         def run_sim(clock: TimeModel) -> dict[str, Any]:
@@ -123,8 +125,11 @@ def main() -> int:
                             offload_bytes=(4 << 30) if args.offload else None, history=seen)
 
         # What the cluster's CPU did beyond the engines' work the clock charges: per request, on the shared cores.
-        engine_cpu_s = run_sim(clock)["engine_cpu_s"]
-        request_cpu_s = max(0.0, live["probe"]["cpu_s"] - engine_cpu_s) / len(records)
+        first = run_sim(clock)
+        engine_cpu_s = first["engine_cpu_s"]
+        # per disaggregated request: one served alone counts `alone_share` of one (time_model.py)
+        requests = len(records) - (1 - clock.alone_share) * (first["decode_alone_requests"] or 0)
+        request_cpu_s = max(0.0, live["probe"]["cpu_s"] - engine_cpu_s) / requests
         clock = TimeModel(**(clock.as_json() | {"request_cpu_s": request_cpu_s}))
         sim = run_sim(clock)
         live_ttft, sim_ttft = live["mean_ttft_ms"], sim["mean_ttft_s"] * 1e3
