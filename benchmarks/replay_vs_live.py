@@ -125,11 +125,8 @@ def main() -> int:
                             offload_bytes=(4 << 30) if args.offload else None, history=seen)
 
         # What the cluster's CPU did beyond the engines' work the clock charges: per request, on the shared cores.
-        first = run_sim(clock)
-        engine_cpu_s = first["engine_cpu_s"]
-        # per disaggregated request: one served alone counts `alone_share` of one (time_model.py)
-        requests = len(records) - (1 - clock.alone_share) * (first["decode_alone_requests"] or 0)
-        request_cpu_s = max(0.0, live["probe"]["cpu_s"] - engine_cpu_s) / requests
+        engine_cpu_s = run_sim(clock)["engine_cpu_s"]
+        request_cpu_s = max(0.0, live["probe"]["cpu_s"] - engine_cpu_s) / len(records)
         clock = TimeModel(**(clock.as_json() | {"request_cpu_s": request_cpu_s}))
         sim = run_sim(clock)
         live_ttft, sim_ttft = live["mean_ttft_ms"], sim["mean_ttft_s"] * 1e3

@@ -212,9 +212,8 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         for role in roles:
             role.advance(arrival)
         cores.forget_before(arrival)
+        cores.run(arrival, clock.request_cpu_s)
         alone = None if shape.colocated else roles[1].alone(hashes, rule, arrival)
-        outside = clock.alone_share if alone is not None else 1.0   # of the hops and their CPU
-        cores.run(arrival, clock.request_cpu_s * outside)
         first = roles[1] if alone is not None else roles[0]
         upstream = alone or first.pick(hashes, rule)
         node = first.nodes[upstream]
@@ -226,7 +225,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
         _storage_seen(storage, nodes)
         computed = len(prompt) - served.cached_tokens
         prefill_s = clock.prefill_s(computed) + clock.storage_s(served.read_bytes)
-        prefilled = cores.run(max(arrival + clock.request_s * outside, node.busy_until), prefill_s)
+        prefilled = cores.run(max(arrival + clock.request_s, node.busy_until), prefill_s)
         node.busy_until = prefilled
         first.in_flight_until(upstream, computed, prefilled)
         fetch_s = 0.0

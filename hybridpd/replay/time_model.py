@@ -12,8 +12,7 @@ benchmarks/transfer.py reads at about that speed). Three terms describe the clus
 all nodes share (nodes of one host: a prefill waits for a free core as well as for its node; 0, the default, gives
 every node its own), and `request_cpu_s`, the CPU a request takes on those cores outside the engine's steps (node
 fronts, the proxy, the transfers, a client on the same host). benchmarks/replay_vs_live.py measures all three on a
-live cluster. A request a decode node serves whole (the proxy's `--pd-threshold`) is charged `alone_share` of the
-last two: one node call of a disaggregated request's two, no pull.
+live cluster.
 """
 
 from __future__ import annotations
@@ -39,16 +38,11 @@ class TimeModel:
     request_s: float = 0.0       # per request, outside the engine: the HTTP hops through the proxy and node fronts
     request_cpu_s: float = 0.0   # per request, the CPU those hops (and the client) take on the shared cores
     cores: int = 0               # CPU cores the whole cluster shares (a prefill takes one); 0: one per node
-    # A request a decode node serves whole (`--pd-threshold`) makes one node call where a disaggregated one makes two
-    # (and pulls nothing): this share of `request_s` and `request_cpu_s`, which are measured on disaggregated requests
-    alone_share: float = 0.5
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.alone_share > 1:
-            raise ValueError(f"alone_share must be <= 1, got {self.alone_share}")
         if not isinstance(self.cores, int):
             raise ValueError(f"cores must be a whole number, got {self.cores!r}")
 

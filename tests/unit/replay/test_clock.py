@@ -1,6 +1,5 @@
 """The simulator's clock on a table of small cases: a prefill waits for its node and, with `cores`, for a core the
-nodes share; `request_s` is paid by every request (a share of it by one a decode node serves whole); a hit is not
-computed. Exact figures, from the clock's own terms."""
+nodes share; `request_s` is paid by every request; a hit is not computed. Exact figures, from the clock's own terms."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import torch
 
 from hybridpd.bench import mooncake
 from hybridpd.presets.checkpoints import write_checkpoint
-from hybridpd.proxy.config import CostRule, RoutingPolicy
+from hybridpd.proxy.config import RoutingPolicy
 from hybridpd.replay.node import NodeLayout
 from hybridpd.replay.simulator import ClusterShape, simulate
 from hybridpd.replay.time_model import TimeModel
@@ -50,23 +49,8 @@ def test_prefills_wait_for_their_node_and_a_shared_core(layout, records, cores, 
     assert result["mean_ttft_s"] == pytest.approx(sum(ttfts) / len(ttfts))
 
 
-@pytest.mark.parametrize("threshold, share, ttfts", [
-    (0, 0.5, [0.138, 0.138]),      # disaggregated: a prefill node each, the hops whole
-    (200, 0.5, [0.133, 0.261]),    # both served whole by the one decode node, in turn, each paying half the hops
-    (200, 1.0, [0.138, 0.266]),
-])
-def test_a_request_served_alone_pays_its_share_of_the_hops(layout, threshold, share, ttfts):
-    clock = TimeModel(prefill_s_per_token=PER_TOKEN, step_s=0.0, decode_step_s=0.0, request_s=0.01, alone_share=share)
-    result = simulate(_records((0, (1, 2)), (0, (3, 4))), SLICE, layout, ClusterShape(prefill=2, decode=1),
-                      RoutingPolicy.CACHE_AWARE, clock, 256, CostRule(pd_threshold=threshold))
-    assert result["decode_alone_requests"] == (2 if threshold else 0)
-    assert result["mean_ttft_s"] == pytest.approx(sum(ttfts) / len(ttfts))
-
-
 def test_a_clock_term_must_be_a_count_or_a_duration():
     with pytest.raises(ValueError, match="cores"):
         TimeModel(cores=-1)
     with pytest.raises(ValueError, match="cores must be a whole number"):
         TimeModel(cores=1.5)
-    with pytest.raises(ValueError, match="alone_share must be <= 1"):
-        TimeModel(alone_share=1.5)
