@@ -158,12 +158,17 @@ def role_counters(metrics_urls: list[str]) -> dict[str, float]:
             | summed(metrics_urls, "vllm:prompt_tokens_cached_by_source", by_label=True))
 
 
+def growth(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much a summed sample (`summed`) grew between two reads."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
 def role_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The nodes' own view between two `role_counters`: their prefix-cache hit rate (memory and storage), mean
     time from a request's arrival at the node to its first token, and its two phases (vLLM's): queued (to the
     engine's first scheduling of it) and prefill (from there to its first token: a storage read's wait included)."""
     def grown(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+        return growth(before, after, name)
     queries, count = grown("vllm:prefix_cache_queries_total"), grown("vllm:time_to_first_token_seconds_count")
     hits = sum(grown(name) for name in after if name.startswith("vllm:prompt_tokens_cached_by_source_total")
                and any(f'source="{source}"' in name for source in ("device", "disk")))
@@ -178,9 +183,8 @@ def alone_figures(before: dict[str, float], after: dict[str, float], alone: floa
     """The decode nodes' own mean TTFT and prefill phase of the requests they served whole (`--pd-threshold`): a
     remotely prefilled request's first token is its prefill node's, out at once (TTFT and prefill phase 0 on its
     decode node: the pull is in its second token), so the decode nodes' sums are those requests' alone."""
-    def grown(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-    return {f"decode_alone_node_mean_{name}_ms": grown(f"vllm:{metric}_seconds_sum") * 1e3 / alone if alone else None
+    return {f"decode_alone_node_mean_{name}_ms": growth(before, after, f"vllm:{metric}_seconds_sum") * 1e3 / alone
+            if alone else None
             for name, metric in (("ttft", "time_to_first_token"), ("prefill", "request_prefill_time"))}
 
 
@@ -236,8 +240,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         decode_metrics = [n.metrics_url for n in info.decode]
         decode_before = role_counters(decode_metrics)
         tier_before = summed(node_metrics, "hybridpd:kv_offload_", by_label=True) if tier else {}
-        alone_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total")
-        predictions_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True)
+        proxy_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True)
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
         probed = after() if after is not None else None
@@ -245,10 +248,9 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
                     summed(node_metrics, "hybridpd:kv_offload_", by_label=True).items()} if tier else {}
         prefill_side = role_figures(prefill_before, role_counters(prefill_metrics))
         decode_after = role_counters(decode_metrics)
-        alone = sum(summed([info.proxy_url + "/metrics"], "hybridpd_proxy_decode_alone_total").values()) - sum(
-            alone_before.values())
-        predictions = {name: value - predictions_before.get(name, 0.0) for name, value in
-                       summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True).items()
+        proxy_after = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True)
+        alone = growth(proxy_before, proxy_after, "hybridpd_proxy_decode_alone_total")
+        predictions = {name: growth(proxy_before, proxy_after, name) for name in proxy_after
                        if "hit" in name and "_created" not in name}
         replayed.set()
     if restart_at is not None:

@@ -257,7 +257,7 @@ class Proxy:
 
     def _decode_alone(self, prompt: PromptHashes | None) -> Choice | None:
         """The decode node that serves the request whole by `--pd-threshold` (proxy/cache_aware.py), or None."""
-        if prompt is None or self.feeds is None or not self.config.cost_rule.pd_threshold:
+        if prompt is None or self.feeds is None:
             return None
         try:
             return choose_decode_alone(self.routers[Role.DECODE], prompt, self.feeds.index, self.config.cost_rule)

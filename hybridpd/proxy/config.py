@@ -45,6 +45,11 @@ class CostRule:
         if self.pd_threshold < 0:
             raise ValueError(f"--pd-threshold must be >= 0, got {self.pd_threshold}")
 
+    def check_routing(self, routing: RoutingPolicy) -> None:
+        """`--pd-threshold` reads the decode node's index, which only cache_aware routing keeps."""
+        if self.pd_threshold and routing is not RoutingPolicy.CACHE_AWARE:
+            raise ValueError("--pd-threshold needs --routing cache_aware (it reads the decode node's predicted hit)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Upstream:
@@ -166,8 +171,7 @@ class ProxyConfig:
                      "decode_first_byte_timeout", "connect_timeout", "health_timeout", "probe_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.cost_rule.pd_threshold and self.routing is not RoutingPolicy.CACHE_AWARE:
-            raise ValueError("--pd-threshold needs --routing cache_aware (it reads the decode node's predicted hit)")
+        self.cost_rule.check_routing(self.routing)
         if self.cluster_token is not None and not self.cluster_token:
             raise ValueError("the cluster token must not be empty")
 

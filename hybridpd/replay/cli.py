@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         shape = ClusterShape(prefill=args.prefill, decode=args.decode, colocated=args.colocated)
         rule = CostRule(pd_threshold=args.pd_threshold)
-        if rule.pd_threshold and args.routing != RoutingPolicy.CACHE_AWARE.value:
-            raise ValueError("--pd-threshold needs --routing cache_aware (it reads the decode node's index)")
+        rule.check_routing(RoutingPolicy(args.routing))
         clock = TimeModel(**json.loads(args.time_model.read_text())) if args.time_model else TimeModel()
         trace = mooncake.TraceSlice(tokens_per_hash=args.trace_tokens_per_hash, time_scale=args.trace_time_scale,
                                     start_s=args.trace_start, duration_s=args.trace_duration,

@@ -79,11 +79,10 @@ class _Role:
         self.decisions += 1
         return upstream
 
-    def alone(self, prompt: PromptHashes, rule: CostRule, now: float) -> Upstream | None:
+    def alone(self, prompt: PromptHashes, rule: CostRule) -> Upstream | None:
         """The node of this (decode) role that serves the request whole by `--pd-threshold`, or None."""
         if self.router.policy is not RoutingPolicy.CACHE_AWARE or not rule.pd_threshold:
             return None
-        self.advance(now)
         choice, seconds = timed_decision(
             lambda: choose_decode_alone(self.router, prompt, lambda u: self.nodes[u].index, rule))
         self.deciding_s += seconds
@@ -213,7 +212,7 @@ def simulate(records: Sequence[mooncake.TraceRecord], trace: mooncake.TraceSlice
             role.advance(arrival)
         cores.forget_before(arrival)
         cores.run(arrival, clock.request_cpu_s)
-        alone = None if shape.colocated else roles[1].alone(hashes, rule, arrival)
+        alone = None if shape.colocated else roles[1].alone(hashes, rule)
         first = roles[1] if alone is not None else roles[0]
         upstream = alone or first.pick(hashes, rule)
         node = first.nodes[upstream]
