@@ -206,8 +206,9 @@ def serve_history(info: Any, history: Workload, max_tokens: int, metrics_urls: l
 def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], offsets: list[float],
               offload_root: Path, restart_at: float | None = None,
               probe: Callable[[Any], Callable[[], Any]] | None = None,
-              windows: tuple[tuple[float, float], ...] = (), history: Workload | None = None) -> dict[str, Any]:
-    """`probe`: called with the cluster's info while it is idle, before the replay (after the history); what the
+              windows: tuple[tuple[float, float], ...] = (), history: Workload | None = None,
+              policy: str = "fcfs") -> dict[str, Any]:
+    """`policy`: every node's `--scheduling-policy`. `probe`: called with the cluster's info while it is idle, before the replay (after the history); what the
     function it returns gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates
     are reported. `history`: served first (`serve_history`); every figure is the replay's after it."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
@@ -215,7 +216,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
     spec = ClusterSpec(
         num_prefill=2, num_decode=2, model_dir=default_model_dir(args.preset), port=proxy_port, base_port=base_port,
         kv_events=name != "round_robin",
-        serve_args=("--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len), *tier),
+        serve_args=("--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len), *tier,
+                    "--scheduling-policy", policy),
         proxy_args=("--routing", "round_robin" if name == "round_robin" else "cache_aware", "--prefill-timeout",
                     "1200", "--decode-timeout", "1200",
                     *(("--pd-threshold", str(args.pd_threshold)) if name != "round_robin" else ())),
@@ -328,6 +330,9 @@ def main() -> int:
     parser.add_argument("--pd-threshold", type=int, default=0, metavar="TOKENS",
                         help="the proxy's --pd-threshold in the cache_aware setups (a request its decode node would "
                              "compute fewer prompt tokens of is served whole there); 0: always disaggregate")
+    parser.add_argument("--scheduling-policies", nargs="+", choices=("fcfs", "sjf"), default=["fcfs"],
+                        help="every setup under each of these nodes' --scheduling-policy, alternated (the ratios "
+                             "are each policy's own; a setup under sjf is named with /sjf)")
     parser.add_argument("--offload-root", type=Path, default=None,
                         help="where the tier's directory is made (default: the system's temporary directory)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
@@ -377,14 +382,17 @@ def main() -> int:
                           "slice": slice_info, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d")}))
         return 0
 
-    setups = [name for name in SETUPS if name in args.setups]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
+    setups = [(name, policy) for policy in dict.fromkeys(args.scheduling_policies) for name in SETUPS
+              if name in args.setups]
+    runs: dict[str, list[dict[str, Any]]] = {_named(*setup): [] for setup in setups}
     with tempfile.TemporaryDirectory(dir=args.offload_root) as tmp:
         for r in range(args.rounds):
-            for name in setups if r % 2 == 0 else setups[::-1]:
-                runs[name].append(run_setup(name, args, prompts, offsets, Path(tmp) / f"kv-{r}", history=history))
-                last = runs[name][-1]
-                print(f"round {r} {name}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
+            for name, policy in setups if r % 2 == 0 else setups[::-1]:
+                directory = Path(tmp) / f"kv-{r}-{policy}"   # a fresh one per tier setup
+                runs[_named(name, policy)].append(run_setup(name, args, prompts, offsets, directory,
+                                                            history=history, policy=policy))
+                last = runs[_named(name, policy)][-1]
+                print(f"round {r} {_named(name, policy)}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
                       f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
                       f"{last['prefill_node_mean_ttft_ms']:.0f}: queued {last['prefill_node_mean_queue_ms']:.0f}, "
                       f"prefill {last['prefill_node_mean_prefill_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, "
@@ -398,10 +406,20 @@ def main() -> int:
         return round(a / b, 3) if a is not None and b else None
 
     outputs = [run["token_ids"] for runs_of in runs.values() for run in runs_of]
+    first = args.scheduling_policies[0]
     print(json.dumps({
-        "hit_rate_over_ideal": ratio(mean("tier", "decode_hit_rate"), ideal),
-        "mean_ttft_ratio": ratio(mean("tier", "mean_ttft_ms"), mean("round_robin", "mean_ttft_ms")),
-        "tier_over_cache_aware_ttft": ratio(mean("tier", "mean_ttft_ms"), mean("cache_aware", "mean_ttft_ms")),
+        "hit_rate_over_ideal": ratio(mean(_named("tier", first), "decode_hit_rate"), ideal),
+        "mean_ttft_ratio": ratio(mean(_named("tier", first), "mean_ttft_ms"),
+                                 mean(_named("round_robin", first), "mean_ttft_ms")),
+        "tier_over_cache_aware_ttft": ratio(mean(_named("tier", first), "mean_ttft_ms"),
+                                            mean(_named("cache_aware", first), "mean_ttft_ms")),
+        # each later policy: the tier under it against round robin under it, and against round robin under the first
+        **{f"mean_ttft_ratio_{policy}": ratio(mean(_named("tier", policy), "mean_ttft_ms"),
+                                              mean(_named("round_robin", policy), "mean_ttft_ms"))
+           for policy in args.scheduling_policies[1:]},
+        **{f"mean_ttft_ratio_{policy}_vs_{first}_round_robin": ratio(mean(_named("tier", policy), "mean_ttft_ms"),
+                                                                     mean(_named("round_robin", first), "mean_ttft_ms"))
+           for policy in args.scheduling_policies[1:]},
         "outputs_identical": all(o == outputs[0] for o in outputs),
         "ideal_hit_rate": round(ideal, 4), "requests": len(prompts), "prompt_tokens": total,
         "history_requests": len(history.prompts) if history else 0,
@@ -410,6 +428,11 @@ def main() -> int:
         "slice": slice_info, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
+
+
+def _named(setup: str, policy: str) -> str:
+    """A setup's name in the figures: under fcfs its own, under another policy with it (`tier/sjf`)."""
+    return setup if policy == "fcfs" else f"{setup}/{policy}"
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ class MambaRetentionPolicy(enum.Enum):
     EVERY = "every"     # every interval boundary a request crosses (the policy that saves the most states)
 
 
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"   # waiting requests in arrival order; a step takes as many prompts as its budget holds
+    SJF = "sjf"     # the fewest uncached prompt tokens first, up to a wait; a step stops taking prompts at a size
+
+
 class KVLoadFailurePolicy(enum.Enum):
     FAIL = "fail"
     RECOMPUTE = "recompute"
@@ -84,8 +89,18 @@ class SchedulerConfig:
     # long a decoding request waits for its next token when prompts arrive (benchmarks/README.md has the A/B).
     max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # Under SJF: a request waiting this long goes before shorter ones (in arrival order), so none starves.
+    sjf_max_wait: float = 1.0
+    # Under SJF: a step takes no further waiting prompt once it carries this many prompt tokens (its prompts all
+    # get their first token at its end, so one more only delays the others; the first is not cut by it).
+    sjf_step_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if not self.sjf_max_wait > 0:
+            raise ValueError(f"--sjf-max-wait must be > 0 seconds, got {self.sjf_max_wait}")
+        if self.sjf_step_tokens < 1:
+            raise ValueError(f"--sjf-step-tokens must be >= 1, got {self.sjf_step_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -14,6 +14,8 @@ meanwhile).
 A prefill-role request is an ordinary one that ends at its first token with its blocks kept (held under a lease).
 A request whose prefix the storage tier extends beyond the memory hit waits the same way for its blocks to be read
 (`storage`), then computes the rest of its prompt here.
+Waiting requests are admitted in arrival order, or under `--scheduling-policy sjf` the fewest uncached prompt tokens
+first with a wait bound, a step taking no further prompt once it carries `sjf_step_tokens` (`waiting_order`).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from hybridpd.config import SchedulerConfig
+from hybridpd.config import SchedulerConfig, SchedulingPolicy
 from hybridpd.engine.kv_cache.coordinator import CacheHit, KVCacheManager, StepBlocks
 from hybridpd.engine.kv_offload.tier import LoadItem
 from hybridpd.engine.prompt_sources import PromptSources
 from hybridpd.engine.request import FinishReason, RequestStatus
 from hybridpd.engine.sequence import Sequence
 from hybridpd.engine.transfer_params import RemotePrefillParams
+from hybridpd.engine.waiting_order import shortest_first
 
 
 def _decoding(seq: Sequence) -> bool:
@@ -144,9 +147,14 @@ class Scheduler:
         self.loaded: deque[Sequence] = deque()
         self.sources = PromptSources()   # where admitted prompts' tokens came from (vLLM's metrics)
         self.num_preemptions_total = 0
+        self._sjf = config.scheduling_policy is SchedulingPolicy.SJF
 
     # -- queues -------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        seq.queued_at = time.monotonic()
+        if self._sjf and seq.remote_prefill is None:   # (a pulled prompt goes first, whatever its length)
+            hit = self.kv.get_computed_blocks(seq) if not seq.scores_prompt else self.kv.no_hit()
+            seq.uncached_estimate = seq.num_prompt_tokens - hit.num_tokens
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -267,7 +275,10 @@ class Scheduler:
             i += 1
 
     def _admit_waiting(self, budget: _Budget, scheduled: list[ScheduledSeq]) -> None:
-        """Admit waiting requests in order while the budgets, `max_num_seqs` and free blocks allow."""
+        """Admit waiting requests in order (arrival, or under SJF `waiting_order`'s) while the budgets, `max_num_seqs`
+        and free blocks allow; under SJF a prompt computed here also waits while the step is full (`_step_full`)."""
+        if self._sjf and len(self.waiting) > 1:
+            self.waiting = shortest_first(self.waiting, time.monotonic(), self.config.sjf_max_wait)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.remote_prefill is not None and self.loader is None:
@@ -282,13 +293,18 @@ class Scheduler:
                 if not self._start_storage_load(seq, hit, stored):
                     return
                 continue
-            if budget.prefill <= 0:
+            if budget.prefill <= 0 or self._step_full(scheduled):
                 return
             item = self._admit_local(seq, hit, budget.prefill)
             if item is None:
                 return
             scheduled.append(item)
             budget.spend(seq, item.num_new_tokens)
+
+    def _step_full(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Under SJF: the step carries `sjf_step_tokens` prompt tokens already (a further prompt would only delay
+        theirs)."""
+        return self._sjf and sum(item.prompt_tokens for item in scheduled) >= self.config.sjf_step_tokens
 
     def _start_remote_load(self, seq: Sequence, hit: CacheHit) -> bool:
         """Allocate for the remotely prefilled prompt and hand it to the loader; the part of it the storage tier

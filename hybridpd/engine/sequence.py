@@ -40,6 +40,8 @@ class Sequence:
     num_preemptions: int = 0
     trace_context: tuple[tuple[str, str], ...] = ()   # EngineRequest.trace_context
     scheduled_at: float | None = None         # time.monotonic() when it first left the waiting queue
+    queued_at: float = 0.0                    # time.monotonic() when it reached the scheduler
+    uncached_estimate: int = 0                # under SJF: its prompt less the local hit it had then (waiting_order)
     # With sampling.prompt_logprobs: entry i is prompt token i + 1's, filled chunk by chunk until the first output
     # carries them (`prompt_logprobs_sent`).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -29,6 +29,7 @@ from hybridpd.config import (
     MambaCacheMode,
     MambaRetentionPolicy,
     SchedulerConfig,
+    SchedulingPolicy,
 )
 from hybridpd.connector.trusted_peers import LOOPBACK_ONLY, TrustedPeers
 from hybridpd.cors import add_cors_arguments, policy_from_args
@@ -186,6 +187,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "do not stall the decodes for long, and beyond them the rows the step's products "
                             "would pad anyway (0: up to --max-num-batched-tokens)")
     sched.add_argument("--max-model-len", type=int, default=None)
+    sched.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default="fcfs",
+                       help="fcfs: waiting requests in arrival order; sjf: the fewest uncached prompt tokens first "
+                            "(a request waiting --sjf-max-wait goes first), a step taking no further prompt once it "
+                            "carries --sjf-step-tokens: lower mean TTFT when prompts arrive in bursts")
+    sched.add_argument("--sjf-max-wait", type=float, default=1.0, metavar="SECONDS",
+                       help="under sjf, a request that has waited this long is admitted before shorter ones")
+    sched.add_argument("--sjf-step-tokens", type=int, default=256, metavar="TOKENS",
+                       help="under sjf, a step takes no further waiting prompt once it carries this many prompt "
+                            "tokens (the first prompt is not cut by it)")
     sched.add_argument("--dtype", choices=list(DTYPES), default="auto",
                        help="auto: the checkpoint's dtype where the CPU has bfloat16 units (AMX, AVX512-BF16), "
                             "float32 elsewhere")
@@ -273,6 +283,9 @@ def configs_from_args(args: argparse.Namespace, default_model_dir: Callable[[], 
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding or None,
                 max_model_len=args.max_model_len,
+                scheduling_policy=SchedulingPolicy(args.scheduling_policy),
+                sjf_max_wait=args.sjf_max_wait,
+                sjf_step_tokens=args.sjf_step_tokens,
             ),
         )
         cluster_token = read_token(args)

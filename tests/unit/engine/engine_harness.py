@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from hybridpd.engine.transfer_params import RemotePrefillParams
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.request import EngineRequest, RequestOutput
@@ -20,13 +20,14 @@ MAX_STEPS = 500
 
 
 def make_engine(model_dir: Path, *, num_blocks: int = 64, budget: int = 2048, max_num_seqs: int = 8,
-                max_model_len: int | None = None, cpus: frozenset[int] | None = None) -> LLMEngine:
+                max_model_len: int | None = None, cpus: frozenset[int] | None = None,
+                policy: SchedulingPolicy = SchedulingPolicy.FCFS) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model_dir=model_dir,
         cpus=cpus,
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len),
+                                  max_model_len=max_model_len, scheduling_policy=policy, sjf_step_tokens=8),
     ))
 
 

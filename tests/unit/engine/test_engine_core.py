@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from hybridpd.config import SchedulingPolicy
 from hybridpd.engine.engine import PREFAULT_BLOCKS
 from hybridpd.engine.kv_cache.prefault import REGION_BYTES
 from hybridpd.engine.transfer_params import RemoteDecodeParams
@@ -264,3 +265,30 @@ def test_a_step_has_the_memory_of_the_next_blocks_faulted_in_ahead(engine):
     run(engine)
     engine.close()
     assert storage.prefaulter._thread is None   # stopped
+
+
+def test_shortest_job_first_changes_the_order_not_the_tokens(tiny_dir):
+    """A burst of prompts (two of them sharing a prefix) under sjf, steps of 8 prompt tokens: the short ones get
+    their first token in an earlier step than the long ones (under fcfs all in the first), every request's tokens
+    are fcfs's, and every block is back at the end."""
+    burst = [greedy("long", PROMPT, max_tokens=6), greedy("mid", PROMPT[:14], max_tokens=6),
+             greedy("short", PROMPT[5:9], max_tokens=6), greedy("again", PROMPT[:29], max_tokens=6)]
+    first_step, tokens = {}, {}
+    for policy in (SchedulingPolicy.FCFS, SchedulingPolicy.SJF):
+        engine = make_engine(tiny_dir, max_model_len=128, policy=policy)
+        for request in burst:
+            engine.add_request(request)
+        steps, outputs = 0, {}
+        while engine.has_work():
+            steps += 1
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+                first_step.setdefault((policy, out.request_id), steps)
+            engine.kv.check_invariants()
+        tokens[policy] = {rid: token_ids(outs) for rid, outs in outputs.items()}
+        assert all_free(engine)
+    assert tokens[SchedulingPolicy.SJF] == tokens[SchedulingPolicy.FCFS]
+    assert [first_step[(SchedulingPolicy.FCFS, rid)] for rid in ("long", "mid", "short", "again")] == [1, 1, 1, 1]
+    # the step takes "short" (4 tokens) and then "mid" (14: 4 < 8, the step's size); the two long ones wait
+    assert [first_step[(SchedulingPolicy.SJF, rid)] for rid in ("short", "mid")] == [1, 1]
+    assert min(first_step[(SchedulingPolicy.SJF, rid)] for rid in ("long", "again")) > 1

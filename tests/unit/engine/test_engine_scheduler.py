@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from hybridpd.config import SchedulerConfig, SchedulingPolicy
 from hybridpd.engine.prompt_sources import PromptSources
 from hybridpd.engine.request import FinishReason, RequestStatus
+from hybridpd.engine.scheduler import Scheduler
+from hybridpd.engine.waiting_order import shortest_first
 
 from .sched_harness import (
     EOS,
@@ -442,3 +445,98 @@ def test_without_a_decoding_request_the_cap_does_not_apply():
     assert _plan_rows(plan) == [("a", 20), ("b", 20)]
     run_to_end(sched)
     assert all_free(kv)
+
+
+def _sjf(kv, budget: int = 64, step_tokens: int = 256, max_wait: float = 60.0, loader=None):
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_prefill_tokens_while_decoding=None,
+                             scheduling_policy=SchedulingPolicy.SJF, sjf_max_wait=max_wait,
+                             sjf_step_tokens=step_tokens)
+    return Scheduler(config, kv, max_model_len=4096, eos_token_ids=frozenset({EOS}), chunk_boundary=None,
+                     loader=loader)
+
+
+@pytest.mark.parametrize("step_tokens, arrivals, expected_first_steps", [
+    # Fewest tokens first; a step takes no further prompt once it carries step_tokens (the first is never cut).
+    (10, [("a", 30), ("b", 6), ("c", 12)], [[("b", 6), ("c", 12)], [("b", 1), ("c", 1), ("a", 30)]]),
+    (4, [("a", 30), ("b", 6), ("c", 12)], [[("b", 6)], [("b", 1), ("c", 12)], [("b", 1), ("c", 1), ("a", 30)]]),
+    (40, [("a", 30), ("b", 6), ("c", 12)], [[("b", 6), ("c", 12), ("a", 30)]]),
+    # Equal lengths keep arrival order.
+    (5, [("a", 8), ("b", 8), ("c", 3)], [[("c", 3), ("a", 8)], [("c", 1), ("a", 1), ("b", 8)]]),
+    # One prompt larger than step_tokens still takes the whole budget.
+    (8, [("a", 50)], [[("a", 50)]]),
+])
+def test_sjf_takes_the_fewest_tokens_first_and_fills_a_step_up_to_its_size(step_tokens, arrivals,
+                                                                            expected_first_steps):
+    kv = make_kv()
+    sched = _sjf(kv, step_tokens=step_tokens)
+    seqs = [make_seq(rid, n, base=11 * i) for i, (rid, n) in enumerate(arrivals)]
+    for seq in seqs:
+        sched.add(seq)
+    for expected in expected_first_steps:
+        plan, _ = step(sched)
+        assert _plan_rows(plan) == expected
+    run_to_end(sched)
+    assert [(s.finish_reason, len(s.output_token_ids)) for s in seqs] == [(FinishReason.LENGTH, 4)] * len(seqs)
+    assert all_free(kv)
+
+
+def test_sjf_ranks_by_what_the_local_hit_leaves():
+    """A long prompt whose prefix is cached ranks by the tokens it still computes."""
+    kv = make_kv()
+    sched = _sjf(kv, step_tokens=1)
+    sched.add(make_seq("warm", 33, max_tokens=1))
+    run_to_end(sched)                                        # its 32 full-attention tokens (and a Mamba state) cached
+    sched.add(make_seq("fresh", 12, base=90))
+    sched.add(make_seq("long", 40))                          # the same prefix: 32 cached, 8 to compute
+    plan, _ = step(sched)
+    assert [(item.seq.request_id, item.seq.num_cached_tokens) for item in plan.scheduled] == [("long", 32)]
+    run_to_end(sched)
+    assert all_free(kv)
+
+
+def test_sjf_admits_a_request_that_waited_its_bound_before_shorter_ones():
+    kv = make_kv()
+    sched = _sjf(kv, step_tokens=1, max_wait=5.0)
+    old, short = make_seq("old", 30), make_seq("short", 6, base=50)
+    sched.add(old)
+    sched.add(short)
+    old.queued_at -= 5.0                                     # as if it arrived five seconds ago
+    plan, _ = step(sched)
+    assert _plan_rows(plan) == [("old", 30)]
+    run_to_end(sched)
+    assert all_free(kv)
+
+
+def test_sjf_starts_a_pull_before_any_prompt_it_computes():
+    """A remotely prefilled request computes nothing here: it goes first, whatever its length, and does not count
+    against the step's prompt tokens."""
+    kv = make_kv()
+    loader = FakeLoader()
+    sched = _sjf(kv, step_tokens=1, loader=loader)
+    sched.add(make_seq("short", 6, base=50))
+    sched.add(make_seq("pulled", 33, kv_transfer=remote_params(33)))
+    plan, _ = step(sched)
+    assert [rid for rid, _, _ in loader.started] == ["pulled"] and _plan_rows(plan) == [("short", 6)]
+    sched.finish_load("pulled", ok=True)
+    run_to_end(sched)
+    assert all_free(kv)
+
+
+
+@pytest.mark.parametrize("requests, expected", [
+    # (id, uncached tokens, seconds waited, preemptions, pulled)
+    ([("a", 30, 0, 0, False), ("b", 6, 0, 0, False), ("c", 12, 0, 0, False)], ["b", "c", "a"]),
+    ([("a", 30, 0, 0, False), ("b", 6, 0, 0, False)] + [("c", 90, 2, 0, False)], ["c", "b", "a"]),   # waited
+    ([("a", 30, 2, 0, False), ("b", 6, 0, 0, False), ("c", 90, 3, 0, False)], ["a", "c", "b"]),      # both waited
+    ([("a", 30, 0, 0, False), ("b", 6, 0, 0, False), ("c", 90, 0, 1, False)], ["c", "b", "a"]),      # preempted
+    ([("a", 30, 0, 0, False), ("b", 6, 0, 0, False), ("c", 90, 0, 0, True)], ["c", "b", "a"]),       # a pull
+    ([("a", 8, 0, 0, False), ("b", 8, 0, 0, False), ("c", 8, 0, 0, False)], ["a", "b", "c"]),        # ties
+])
+def test_shortest_first_order(requests, expected):
+    now = 100.0
+    seqs = []
+    for rid, uncached, waited, preemptions, pulled in requests:
+        seq = make_seq(rid, max(uncached, 2), kv_transfer=remote_params(max(uncached, 2)) if pulled else None)
+        seq.uncached_estimate, seq.queued_at, seq.num_preemptions = uncached, now - waited, preemptions
+        seqs.append(seq)
+    assert [seq.request_id for seq in shortest_first(seqs, now, max_wait=1.0)] == expected

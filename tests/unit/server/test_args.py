@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.config import KVLoadFailurePolicy, MambaCacheMode
+from hybridpd.config import KVLoadFailurePolicy, MambaCacheMode, SchedulingPolicy
 from hybridpd.server.args import BadArgumentsError, parse_size
 
 from .conftest import serve_configs, serve_parser
@@ -39,6 +39,18 @@ def test_engine_cpus(text, cpus):
 def test_no_prefill_cap_while_decoding():
     scheduler = serve_configs(["--max-prefill-tokens-while-decoding", "0"]).engine.scheduler
     assert scheduler.max_prefill_tokens_while_decoding is None
+
+
+@pytest.mark.parametrize("argv, policy, max_wait, step_tokens", [
+    ([], SchedulingPolicy.FCFS, 1.0, 256),
+    (["--scheduling-policy", "sjf"], SchedulingPolicy.SJF, 1.0, 256),
+    (["--scheduling-policy", "sjf", "--sjf-max-wait", "0.25", "--sjf-step-tokens", "64"], SchedulingPolicy.SJF, 0.25,
+     64),
+])
+def test_scheduling_policy(argv, policy, max_wait, step_tokens):
+    scheduler = serve_configs(argv).engine.scheduler
+    assert (scheduler.scheduling_policy, scheduler.sjf_max_wait, scheduler.sjf_step_tokens) == (policy, max_wait,
+                                                                                               step_tokens)
 
 
 def test_every_flag(tmp_path):
@@ -93,6 +105,7 @@ def test_parse_size_rejects(text):
         ["--kv-load-failure-policy", "retry"],
         ["--cluster-token", "a", "--cluster-token-file", "f"],
         ["--port", "http"],
+        ["--scheduling-policy", "priority"],
     ],
 )
 def test_argparse_rejects(argv, capsys):
@@ -120,6 +133,9 @@ def test_argparse_rejects(argv, capsys):
         (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"], "cannot read --tls-cert"),
         (["--kv-events-config", "{"], "--kv-events-config is not JSON"),
         (["--max-prefill-tokens-while-decoding", "-1"], "--max-prefill-tokens-while-decoding"),
+        (["--scheduling-policy", "sjf", "--sjf-max-wait", "0"], "--sjf-max-wait"),
+        (["--sjf-max-wait", "nan"], "--sjf-max-wait"),
+        (["--sjf-step-tokens", "0"], "--sjf-step-tokens"),
         (["--engine-cpus", "a"], "--engine-cpus must be a CPU list"),
         (["--engine-cpus", "3-1"], "--engine-cpus must be a CPU list"),
         (["--engine-cpus", "0,"], "--engine-cpus must be a CPU list"),
