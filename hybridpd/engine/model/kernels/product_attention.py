@@ -51,7 +51,11 @@ BATCHED_MIN_WORK = 1 << 18
 
 def products_pay(dtype: torch.dtype) -> bool:
     """Whether a `dtype` model's prefill attention goes through these products on this CPU: where float32's
-    products go through oneDNN's packs (MKL runs generic code; every product here is float32's)."""
+    products go through oneDNN's packs (MKL runs generic code), and for bfloat16 where the CPU has bfloat16 units
+    (its weights-by-values product is bfloat16's: oneDNN has no bfloat16 product on a CPU without them, so there
+    SDPA takes it)."""
+    if dtype == torch.bfloat16 and not packs_products(torch.bfloat16):
+        return False
     return dtype in (torch.float32, torch.bfloat16) and packs_products(torch.float32)
 
 
@@ -125,6 +129,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     block = max(1, min(BLOCK, n, SCORES_MAX // (group * last)))
     product = torch.ops.mkldnn._linear_pointwise
     low = q.dtype == torch.bfloat16   # the weights and values multiplied in bfloat16
+    bf16_products = packs_products(torch.bfloat16)
     for j in range(num_kv_heads):
         heads = slice(j * group, (j + 1) * group)
         keys = torch.empty(last, head_dim, dtype=torch.float32).copy_(k[:last, j])
@@ -139,7 +144,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
             if low:
                 rounded = torch.empty(weights.shape, dtype=torch.bfloat16)
                 _causal_softmax_rows_bf16(weights.numpy(), rows, rounded.view(torch.uint16).numpy())
-                result = product(rounded, part, None, "none", [], "")
+                # without bfloat16 units oneDNN has no bfloat16 product: the same one widened (exact), summed in
+                # float32 and rounded once where it is stored, as the bfloat16 product's is
+                result = (product(rounded, part, None, "none", [], "") if bf16_products
+                          else product(rounded.float(), part.float(), None, "none", [], ""))
             else:
                 inverse = torch.empty(group * rows, dtype=torch.float32)
                 _causal_exp_rows(weights.numpy(), rows, inverse.numpy())

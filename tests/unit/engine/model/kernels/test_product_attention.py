@@ -186,3 +186,15 @@ def test_an_engine_through_the_products_equals_one_through_sdpa(tiny_dir, monkey
         assert on.keys() == off.keys(), step
         for rid in on:
             torch.testing.assert_close(on[rid], off[rid], atol=1e-5, rtol=0, msg=f"{rid} at step {step}")
+
+
+@pytest.mark.parametrize("packs, dtype, expected", [
+    ({torch.float32, torch.bfloat16}, torch.bfloat16, True),    # bfloat16 units, MKL's generic code
+    ({torch.float32}, torch.bfloat16, False),                   # no bfloat16 units (an AVX2 EPYC): SDPA
+    ({torch.float32}, torch.float32, True),
+    ({torch.bfloat16}, torch.float32, False),                   # MKL's own float32 kernels (Intel's CPUs)
+    (set(), torch.bfloat16, False),
+])
+def test_which_cpus_it_pays_on(monkeypatch, packs, dtype, expected):
+    monkeypatch.setattr(product_attention, "packs_products", lambda d: d in packs)
+    assert product_attention.products_pay(dtype) is expected
