@@ -208,8 +208,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
               probe: Callable[[Any], Callable[[], Any]] | None = None,
               windows: tuple[tuple[float, float], ...] = (), history: Workload | None = None,
               policy: str = "fcfs") -> dict[str, Any]:
-    """`policy`: every node's `--scheduling-policy`. `probe`: called with the cluster's info while it is idle, before the replay (after the history); what the
-    function it returns gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates
+    """`policy`: every node's `--scheduling-policy`. `probe`: called with the cluster's info while it is idle, before
+    the replay (after the history); what the function it returns gives after the replay is kept. `windows`: spans of send times whose decode-side hit rates
     are reported. `history`: served first (`serve_history`); every figure is the replay's after it."""
     proxy_port, base_port = free_cluster_ports(4, kv_events=True)
     tier = ("--kv-offload-dir", str(offload_root), "--kv-offload-size", "4GiB") if name == "tier" else ()
@@ -392,8 +392,8 @@ def main() -> int:
                 runs[_named(name, policy)].append(run_setup(name, args, prompts, offsets, directory,
                                                             history=history, policy=policy))
                 last = runs[_named(name, policy)][-1]
-                print(f"round {r} {_named(name, policy)}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit rate "
-                      f"{last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
+                print(f"round {r} {_named(name, policy)}: decode hit rate {last['decode_hit_rate']:.3f}, prefill hit "
+                      f"rate {last['prefill_hit_rate']:.3f}, mean TTFT {last['mean_ttft_ms']:.0f} ms (on the prefill node "
                       f"{last['prefill_node_mean_ttft_ms']:.0f}: queued {last['prefill_node_mean_queue_ms']:.0f}, "
                       f"prefill {last['prefill_node_mean_prefill_ms']:.0f}), p90 {last['p90_ttft_ms']:.0f} ms, "
                       f"CPU s {last['cpu_s']}, served by a decode node alone {last['decode_alone_requests']:.0f}",

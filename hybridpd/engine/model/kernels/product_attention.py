@@ -54,9 +54,8 @@ def products_pay(dtype: torch.dtype) -> bool:
     products go through oneDNN's packs (MKL runs generic code), and for bfloat16 where the CPU has bfloat16 units
     (its weights-by-values product is bfloat16's: oneDNN has no bfloat16 product on a CPU without them, so there
     SDPA takes it)."""
-    if dtype == torch.bfloat16 and not packs_products(torch.bfloat16):
-        return False
-    return dtype in (torch.float32, torch.bfloat16) and packs_products(torch.float32)
+    return packs_products(torch.float32) and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and packs_products(torch.bfloat16)))
 
 
 def takes(dtype: torch.dtype, rows: int, keys: int, sequences: int = 1) -> bool:
