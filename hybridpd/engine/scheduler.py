@@ -153,8 +153,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.queued_at = time.monotonic()
         if self._sjf and seq.remote_prefill is None:   # (a pulled prompt goes first, whatever its length)
-            hit = self.kv.get_computed_blocks(seq) if not seq.scores_prompt else self.kv.no_hit()
-            seq.uncached_estimate = seq.num_prompt_tokens - hit.num_tokens
+            seq.uncached_estimate = seq.num_prompt_tokens - self._local_hit(seq).num_tokens
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -283,7 +282,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.remote_prefill is not None and self.loader is None:
                 self._drop_remote_prefill(seq)  # nothing can pull it: prefill here, with a hit every group serves
-            hit = self.kv.get_computed_blocks(seq) if not seq.scores_prompt else self.kv.no_hit()
+            hit = self._local_hit(seq)
             if seq.remote_prefill is not None:
                 if not self._start_remote_load(seq, hit):
                     return
@@ -300,6 +299,10 @@ class Scheduler:
                 return
             scheduled.append(item)
             budget.spend(seq, item.num_new_tokens)
+
+    def _local_hit(self, seq: Sequence) -> CacheHit:
+        """The prefix the local cache holds for `seq` (none while its prompt's logprobs are wanted)."""
+        return self.kv.get_computed_blocks(seq) if not seq.scores_prompt else self.kv.no_hit()
 
     def _step_full(self, scheduled: list[ScheduledSeq]) -> bool:
         """Under SJF: the step carries `sjf_step_tokens` prompt tokens already (a further prompt would only delay

@@ -191,9 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fcfs: waiting requests in arrival order; sjf: the fewest uncached prompt tokens first "
                             "(a request waiting --sjf-max-wait goes first), a step taking no further prompt once it "
                             "carries --sjf-step-tokens: lower mean TTFT when prompts arrive in bursts")
-    sched.add_argument("--sjf-max-wait", type=float, default=1.0, metavar="SECONDS",
+    sched.add_argument("--sjf-max-wait", type=float, default=SchedulerConfig.sjf_max_wait, metavar="SECONDS",
                        help="under sjf, a request that has waited this long is admitted before shorter ones")
-    sched.add_argument("--sjf-step-tokens", type=int, default=256, metavar="TOKENS",
+    sched.add_argument("--sjf-step-tokens", type=int, default=SchedulerConfig.sjf_step_tokens, metavar="TOKENS",
                        help="under sjf, a step takes no further waiting prompt once it carries this many prompt "
                             "tokens (the first prompt is not cut by it)")
     sched.add_argument("--dtype", choices=list(DTYPES), default="auto",

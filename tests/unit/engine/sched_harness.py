@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridpd.config import CacheConfig, SchedulerConfig
+from hybridpd.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from hybridpd.engine.transfer_params import RemoteDecodeParams, RemotePrefillParams
 from hybridpd.engine.kv_cache.coordinator import KVCacheManager, StepBlocks
 from hybridpd.engine.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MambaSpec, SlidingWindowSpec
@@ -65,9 +65,11 @@ class FakeLoader:
 
 def make_scheduler(kv: KVCacheManager, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 4096,
                    chunk_boundary: int | None = None, loader: FakeLoader | None = None,
-                   prefill_cap: int | None = None, step_rows=None) -> Scheduler:
+                   prefill_cap: int | None = None, step_rows=None, policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+                   step_tokens: int = 256, max_wait: float = 60.0) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             max_prefill_tokens_while_decoding=prefill_cap)
+                             max_prefill_tokens_while_decoding=prefill_cap, scheduling_policy=policy,
+                             sjf_step_tokens=step_tokens, sjf_max_wait=max_wait)
     return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=frozenset({EOS}), chunk_boundary=chunk_boundary,
                      loader=loader, step_rows=step_rows)
 

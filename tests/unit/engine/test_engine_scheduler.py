@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpd.config import SchedulerConfig, SchedulingPolicy
+from hybridpd.config import SchedulingPolicy
 from hybridpd.engine.prompt_sources import PromptSources
 from hybridpd.engine.request import FinishReason, RequestStatus
-from hybridpd.engine.scheduler import Scheduler
 from hybridpd.engine.waiting_order import shortest_first
 
 from .sched_harness import (
@@ -447,12 +446,8 @@ def test_without_a_decoding_request_the_cap_does_not_apply():
     assert all_free(kv)
 
 
-def _sjf(kv, budget: int = 64, step_tokens: int = 256, max_wait: float = 60.0, loader=None):
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_prefill_tokens_while_decoding=None,
-                             scheduling_policy=SchedulingPolicy.SJF, sjf_max_wait=max_wait,
-                             sjf_step_tokens=step_tokens)
-    return Scheduler(config, kv, max_model_len=4096, eos_token_ids=frozenset({EOS}), chunk_boundary=None,
-                     loader=loader)
+def _sjf(kv, **kwargs):
+    return make_scheduler(kv, policy=SchedulingPolicy.SJF, **kwargs)
 
 
 @pytest.mark.parametrize("step_tokens, arrivals, expected_first_steps", [
@@ -520,7 +515,6 @@ def test_sjf_starts_a_pull_before_any_prompt_it_computes():
     sched.finish_load("pulled", ok=True)
     run_to_end(sched)
     assert all_free(kv)
-
 
 
 @pytest.mark.parametrize("requests, expected", [
