@@ -23,6 +23,7 @@ Last line: JSON with `load_ratio`, `p99_itl_ratio`, `decode_time_ratio`, the raw
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -187,7 +188,7 @@ def main() -> int:
         "mb_per_round": round(total_mb, 1), "files": len(paths),
         "p99_itl_ms_off": [round(x, 2) for x in itl["off"]], "p99_itl_ms_on": [round(x, 2) for x in itl["on"]],
         "decode_s_off": [round(x, 3) for x in decode["off"]], "decode_s_on": [round(x, 3) for x in decode["on"]],
-        "writer_counters": vars(counters), "itl_tier_counters": vars(written_on),
+        "writer_counters": dataclasses.asdict(counters), "itl_tier_counters": dataclasses.asdict(written_on),
         "preset": args.preset, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
