@@ -117,6 +117,7 @@ def test_eight_concurrent_requests_of_different_lengths(tiny, monkeypatch, kerne
         monkeypatch.setattr(linear_module, "ONE_ROW_MIN_WEIGHT", 0)
         monkeypatch.setattr(linear_module, "ONE_ROW_MIN_WEIGHT_BF16", 0)
         monkeypatch.setattr(linear_module, "_f32_packing", kernel == "one_row_linear")
+        monkeypatch.setattr(linear_module, "_f32_own_loops", kernel == "one_row_linear")
         original = getattr(linear_module, kernel)
         monkeypatch.setattr(linear_module, kernel, lambda *a: calls.append(1) or original(*a))
     model_dir, reference = tiny

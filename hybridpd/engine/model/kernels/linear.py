@@ -1,10 +1,11 @@
 """A step's projections (`F.linear`); a step of a whole number of ONEDNN_ROWS rows goes through oneDNN, and a
 decode step's few rows times a large weight through the few-rows kernel (few_rows.py). In bfloat16 on a CPU without
 bfloat16 units, see `bf16_linear`; on one with them, every product goes through the weight packed for oneDNN
-(packed.py), as do float32's on a CPU whose MKL runs generic code (not Intel's), but for one row by a large weight:
-where products pack, that goes through the one-row kernel (few_rows.py), which reads the weight faster (on the EPYC
-with AVX-512 and bfloat16 units: 34-35 against the packed product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in
-float32), but in bfloat16 on a CPU with AMX (`own_loops_pay`).
+(packed.py), as do float32's on a CPU with AVX-512 whose MKL runs generic code (not Intel's), but for one row by a
+large weight: there, and for float32 wherever MKL runs generic code, that goes through the one-row kernel
+(few_rows.py), which reads the weight faster (on the EPYC with AVX-512 and bfloat16 units: 34-35 against the packed
+product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in float32), but in bfloat16 on a CPU with AMX
+(`own_loops_pay`).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -37,7 +38,9 @@ import torch.nn.functional as F
 
 from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags, this_cpus_vendor
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16, one_row_linear
-from hybridpd.engine.model.kernels.packed import float32_packs_pay, packed_linear, packing_works, tiny_work
+from hybridpd.engine.model.kernels.packed import (
+    float32_packs_pay, mkl_runs_generic, packed_linear, packing_works, tiny_work,
+)
 
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
@@ -78,7 +81,8 @@ _onednn = _find_onednn()
 _cpu_flags = this_cpus_flags()
 _bf16_units = bool(_cpu_flags & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
-_f32_packing = float32_packs_pay(this_cpus_vendor()) and packing_works(torch.float32)
+_f32_packing = float32_packs_pay(this_cpus_vendor(), _cpu_flags) and packing_works(torch.float32)
+_f32_own_loops = mkl_runs_generic(this_cpus_vendor())   # one float32 row by a large weight: the one-row kernel
 _tiny_work = {dtype: tiny_work(dtype, this_cpus_vendor()) for dtype in (torch.float32, torch.bfloat16)}
 _amx = "amx_bf16" in _cpu_flags
 
@@ -144,13 +148,13 @@ def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def packs_products(dtype: torch.dtype) -> bool:
     """Whether products of `dtype` run through packed weights here (bfloat16 on a CPU with bfloat16 units, float32
-    on one whose MKL runs generic code)."""
+    on one with AVX-512 whose MKL runs generic code)."""
     return (_bf16_packing and dtype == torch.bfloat16) or (_f32_packing and dtype == torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: bfloat16 on a CPU without bfloat16 units through `bf16_linear`;
-    one row by a large weight where its dtype's products pack through the one-row kernel; elsewhere a float32
+    one row by a large weight where `own_loops_pay` through the one-row kernel; elsewhere a float32
     product of 2..FEW_ROWS_MAX rows by a large weight through the few-rows kernel; a product whose dtype packs here
     through the packed weight; a float32 one of a multiple of ONEDNN_ROWS rows through oneDNN; else MKL."""
     if _emulated_bf16(x, weight):
@@ -170,11 +174,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def own_loops_pay(dtype: torch.dtype) -> bool:
-    """Whether our compiled loops take some of a `dtype`'s products from the packed product (one row by a large
-    weight, and in bfloat16 a few rows by a small one): where the dtype's products pack, but for bfloat16 on a CPU
-    with AMX, where a compiled loop of ours read a one-row bfloat16 product at 7-8 GB/s against the packed product's
-    10-12.5 (the Xeon with AMX in benchmarks/README.md); the loops were measured faster on the EPYC with AVX512-BF16
-    only."""
+    """Whether our compiled loops take some of a `dtype`'s products from the library's (one row by a large weight,
+    and in bfloat16 a few rows by a small one): float32's where MKL runs its generic code (with or without packs: on
+    the AMD EPYC with AVX2, one thread, granite-350m's decode step at batch 1 took 0.88 of MKL's time so); bfloat16's
+    where its products pack, but on a CPU with AMX, where a compiled loop of ours read a one-row bfloat16 product at
+    7-8 GB/s against the packed product's 10-12.5 (the Xeon with AMX in benchmarks/README.md); the bfloat16 loops
+    were measured faster on the EPYC with AVX512-BF16 only."""
+    if dtype == torch.float32:
+        return _f32_own_loops
     return packs_products(dtype) and not (dtype == torch.bfloat16 and _amx)
 
 

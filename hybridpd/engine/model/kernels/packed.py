@@ -1,5 +1,5 @@
 """Products through oneDNN with the weight packed once: bfloat16 on a CPU with bfloat16 units, and float32 on a CPU
-whose MKL runs its generic code (not Intel's: `float32_packs_pay`).
+with AVX-512 whose MKL runs its generic code (not Intel's: `float32_packs_pay`).
 
 There torch's own bfloat16 `F.linear` runs on oneDNN but hands it the weight as stored, which oneDNN reorders into
 its blocked layout inside every call: at a decode step's few rows that reorder is most of the product. Measured on
@@ -96,11 +96,20 @@ def packing_works(dtype: torch.dtype = torch.bfloat16) -> bool:
     return out.shape == (1, 4) and bool((out == 8).all())
 
 
-def float32_packs_pay(vendor: str) -> bool:
-    """Whether float32 products should go through packs on a CPU of this maker (/proc/cpuinfo's `vendor_id`): MKL
-    runs Intel's own at the machine's read rate and others through slower generic code (module docstring). An
-    unknown maker (another OS) keeps MKL."""
+def mkl_runs_generic(vendor: str) -> bool:
+    """Whether MKL runs its generic code on a CPU of this maker (/proc/cpuinfo's `vendor_id`): its own kernels are
+    for Intel's CPUs (module docstring). An unknown maker (another OS) counts as Intel's."""
     return vendor not in ("GenuineIntel", "")
+
+
+def float32_packs_pay(vendor: str, flags: frozenset[str]) -> bool:
+    """Whether float32 products should go through packs on a CPU of this maker with these /proc/cpuinfo flags: where
+    MKL runs its generic code and the CPU has AVX-512, which oneDNN runs and that generic code does not. On a CPU
+    with AVX2 alone both run AVX2, and the pack's call and row buckets cost more than they save: on the AMD EPYC with
+    AVX2 (benchmarks/README.md), one thread, one engine with float32's packs on and off (alternated), small-vllm's
+    1,024-token prefill took 1.37x as long with them and its decode step at batch 16 1.14x, granite-350m's 512-token
+    prefill 1.15x and its decode step at batch 8 1.09x (there the few-rows kernel takes it without packs)."""
+    return mkl_runs_generic(vendor) and "avx512f" in flags
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,7 @@ def _pack_of(weight: torch.Tensor, widened: bool) -> torch.Tensor:
 def tiny_work(dtype: torch.dtype, vendor: str) -> int:
     """The most rows x weight elements of a `dtype` product that go through MKL rather than the pack on a CPU of this
     maker (module docstring)."""
-    return TINY_WORK // 2 if dtype == torch.bfloat16 and float32_packs_pay(vendor) else TINY_WORK
+    return TINY_WORK // 2 if dtype == torch.bfloat16 and mkl_runs_generic(vendor) else TINY_WORK
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -72,34 +72,42 @@ LARGE = (FEW_ROWS_MIN_WEIGHT // 64, 64)
 
 
 BF16 = torch.bfloat16
+# The CPUs the routing tells apart: MKL's own kernels (Intel's CPUs); MKL's generic code with AVX2 alone (float32
+# stays with MKL but for the compiled loops); with AVX-512 and bfloat16 units (every product packed).
+INTEL, AVX2, AVX512 = "intel", "amd-avx2", "amd-avx512"
 MIDDLE = (ONE_ROW_MIN_WEIGHT // 64, 64)
 SMALL = (ONE_ROW_MIN_WEIGHT // 128, 64)
 MIDDLE_BF16 = (ONE_ROW_MIN_WEIGHT_BF16 // 64, 64)
 SMALL_BF16 = (ONE_ROW_MIN_WEIGHT_BF16 // 128, 64)
 
 
-@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, packs, taken", [
-    (2, LARGE, torch.float32, True, False, "few"),
-    (FEW_ROWS_MAX, LARGE, torch.float32, True, False, "few"),
-    (1, LARGE, torch.float32, True, False, None),                 # one row: MKL is as fast
-    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, False, None),  # MKL catches up
-    (4, (LARGE[0] // 2, 64), torch.float32, True, False, None),   # a small weight: the call costs more than it saves
-    (4, LARGE, torch.float64, True, False, None),
-    (4, LARGE, torch.float32, False, False, None),                # strided rows
-    (1, LARGE, torch.float32, True, True, "one"),     # where products pack: one row reads faster here than packed
-    (2, LARGE, torch.float32, True, True, None),      # from two rows the pack
-    (1, MIDDLE, torch.float32, True, True, "one"),    # from ONE_ROW_MIN_WEIGHT elements
-    (1, SMALL, torch.float32, True, True, None),      # the packed product's call costs less
-    (1, LARGE, BF16, True, True, "one"),
-    (2, LARGE, BF16, True, True, None),
-    (1, MIDDLE, BF16, True, True, "one"),
-    (1, SMALL, BF16, True, True, "one"),             # bfloat16's from fewer elements
-    (1, MIDDLE_BF16, BF16, True, True, "one"),
-    (1, SMALL_BF16, BF16, True, True, None),
+@pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, cpu, taken", [
+    (2, LARGE, torch.float32, True, INTEL, "few"),
+    (FEW_ROWS_MAX, LARGE, torch.float32, True, INTEL, "few"),
+    (1, LARGE, torch.float32, True, INTEL, None),                 # one row: MKL is as fast
+    (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, INTEL, None),  # MKL catches up
+    (4, (LARGE[0] // 2, 64), torch.float32, True, INTEL, None),   # a small weight: the call costs more than it saves
+    (4, LARGE, torch.float64, True, INTEL, None),
+    (4, LARGE, torch.float32, False, INTEL, None),                # strided rows
+    (1, LARGE, torch.float32, True, AVX2, "one"),      # MKL's generic code without packs: the one-row kernel
+    (2, LARGE, torch.float32, True, AVX2, "few"),
+    (1, SMALL, torch.float32, True, AVX2, None),
+    (1, LARGE, torch.float32, True, AVX512, "one"),     # where products pack: one row reads faster here than packed
+    (2, LARGE, torch.float32, True, AVX512, None),      # from two rows the pack
+    (1, MIDDLE, torch.float32, True, AVX512, "one"),    # from ONE_ROW_MIN_WEIGHT elements
+    (1, SMALL, torch.float32, True, AVX512, None),      # the packed product's call costs less
+    (1, LARGE, BF16, True, AVX512, "one"),
+    (2, LARGE, BF16, True, AVX512, None),
+    (1, MIDDLE, BF16, True, AVX512, "one"),
+    (1, SMALL, BF16, True, AVX512, "one"),             # bfloat16's from fewer elements
+    (1, MIDDLE_BF16, BF16, True, AVX512, "one"),
+    (1, SMALL_BF16, BF16, True, AVX512, None),
 ])
 def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, rows, weight_shape, dtype, contiguous,
-                                                     packs, taken):
+                                                     cpu, taken):
+    packs = cpu is AVX512
     monkeypatch.setattr(linear_module, "_f32_packing", packs)
+    monkeypatch.setattr(linear_module, "_f32_own_loops", cpu is not INTEL)
     monkeypatch.setattr(linear_module, "_bf16_packing", packs)
     monkeypatch.setattr(linear_module, "_bf16_units", packs or linear_module._bf16_units)
     monkeypatch.setattr(linear_module, "_amx", False)
@@ -116,7 +124,7 @@ def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, 
     (torch.float32, True, [("one", 1)]),
 ])
 def test_one_row_of_bfloat16_stays_packed_where_the_cpu_has_amx(monkeypatch, kernel_calls, dtype, amx, taken):
-    for flag in ("_f32_packing", "_bf16_packing", "_bf16_units"):
+    for flag in ("_f32_packing", "_f32_own_loops", "_bf16_packing", "_bf16_units"):
         monkeypatch.setattr(linear_module, flag, True)
     monkeypatch.setattr(linear_module, "_amx", amx)
     weight, x = (torch.randn(*LARGE) / 8).to(dtype), torch.randn(1, LARGE[1]).to(dtype)
@@ -145,10 +153,11 @@ def test_a_few_bfloat16_rows_by_a_small_weight_take_the_few_rows_kernel_where_pr
     assert kernel_calls == ([(taken, rows)] if taken else [])
 
 
-@pytest.mark.parametrize("packs, taken", [(True, [("one", 1)]), (False, [])])
-def test_the_head_and_other_plain_products_take_the_one_row_kernel_where_products_pack(monkeypatch, kernel_calls,
-                                                                                      packs, taken):
-    monkeypatch.setattr(linear_module, "_f32_packing", packs)
+@pytest.mark.parametrize("cpu, taken", [(AVX512, [("one", 1)]), (AVX2, [("one", 1)]), (INTEL, [])])
+def test_the_head_and_other_plain_products_take_the_one_row_kernel_where_mkl_runs_generic_code(monkeypatch,
+                                                                                              kernel_calls, cpu, taken):
+    monkeypatch.setattr(linear_module, "_f32_packing", cpu is AVX512)
+    monkeypatch.setattr(linear_module, "_f32_own_loops", cpu is not INTEL)
     weight, x = torch.randn(*LARGE) / 8, torch.randn(1, LARGE[1])
     torch.testing.assert_close(plain_linear(x, weight), F.linear(x, weight))
     assert kernel_calls == taken

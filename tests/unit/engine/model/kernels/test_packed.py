@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.packed import (CHUNK_ROWS, EXACT_ROWS_MAX, OWN_PACK_ATTRIBUTES, PACKS_ATTRIBUTE,
-                                                  SMALL_ROWS_MAX,
-                                                  TINY_WORK, float32_packs_pay, packed_linear, packing_works,
-                                                  bucketed_rows, row_bucket, row_pieces, tiny_work)
+from hybridpd.engine.model.kernels.packed import (
+    CHUNK_ROWS, EXACT_ROWS_MAX, OWN_PACK_ATTRIBUTES, PACKS_ATTRIBUTE, SMALL_ROWS_MAX, TINY_WORK, bucketed_rows,
+    float32_packs_pay, mkl_runs_generic, packed_linear, packing_works, row_bucket, row_pieces, tiny_work,
+)
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(not packing_works(), reason="this CPU or torch build packs no bfloat16 weights")
@@ -232,11 +232,16 @@ def test_float32_where_mkl_is_intels_and_cpus_without_units_never_pack(monkeypat
 
 
 
-@pytest.mark.parametrize("vendor, pays", [
-    ("GenuineIntel", False), ("AuthenticAMD", True), ("HygonGenuine", True), ("", False),
+@pytest.mark.parametrize("vendor, flags, generic, pays", [
+    ("GenuineIntel", {"avx2", "avx512f"}, False, False),   # MKL's own kernels
+    ("AuthenticAMD", {"avx2", "avx512f"}, True, True),     # oneDNN runs AVX-512, MKL's generic code does not
+    ("AuthenticAMD", {"avx2", "fma"}, True, False),        # both run AVX2: the pack's call costs more
+    ("HygonGenuine", {"avx2", "avx512f"}, True, True),
+    ("", {"avx512f"}, False, False),                       # no maker known: MKL
 ])
-def test_float32_packs_where_mkl_runs_generic_code(vendor, pays):
-    assert float32_packs_pay(vendor) is pays
+def test_float32_packs_where_mkl_runs_generic_code_without_avx512(vendor, flags, generic, pays):
+    assert mkl_runs_generic(vendor) is generic
+    assert float32_packs_pay(vendor, frozenset(flags)) is pays
 
 
 @needs_float32_packing
