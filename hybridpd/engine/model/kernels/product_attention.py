@@ -1,10 +1,13 @@
-"""A prefill's causal attention over many keys as oneDNN products, on CPUs where MKL runs its generic code.
+"""A prefill's causal attention over many keys as oneDNN products, on CPUs with AVX-512 where MKL runs its generic
+code.
 
 torch's CPU SDPA (its flash kernel) multiplies its blocks through MKL: bfloat16 through `cblas_gemm_bf16bf16f32`,
-float32 through sgemm. On a CPU that is not Intel's (`linear.packs_products(torch.float32)`) MKL runs its generic
-code there, and there a prefill's attention was the largest part of small-vllm's prefill (head size 32: its products
-are thin, and MKL's generic bfloat16 product widens both sides to float32 first). oneDNN runs the same products in
-the CPU's own instructions.
+float32 through sgemm. On a CPU that is not Intel's MKL runs its generic code there, and on one with AVX-512
+(`linear.packs_products(torch.float32)`) a prefill's attention was the largest part of small-vllm's prefill (head
+size 32: its products are thin, and MKL's generic bfloat16 product widens both sides to float32 first). oneDNN runs
+the same products in the CPU's own instructions. On an AVX2 CPU both run AVX2 and SDPA was the faster (the AMD EPYC
+with AVX2 in benchmarks/README.md: small-vllm's 1,024-token prefill 1.09x as long through these products, the
+granite-350m preset's 512-token one 0.98x).
 
 Here, per KV head and per block of BLOCK query rows (the query heads sharing the KV head stacked in one product), the
 scores are one float32 product through oneDNN (`torch.ops.mkldnn._linear_pointwise`; bfloat16 queries and keys widened
