@@ -176,7 +176,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def own_loops_pay(dtype: torch.dtype) -> bool:
     """Whether our compiled loops take some of a `dtype`'s products from the library's (one row by a large weight,
     and in bfloat16 a few rows by a small one): float32's where MKL runs its generic code (with or without packs: on
-    the AMD EPYC with AVX2, one thread, granite-350m's decode step at batch 1 took 0.88 of MKL's time so); bfloat16's
+    the AMD EPYC with AVX2, one thread, granite-350m's decode step at batch 1 took 0.88 of its time with MKL's
+    one-row products, one engine alternating the two); bfloat16's
     where its products pack, but on a CPU with AMX, where a compiled loop of ours read a one-row bfloat16 product at
     7-8 GB/s against the packed product's 10-12.5 (the Xeon with AMX in benchmarks/README.md); the bfloat16 loops
     were measured faster on the EPYC with AVX512-BF16 only."""

@@ -106,9 +106,9 @@ def float32_packs_pay(vendor: str, flags: frozenset[str]) -> bool:
     """Whether float32 products should go through packs on a CPU of this maker with these /proc/cpuinfo flags: where
     MKL runs its generic code and the CPU has AVX-512, which oneDNN runs and that generic code does not. On a CPU
     with AVX2 alone both run AVX2, and the pack's call and row buckets cost more than they save: on the AMD EPYC with
-    AVX2 (benchmarks/README.md), one thread, one engine with float32's packs on and off (alternated), small-vllm's
-    1,024-token prefill took 1.37x as long with them and its decode step at batch 16 1.14x, granite-350m's 512-token
-    prefill 1.15x and its decode step at batch 8 1.09x (there the few-rows kernel takes it without packs)."""
+    AVX2 (benchmarks/float32_packs.py, one engine, one thread, packs on and off alternated), small-vllm's 1,024-token
+    prefill took 1.34x as long with them and its decode step at batch 16 1.29x, granite-350m's 512-token prefill
+    1.15x (its decode steps at batch 1 and 8 1.02x: the one-row and few-rows kernels take those rows either way)."""
     return mkl_runs_generic(vendor) and "avx512f" in flags
 
 
