@@ -20,6 +20,10 @@ both reach the same ~100 GFLOP/s. A step of a whole multiple of 1,024 rows (prom
 as 16 x 256 or 8 x 256, a 1,024- or 4,096-token prompt alone, a full 2,048-token step when the chunk boundaries
 allow) takes its products there: 8-25% less time for them, more with more rows (a 16 x 256 prefill step of the
 default model 275 -> 245 ms, an 8 x 256 one 137 -> 125 ms, in-process, alternating). Other steps are unchanged.
+On a CPU with AVX2 alone (`onednn_rows_pay`) the step's products stay with MKL: on the AMD EPYC with AVX2, one thread,
+MKL ran granite-350m's projections at 85-90 GFLOP/s over 1,024 and 2,048 rows (the machine's matmul peak), oneDNN's
+unpacked product at 1.0-1.33x its time, and that preset's 2,048-token prefill took 1.15x as long through oneDNN
+(small-vllm's 1,024 / 2,048-token ones 1.02 / 0.97x; one engine, alternated).
 
 Only whole multiples: oneDNN builds and caches a primitive, with scratch memory, per shape it meets; given every
 row count a server sees, the process grew by ~1 GB per 1,000 distinct counts (measured), and sending the rows of
@@ -77,8 +81,14 @@ def _find_onednn() -> Callable[..., torch.Tensor] | None:
     return op
 
 
-_onednn = _find_onednn()
+def onednn_rows_pay(flags: frozenset[str]) -> bool:
+    """Whether a step of a whole multiple of ONEDNN_ROWS float32 rows goes through oneDNN on a CPU with these
+    /proc/cpuinfo flags: where it has AVX-512 (module docstring)."""
+    return "avx512f" in flags
+
+
 _cpu_flags = this_cpus_flags()
+_onednn = _find_onednn() if onednn_rows_pay(_cpu_flags) else None
 _bf16_units = bool(_cpu_flags & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
 _f32_packing = float32_packs_pay(this_cpus_vendor(), _cpu_flags) and packing_works(torch.float32)

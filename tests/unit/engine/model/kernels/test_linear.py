@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
-from hybridpd.engine.model.kernels.linear import ONEDNN_ROWS, linear
+from hybridpd.engine.model.kernels.linear import ONEDNN_ROWS, linear, onednn_rows_pay
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
@@ -44,9 +44,23 @@ def test_only_whole_multiples_of_float32_rows_go_to_onednn(onednn_calls, rows, d
     torch.testing.assert_close(out, F.linear(x, weight))
 
 
-@pytest.mark.skipif(linear_module._onednn is None, reason="this torch build has no oneDNN linear")
+ONEDNN = linear_module._find_onednn()
+
+
+@pytest.mark.skipif(ONEDNN is None, reason="this torch build has no oneDNN linear")
 @pytest.mark.parametrize("rows, inputs, outputs, with_bias", [
     (ONEDNN_ROWS, 128, 580, False), (2 * ONEDNN_ROWS, 256, 128, True), (ONEDNN_ROWS, 64, 640, True),
 ])
-def test_onednn_agrees_with_mkl(rows, inputs, outputs, with_bias):
+def test_onednn_agrees_with_mkl(monkeypatch, rows, inputs, outputs, with_bias):
+    monkeypatch.setattr(linear_module, "_onednn", ONEDNN)        # taken on a CPU with AVX-512; checked on any
+    monkeypatch.setattr(linear_module, "_f32_packing", False)    # the packs would take the rows first
     check_agrees_with_f_linear(linear, rows, inputs, outputs, with_bias)
+
+
+@pytest.mark.parametrize("flags, pays", [
+    ({"avx2", "fma", "avx512f"}, True),
+    ({"avx2", "fma"}, False),   # MKL runs the products at the machine's peak there
+    (set(), False),
+])
+def test_whole_multiples_go_to_onednn_only_on_a_cpu_with_avx512(flags, pays):
+    assert onednn_rows_pay(frozenset(flags)) is pays
