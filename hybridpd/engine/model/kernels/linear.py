@@ -91,9 +91,10 @@ _cpu_flags = this_cpus_flags()
 _onednn = _find_onednn() if onednn_rows_pay(_cpu_flags) else None
 _bf16_units = bool(_cpu_flags & BF16_FLAGS)
 _bf16_packing = _bf16_units and packing_works()
-_f32_packing = float32_packs_pay(this_cpus_vendor(), _cpu_flags) and packing_works(torch.float32)
-_f32_own_loops = mkl_runs_generic(this_cpus_vendor())   # one float32 row by a large weight: the one-row kernel
-_tiny_work = {dtype: tiny_work(dtype, this_cpus_vendor()) for dtype in (torch.float32, torch.bfloat16)}
+_vendor = this_cpus_vendor()
+_f32_packing = float32_packs_pay(_vendor, _cpu_flags) and packing_works(torch.float32)
+_f32_own_loops = mkl_runs_generic(_vendor)   # one float32 row by a large weight: the one-row kernel
+_tiny_work = {dtype: tiny_work(dtype, _vendor) for dtype in (torch.float32, torch.bfloat16)}
 _amx = "amx_bf16" in _cpu_flags
 
 
