@@ -18,7 +18,9 @@ rate counts the history as seen, and every figure (CPU, the nodes' counters) is 
 Last line: JSON with `hit_rate_over_ideal` (the tier's decode-side hit rate over the slice's ideal, an unbounded
 cache's; goal >= 0.9), `mean_ttft_ratio` (tier / round robin; goal <= 0.6), `outputs_identical`, the raw figures
 per setup and round, the tier's counters (summed over the nodes, per label: the CPU of each of its threads among
-them), the CPU model and the date.
+them), each role's CPU over the slice (`cpu_s`) and by thread (`cpu_s_by_thread`: "decode/engine" is the decode
+nodes' engine threads, "prefill/kv-writer" their write-behind processes, "decode/python" their fronts), the CPU model
+and the date.
 
 With `--restart-at S` it runs the tier setup alone and SIGKILLs every node S seconds into the replay (the
 supervisor restarts them, as `hybridpd up` does); requests that fail meanwhile are counted, not retried. Last line:
@@ -137,6 +139,27 @@ def sessions_cpu_s(sessions: set[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def threads_cpu_s(roles: dict[str, set[int]]) -> dict[str, float]:
+    """CPU seconds used so far by the live threads of each role's sessions, by role and thread name ("decode/engine",
+    "prefill/kv-offload-scan", "prefill/kv-writer": the names the nodes give their threads and the writer process,
+    the kernel's first 15 bytes), summed over the role's nodes."""
+    role_of = {session: role for role, sessions in roles.items() for session in sessions}
+    seconds: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            role = role_of.get(int(stat.read_text().rsplit(")", 1)[1].split()[3]))
+            if role is None:
+                continue
+            for task in (stat.parent / "task").iterdir():
+                text = (task / "stat").read_text()
+                name, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
+                key = f"{role}/{name}"
+                seconds[key] = seconds.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):   # a process or thread that ended meanwhile
+            continue
+    return seconds
+
+
 def summed(metrics_urls: list[str], prefix: str, by_label: bool = False) -> dict[str, float]:
     """Every sample whose name starts with `prefix`, summed over the nodes (and over labels, unless `by_label`)."""
     totals: dict[str, float] = {}
@@ -238,6 +261,7 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         roles = {"prefill": {n.pid for n in info.prefill}, "decode": {n.pid for n in info.decode},
                  "proxy": {info.proxy_pid}} if restart_at is None else {}
         cpu_before = {role: sessions_cpu_s(pids) for role, pids in roles.items()}
+        threads_before = threads_cpu_s(roles)
         prefill_before = role_counters(prefill_metrics)
         decode_metrics = [n.metrics_url for n in info.decode]
         decode_before = role_counters(decode_metrics)
@@ -245,6 +269,8 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
         proxy_before = summed([info.proxy_url + "/metrics"], "hybridpd_proxy_", by_label=True)
         results = asyncio.run(replay(info.proxy_url, prompts, offsets, args.max_tokens, restart_at is not None))
         cpu_s = {role: round(sessions_cpu_s(pids) - cpu_before[role], 2) for role, pids in roles.items()}
+        threads_after = threads_cpu_s(roles)
+        by_thread = {key: round(after - threads_before.get(key, 0.0), 2) for key, after in threads_after.items()}
         probed = after() if after is not None else None
         counters = {label: value - tier_before.get(label, 0.0) for label, value in
                     summed(node_metrics, "hybridpd:kv_offload_", by_label=True).items()} if tier else {}
@@ -266,7 +292,9 @@ def run_setup(name: str, args: argparse.Namespace, prompts: list[list[int]], off
     return {
         "decode_hit_rate": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results),
         "mean_ttft_ms": statistics.mean(ttfts) * 1e3, "p90_ttft_ms": statistics.quantiles(ttfts, n=10)[-1] * 1e3,
-        "cpu_s": cpu_s, "prefill_hit_rate": prefill_side["hit_rate"],
+        "cpu_s": cpu_s,
+        "cpu_s_by_thread": dict(sorted(((key, s) for key, s in by_thread.items() if s >= 0.01), key=lambda kv: -kv[1])),
+        "prefill_hit_rate": prefill_side["hit_rate"],
         "decode_alone_requests": alone, "predictions": predictions,
         **alone_figures(decode_before, decode_after, alone),
         "prefill_node_mean_ttft_ms": prefill_side["node_mean_ttft_ms"],
