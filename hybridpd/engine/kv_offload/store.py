@@ -20,6 +20,12 @@ one: what changed, not every file. At least every `FULL_SCAN_S` (less often when
 copied in or removed by hand, a writer that died between its rename and its journal line). Each store enforces the
 capacity over what it knows (its last listing, the journals since, its own writes), so the directory can exceed it
 by what the others wrote since this store's last scan.
+
+The tier's scanner runs in the engine's process, and a listing is Python work over every name (~2-5 us each): run
+at once, a listing of tens of thousands of files holds the GIL for a few hundred milliseconds, and every torch call
+of a step beside it waits for the GIL to come back (the step 2-3x as long, some far longer). So a `paced` listing
+(the scanner's) works a shard folder at a time for about `LISTING_BURST_S`, then sleeps `LISTING_PAUSE_S`: it takes
+longer, and the steps beside it hardly notice (benchmarks/offload_scan.py's `step_*` figures).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ T = TypeVar("T")
 STALE_TEMP_S = 60.0
 FULL_SCAN_S = 60.0            # a scan lists the whole directory at least this often ...
 FULL_SCAN_CPU_SHARE = 0.02    # ... unless listings would take more of a core than this: then as often as they fit
+LISTING_BURST_S = 0.001       # a paced listing works about this long at a time ...
+LISTING_PAUSE_S = 0.004       # ... then sleeps this long (the module docstring)
 
 
 class OffloadStore:
@@ -300,16 +308,16 @@ class OffloadStore:
             self._flush_journal()
         return payloads
 
-    def scan(self, full: bool | None = None) -> tuple[set[bytes], ...]:
+    def scan(self, full: bool | None = None, *, paced: bool = False) -> tuple[set[bytes], ...]:
         """Learn what changed on disk: the others' journals read since the last scan, or (`full`, and by default
-        every `FULL_SCAN_S`) a listing of the whole directory. Returns every group's block hashes as far as this store
-        now knows (its own sets, not copies: read them, never change them). What a scan misses is only a miss or a
-        failed read, never wrong bytes: reads are checked."""
+        every `FULL_SCAN_S`) a listing of the whole directory, `paced` or at once (the module docstring). Returns every
+        group's block hashes as far as this store now knows (its own sets, not copies: read them, never change them).
+        What a scan misses is only a miss or a failed read, never wrong bytes: reads are checked."""
         now = time.monotonic()
         changes = self._others.read_new()   # read before a listing, so the listing supersedes them
         if full or (full is None and now >= self._next_full):
-            started = time.thread_time()
-            self._list_all()
+            started = time.thread_time()   # CPU time: a paced listing's pauses are not its cost
+            self._list_all(paced)
             cost = time.thread_time() - started
             self._next_full = time.monotonic() + max(FULL_SCAN_S, cost / FULL_SCAN_CPU_SHARE)
         else:
@@ -320,13 +328,16 @@ class OffloadStore:
         self._flush_journal()
         return self._held
 
-    def _list_all(self) -> None:
+    def _list_all(self, paced: bool = False) -> None:
         """Every block file as the directory lists them now (stale temporary files and journals removed); the
-        changes this store made or met during the listing are applied after it."""
+        changes this store made or met during the listing are applied after it. `paced`: the walk over the folders
+        and the tally of what they hold pause after each `LISTING_BURST_S` of work (the module docstring); only the
+        changes met meanwhile are applied under the lock."""
         with self._lock:
             self._listing_changes = []
         now = time.time()
         files: dict[bytes, set[int]] = {}
+        pace = _Pace(paced)
         for shard in _shards(self.folder):
             for name in _names(shard.path):
                 if name.endswith(".tmp"):
@@ -335,28 +346,44 @@ class OffloadStore:
                         self._remove(Path(path))
                 elif (parsed := self._parse(name)) is not None:
                     files.setdefault(parsed[0], set()).add(parsed[1])
+            pace.tick()
         self._others.remove_stale(now)
+        held: tuple[set[bytes], ...] = tuple(set() for _ in self.groups)
+        used, seen = 0, set()
+        for i, (block_hash, masks) in enumerate(files.items()):
+            for group in members(union(masks)):
+                held[group].add(block_hash)
+            for groups in masks:
+                used += self.file_bytes(groups)
+                seen.add(groups)
+            if i % 256 == 255:
+                pace.tick()
         with self._lock:
             for added, block_hash, groups in self._listing_changes or ():
-                if added:
+                masks = files.get(block_hash)
+                if added and (masks is None or groups not in masks):
                     files.setdefault(block_hash, set()).add(groups)
-                elif groups in files.get(block_hash, ()):
-                    files[block_hash].discard(groups)
-                    if not files[block_hash]:
+                    used += self.file_bytes(groups)
+                    seen.add(groups)
+                    for group in members(groups):
+                        held[group].add(block_hash)
+                elif not added and masks is not None and groups in masks:
+                    masks.discard(groups)
+                    used -= self.file_bytes(groups)
+                    left = union(masks)
+                    for group in members(groups):
+                        if not left >> group & 1:
+                            held[group].discard(block_hash)
+                    if not masks:
                         del files[block_hash]
             self._listing_changes = None
-            held: tuple[set[bytes], ...] = tuple(set() for _ in self.groups)
-            for block_hash, masks in files.items():
-                for group in members(union(masks)):
-                    held[group].add(block_hash)
-                for groups in masks:
-                    self._seen(groups)
+            for groups in seen:
+                self._seen(groups)
             for group, (old, new) in enumerate(zip(self._held, held)):
                 if self._feed is not None:
                     self._feed.extend((False, group, block_hash) for block_hash in old - new)
                     self._feed.extend((True, group, block_hash) for block_hash in new - old)
-            self._files, self._held = files, held
-            self._used = sum(self.file_bytes(groups) for masks in files.values() for groups in masks)
+            self._files, self._held, self._used = files, held, used
 
     def _evict_over_capacity(self) -> None:
         used = self.used_bytes()
@@ -379,6 +406,20 @@ class OffloadStore:
             return True
         except OSError:
             return False
+
+
+class _Pace:
+    """A paced listing's clock: `tick` between pieces of work sleeps `LISTING_PAUSE_S` once `LISTING_BURST_S` of
+    work has passed since the last pause; unpaced, it never sleeps."""
+
+    def __init__(self, paced: bool) -> None:
+        self._paced = paced
+        self._since = time.perf_counter()
+
+    def tick(self) -> None:
+        if self._paced and time.perf_counter() - self._since >= LISTING_BURST_S:
+            time.sleep(LISTING_PAUSE_S)
+            self._since = time.perf_counter()
 
 
 def _shards(folder: Path) -> list[os.DirEntry]:

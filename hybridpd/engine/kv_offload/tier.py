@@ -333,7 +333,7 @@ class OffloadTier:
     def _scan_loop(self) -> None:
         while not self._stop.wait(self._rescan_s):
             try:
-                self.store.scan()   # what other nodes wrote or removed becomes the store's changes
+                self.store.scan(paced=True)   # what other nodes wrote or removed becomes the store's changes
             except OSError as exc:
                 log.warning("kv offload: scan failed (%s)", exc)
             finally:

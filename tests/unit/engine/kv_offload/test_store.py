@@ -14,8 +14,9 @@ import time
 import pytest
 
 from hybridpd.engine.kv_offload import block_file
+from hybridpd.engine.kv_offload import store as store_module
 from hybridpd.engine.kv_offload.layout import GroupLayout
-from hybridpd.engine.kv_offload.store import OffloadStore
+from hybridpd.engine.kv_offload.store import LISTING_PAUSE_S, OffloadStore
 
 MODEL, OTHER_MODEL = b"m" * 32, b"o" * 32
 GROUP = b"g" * 16
@@ -349,3 +350,53 @@ def test_scans_agree_with_a_listing_of_the_whole_directory(tmp_path):
             unjournaled = False
         else:
             assert s.scan(full=False)[0] == _on_disk(tmp_path)
+
+
+@pytest.mark.parametrize("burst_s, pauses_expected", [(0.0, True), (3600.0, False)])
+def test_a_paced_listing_pauses_between_shard_folders_and_finds_what_one_at_once_finds(tmp_path, monkeypatch,
+                                                                                      burst_s, pauses_expected):
+    writer = store(tmp_path)
+    blocks = [block(i) for i in range(40)]                # 40 hashes: 40 shard folders
+    for i, (h, payload) in enumerate(blocks):
+        writer.write(i % 2, h, payload)
+    at_once = store(tmp_path).scan(full=True)
+    pauses: list[float] = []
+    monkeypatch.setattr("hybridpd.engine.kv_offload.store.LISTING_BURST_S", burst_s)
+    monkeypatch.setattr("time.sleep", pauses.append)        # the store's pauses, counted instead of slept
+    paced = store(tmp_path).scan(full=True, paced=True)
+    assert paced == at_once == ({h for i, (h, _) in enumerate(blocks) if i % 2 == 0},
+                                {h for i, (h, _) in enumerate(blocks) if i % 2 == 1})
+    if pauses_expected:                                   # every folder's work exceeds a burst of 0 s
+        assert len(pauses) >= len(blocks) and set(pauses) == {LISTING_PAUSE_S}
+    else:
+        assert pauses == []
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_what_the_store_writes_and_removes_while_it_lists_is_applied_after_the_listing(tmp_path, monkeypatch, paced):
+    s = store(tmp_path)
+    (y, py), (z, pz), (x, px) = block(1), block(2), block(3)
+    s.write(0, y, py)
+    s.write(0, z, pz)
+    s.write(1, z, pz)                                     # z in two files, one a group
+    s.scan(full=True)
+    real_names = store_module._names
+    shards = len(list(s.folder.glob("??")))
+    calls = []
+
+    def names_then_change(shard: str) -> list[str]:
+        listed = real_names(shard)
+        calls.append(shard)
+        if len(calls) == shards:                          # every folder listed: y and z were seen on disk
+            s.write(0, x, px)                             # a folder the walk never visits
+            s.path(0, y).write_bytes(b"torn")
+            s.path(1, z).write_bytes(b"torn")
+            assert s.read(0, y) is None and s.read(1, z) is None   # the store removes both files itself
+        return listed
+
+    monkeypatch.setattr(store_module, "_names", names_then_change)
+    monkeypatch.setattr(store_module, "LISTING_PAUSE_S", 0.0)
+    assert s.scan(full=True, paced=paced) == ({z, x}, set())
+    monkeypatch.setattr(store_module, "_names", real_names)
+    assert store(tmp_path).scan(full=True) == ({z, x}, set())    # what a fresh listing finds on disk
+    assert s.used_bytes() == 2 * (block_file.header_size(1) + PAGE)
