@@ -144,6 +144,7 @@ def threads_cpu_s(roles: dict[str, set[int]]) -> dict[str, float]:
     "prefill/kv-offload-scan", "prefill/kv-writer": the names the nodes give their threads and the writer process,
     the kernel's first 15 bytes), summed over the role's nodes."""
     role_of = {session: role for role, sessions in roles.items() for session in sessions}
+    tick = os.sysconf("SC_CLK_TCK")
     seconds: dict[str, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -154,7 +155,7 @@ def threads_cpu_s(roles: dict[str, set[int]]) -> dict[str, float]:
                 text = (task / "stat").read_text()
                 name, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
                 key = f"{role}/{name}"
-                seconds[key] = seconds.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                seconds[key] = seconds.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         except (OSError, IndexError, ValueError):   # a process or thread that ended meanwhile
             continue
     return seconds

@@ -24,8 +24,9 @@ by what the others wrote since this store's last scan.
 The tier's scanner runs in the engine's process, and a listing is Python work over every name (~2-5 us each): run
 at once, a listing of tens of thousands of files holds the GIL for a few hundred milliseconds, and every torch call
 of a step beside it waits for the GIL to come back (the step 2-3x as long, some far longer). So a `paced` listing
-(the scanner's) works a shard folder at a time for about `LISTING_BURST_S`, then sleeps `LISTING_PAUSE_S`: it takes
-longer, and the steps beside it hardly notice (benchmarks/offload_scan.py's `step_*` figures).
+(the scanner's) works about `LISTING_BURST_S` at a time (between shard folders, and every 256 hashes of the tally of
+what they hold), then sleeps `LISTING_PAUSE_S`: it takes longer, and the steps beside it hardly notice
+(benchmarks/offload_scan.py's `step_*` figures).
 """
 
 from __future__ import annotations
