@@ -174,20 +174,12 @@ class OffloadStore:
         """A block file is there or gone: what this store knows, and (`journal`: it wrote or removed the file itself)
         a line for its journal, appended at `_flush_journal`."""
         with self._lock:
-            files = self._files.get(block_hash)
-            if added and (files is None or groups not in files):
-                self._seen(groups)
-                files = self._files.setdefault(block_hash, set())
-                before = union(files)
-                files.add(groups)
-                self._used += self.file_bytes(groups)
-                self._report(True, block_hash, groups & ~before)
-            elif not added and files is not None and groups in files:
-                files.discard(groups)
-                self._used -= self.file_bytes(groups)
-                self._report(False, block_hash, groups & ~union(files))
-                if not files:
-                    del self._files[block_hash]
+            changed = _file_change(self._files, added, block_hash, groups)
+            if changed is not None:
+                if added:
+                    self._seen(groups)
+                self._used += self.file_bytes(groups) if added else -self.file_bytes(groups)
+                self._report(added, block_hash, changed)
             if self._listing_changes is not None:
                 self._listing_changes.append((added, block_hash, groups))
             if journal:
@@ -361,22 +353,13 @@ class OffloadStore:
                 pace.tick()
         with self._lock:
             for added, block_hash, groups in self._listing_changes or ():
-                masks = files.get(block_hash)
-                if added and (masks is None or groups not in masks):
-                    files.setdefault(block_hash, set()).add(groups)
-                    used += self.file_bytes(groups)
-                    seen.add(groups)
-                    for group in members(groups):
-                        held[group].add(block_hash)
-                elif not added and masks is not None and groups in masks:
-                    masks.discard(groups)
-                    used -= self.file_bytes(groups)
-                    left = union(masks)
-                    for group in members(groups):
-                        if not left >> group & 1:
-                            held[group].discard(block_hash)
-                    if not masks:
-                        del files[block_hash]
+                changed = _file_change(files, added, block_hash, groups)
+                if changed is not None:
+                    if added:
+                        seen.add(groups)
+                    used += self.file_bytes(groups) if added else -self.file_bytes(groups)
+                    for group in members(changed):
+                        (held[group].add if added else held[group].discard)(block_hash)
             self._listing_changes = None
             for groups in seen:
                 self._seen(groups)
@@ -407,6 +390,23 @@ class OffloadStore:
             return True
         except OSError:
             return False
+
+
+def _file_change(files: dict[bytes, set[int]], added: bool, block_hash: bytes, groups: int) -> int | None:
+    """A block file of `groups` is there (`added`) or gone, applied to `files` (each hash's files by their groups):
+    the groups the hash came to hold or no longer holds in any file; None if `files` already said so."""
+    masks = files.get(block_hash)
+    if added and (masks is None or groups not in masks):
+        masks = files.setdefault(block_hash, set())
+        before = union(masks)
+        masks.add(groups)
+        return groups & ~before
+    if not added and masks is not None and groups in masks:
+        masks.discard(groups)
+        if not masks:
+            del files[block_hash]
+        return groups & ~union(masks)
+    return None
 
 
 class _Pace:
