@@ -1,15 +1,12 @@
-"""The write-behind's process: block files written from a shared staging buffer, outside the engine's process.
+"""The write-behind's process: block files written from a shared staging buffer, outside the engine's process
+(helper_process.py says why a process). Measured in-process on the small preset (benchmarks/README.md), against no
+tier: the engine's steps took 9-21% longer with a writer thread, 6-16% with this process (less in each run that had
+both).
 
-Why a process and not a thread: a thread that creates, writes and renames files gives the GIL up and takes it back
-around every system call, ~10 times a file, and each time it takes it back the engine's thread, forced to let it
-go, waits for it to come back. Measured in-process on the small preset (benchmarks/README.md), against no tier:
-the engine's steps took 9-21% longer with a writer thread, 6-16% with this process (less in each run that had
-both). It shares no GIL with the engine: per batch of files the engine's process sends one message and reads one answer.
-
-The wire, over two pipes (multiprocessing's framing, pickled messages of this module): the tier sends a
-`WriterSetup`, then `WriteBatch`es; the process answers each with a `BatchWritten`. The pages themselves are in a
-memfd the tier maps too (the staging ring, ring.py); a batch names them by offset. The process exits when the tier
-closes its pipe, or dies with it: the pipe's end is then closed, and what it had been sent is written first.
+The messages: the tier sends a `WriterSetup`, then `WriteBatch`es; the process answers each with a `BatchWritten`.
+The pages themselves are in a memfd the tier maps too (the staging ring, ring.py); a batch names them by offset.
+The process exits when the tier closes its pipe, or dies with it: the pipe's end is then closed, and what it had been
+sent is written first.
 """
 
 from __future__ import annotations
@@ -18,17 +15,14 @@ import logging
 import mmap
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from hybridpd.engine.kv_offload.file_writer import BlockFileWriter, Written
+from hybridpd.engine.kv_offload.helper_process import HelperProcess, helper_connections
 from hybridpd.engine.kv_offload.layout import GroupLayout
 from hybridpd.named_thread import name_native_thread
-
-log = logging.getLogger(__name__)
 
 # The process's niceness over the node's: the write-behind is background work. Where the cores are all busy (a node's
 # engine steps beside other nodes on the same machine), the scheduler gives the steps the CPU first, and a writer
@@ -60,84 +54,15 @@ class BatchWritten:
     cpu_s: float                         # the process's CPU time so far
 
 
-class WriterGone(Exception):
-    """The writer process died or could not start; the next batch starts another."""
-
-
-class WriterProcess:
+class WriterProcess(HelperProcess):
     """The tier's handle on its writer process, started at the first batch (and again after one died)."""
 
     def __init__(self, setup: WriterSetup, ring_fd: int) -> None:
-        self._setup = setup
-        self._ring_fd = ring_fd
-        self._process: subprocess.Popen | None = None
-        self._to: Connection | None = None
-        self._from: Connection | None = None
-        self._cpu_before = 0.0   # the CPU time of the processes before this one
-        self._cpu = 0.0
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
-
-    @property
-    def cpu_s(self) -> float:
-        """CPU seconds every writer process of this tier has used, as far as their answers said."""
-        return self._cpu_before + self._cpu
+        super().__init__(COMMAND, setup, ring_fd, what="writer")
 
     def write(self, batch: WriteBatch) -> BatchWritten:
-        """Have the process write a batch and wait for its answer; WriterGone if it is not there to."""
-        try:
-            if self._process is None:
-                self._start()
-            assert self._to is not None and self._from is not None
-            self._to.send(batch)
-            answer = self._from.recv()
-        except (OSError, EOFError) as exc:
-            self._stop(kill=True)
-            raise WriterGone(f"the kv offload writer process is gone ({exc or type(exc).__name__})") from exc
-        self._cpu = answer.cpu_s
-        return answer
-
-    def close(self, timeout: float) -> None:
-        """Let the process finish what it was sent (up to `timeout` seconds) and exit."""
-        self._stop(kill=False, timeout=timeout)
-
-    def _start(self) -> None:
-        to_child, to_writer = os.pipe()
-        from_writer, from_child = os.pipe()
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", COMMAND, str(self._ring_fd), str(to_child), str(from_child)],
-                pass_fds=(self._ring_fd, to_child, from_child), stdin=subprocess.DEVNULL)
-        except BaseException:
-            for fd in (to_child, to_writer, from_writer, from_child):
-                os.close(fd)
-            raise
-        os.close(to_child)
-        os.close(from_child)
-        self._to = Connection(to_writer, readable=False)
-        self._from = Connection(from_writer, writable=False)
-        self._to.send(self._setup)
-
-    def _stop(self, kill: bool, timeout: float = 1.0) -> None:
-        for conn in (self._to, self._from):
-            if conn is not None:
-                conn.close()
-        self._to = self._from = None
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if kill:
-            process.kill()
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("kv offload: the writer process did not finish in %.1f s; killed", timeout)
-            process.kill()
-            process.wait()
-        self._cpu_before += self._cpu
-        self._cpu = 0.0
+        """Have the process write a batch and wait for its answer; HelperGone if it is not there to."""
+        return self.call(batch)
 
 
 def serve(ring_fd: int, receive: Connection, answer: Connection) -> None:
@@ -171,5 +96,5 @@ def main(argv: list[str]) -> int:
     name_native_thread("kv-writer")   # what top and ps show for this process
     os.nice(NICENESS)
     ring_fd, receive_fd, answer_fd = (int(arg) for arg in argv)
-    serve(ring_fd, Connection(receive_fd, writable=False), Connection(answer_fd, readable=False))
+    serve(ring_fd, *helper_connections(receive_fd, answer_fd))
     return 0

@@ -14,7 +14,8 @@ import pytest
 from hybridpd.engine.kv_offload.file_writer import Written
 from hybridpd.engine.kv_offload.layout import GroupLayout
 from hybridpd.engine.kv_offload.store import OffloadStore
-from hybridpd.engine.kv_offload.writer_process import NICENESS, WriteBatch, WriterGone, WriterProcess, WriterSetup
+from hybridpd.engine.kv_offload.helper_process import HelperGone
+from hybridpd.engine.kv_offload.writer_process import NICENESS, WriteBatch, WriterProcess, WriterSetup
 
 GROUPS = (GroupLayout(b"g" * 16, 64), GroupLayout(b"h" * 16, 128))
 RING = 4096
@@ -77,7 +78,7 @@ def test_the_process_exits_when_closed_and_a_dead_one_is_replaced(tmp_path, ring
     writer.write(batch)
     first = writer.pid
     os.kill(first, signal.SIGKILL)
-    with pytest.raises(WriterGone):
+    with pytest.raises(HelperGone):
         writer.write(WriteBatch(((b"2" * 32, ((0, 0),)),), ()))
     assert writer.pid is None
     assert writer.write(batch).results == (Written(0, (0b01,)),)   # a new process, which finds the first's file
