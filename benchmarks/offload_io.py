@@ -3,20 +3,28 @@
 1. **Loads against a sequential read.** An engine on the preset computes `--prompts` prompts of `--prompt-len`
    tokens with the tier on, which writes their blocks behind (every group: full attention, sliding windows, the
    Mamba states the retention policy keeps). Then, per round, alternated: (a) every block file read sequentially
-   with plain `read()`s, one after another, into memory; (b) the same files through the tier's own loader (the
-   reader thread: read, check header and checksum, copy into the blocks), as storage hits load them. Before each the
-   files are dropped from the page cache (`posix_fadvise(DONTNEED)`; on a guest the host may still cache them).
-   `load_ratio` = (a)'s time / (b)'s time, median of the rounds: the share of a plain read's speed the loader keeps.
+   with plain `read()`s, one after another, into memory; (b) the same files through the tier's own loads (its reader
+   process reads them and checks header and checksum, its loader copies the pages into the blocks), as storage hits
+   load them. Before each the files are dropped from the page cache (`posix_fadvise(DONTNEED)`; on a guest the host
+   may still cache them). `load_ratio` = (a)'s time / (b)'s time, median of the rounds: the share of a plain read's
+   speed the loads keep.
 2. **Write-behind against the step.** The same decode-heavy workload (`--requests` requests, 256-token prompts
    sharing a prefix, 64 output tokens, all at once) through the engine with the tier off and on, alternated; per
    request the gaps between its tokens (in-process, the time from one step's end to the next's). `p99_itl_ratio` =
    p99 ITL with the tier on over off, median of the rounds; `decode_time_ratio` = the time from the first token out
    to the last, on over off, median of the rounds (every step's cost, where the p99 looks at a few gaps). The engine
    runs here with the GIL switch interval of a served engine process (0.5 ms, `engine_process.GIL_SWITCH_INTERVAL_S`):
-   the tier's threads share its GIL (its writer process does not).
+   the tier's threads share its GIL (its writer and reader processes do not).
+3. **Loads beside decodes.** A fresh engine on the same directory serves storage hits one at a time: each of the
+   `--prompts` prompts with its last 16 tokens new, so all blocks before them are read from storage. Per round, alternated:
+   with the engine otherwise idle, and beside `--beside` requests decoding. Per hit the time its read took (the
+   tier's own histogram) and the time to its first token. `load_beside_decodes_ratio` = mean read time beside the
+   decodes over idle, median of the rounds: what the engine's work does to a read (a read on a thread of the
+   engine's process waits for its GIL).
 
 Last line: JSON with `load_ratio`, `p99_itl_ratio`, `decode_time_ratio`, the raw figures (`seq_read_gbps`,
-`tier_load_gbps`, MB per round, p99 ITL ms and decode seconds on and off), the tier's counters, the CPU model and the date. Goals: `load_ratio` >= 0.7,
+`tier_load_gbps`, MB per round, p99 ITL ms and decode seconds on and off, `load_ms_idle`, `load_ms_beside` and the
+first tokens' `hit_ttft_ms_*`), the tier's counters, the CPU model and the date. Goals: `load_ratio` >= 0.7,
 `p99_itl_ratio` <= 1.1.
 """
 
@@ -116,17 +124,52 @@ def tier_load(engine: LLMEngine, root: Path, paths: list[Path]) -> float:
             rows[g] += 1
     pages = [torch.zeros(max(1, n), layout.page_bytes, dtype=torch.int8) for n, layout in zip(rows, written.groups)]
     tier = OffloadTier(store, pages, rescan_s=3600)
+    first = [item for item in items if item.block_hash == items[0].block_hash]
+    wait_for(tier, "warm-up", first)   # its reader process is up, as a node's is long before its first hit
     drop_cache(paths)
     start = time.perf_counter()
-    tier.start_load("bench", items)
+    wait_for(tier, "bench", items)
+    elapsed = time.perf_counter() - start
+    tier.close()
+    return elapsed
+
+
+def wait_for(tier: OffloadTier, request_id: str, items: list[LoadItem]) -> None:
+    tier.start_load(request_id, items)
     done = []
     while not done:
         tier.wait_for_load(0.01)
         done = tier.take_finished()
-    elapsed = time.perf_counter() - start
-    assert done == [("bench", True)], done
-    tier.close()
-    return elapsed
+    assert done == [(request_id, True)], done
+
+
+def hits_beside(engine: LLMEngine, prompts: list[tuple[int, ...]], beside: int, round_: int) -> tuple[float, float]:
+    """Mean read time and mean time to first token (ms) of storage hits asked one at a time, beside `beside`
+    requests decoding (they end with the hits)."""
+    engine.kv.reset_prefix_cache()   # the hits come from storage, not from memory
+    background = [f"bg{round_}-{i}" for i in range(beside)]
+    for i, request_id in enumerate(background):
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt(5000 + i, 32),
+                                         sampling=SamplingParams(max_tokens=1_000, temperature=0.0, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    before = engine.offload.snapshot().load_seconds
+    ttft = []
+    for i, ids in enumerate(prompts):
+        request_id = f"hit{round_}-{i}"
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=ids[:-16] + prompt(9000 + i, 16),
+                                         sampling=SamplingParams(max_tokens=1, temperature=0.0)))
+        start = time.perf_counter()
+        while not any(out.request_id == request_id for out in engine.step()):
+            pass
+        ttft.append(time.perf_counter() - start)
+    after = engine.offload.snapshot().load_seconds
+    for request_id in background:
+        engine.abort(request_id)
+    while engine.has_work():
+        engine.step()
+    assert after.count - before.count == len(prompts), "every hit is read from storage"
+    return 1000 * (after.total - before.total) / len(prompts), 1000 * statistics.mean(ttft)
 
 
 def main() -> int:
@@ -136,6 +179,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--beside", type=int, default=8, help="requests decoding beside the storage hits")
     parser.add_argument("--dir", type=Path, default=None, help="where the tier writes (default: a temporary "
                         "directory on the disk /tmp is on)")
     args = parser.parse_args()
@@ -179,17 +223,37 @@ def main() -> int:
         engines["on"].close()
         written_on = engines["on"].offload.snapshot()
 
+        hits = make_engine(model_dir, root)
+        hit_prompts = [prompt(100 + i, args.prompt_len) for i in range(args.prompts)]
+        hits_beside(hits, hit_prompts[:1], 0, -1)   # warm-up
+        loads: dict[str, list[float]] = {"idle": [], "beside": []}
+        hit_ttft: dict[str, list[float]] = {"idle": [], "beside": []}
+        for r in range(args.rounds):
+            for name in ("idle", "beside") if r % 2 == 0 else ("beside", "idle"):
+                load_ms, ttft_ms = hits_beside(hits, hit_prompts, args.beside if name == "beside" else 0, r)
+                loads[name].append(load_ms)
+                hit_ttft[name].append(ttft_ms)
+            print(f"round {r}: a hit's read idle {loads['idle'][-1]:.1f} ms, beside {args.beside} decodes "
+                  f"{loads['beside'][-1]:.1f} ms; its first token {hit_ttft['idle'][-1]:.1f} / "
+                  f"{hit_ttft['beside'][-1]:.1f} ms", flush=True)
+        hits.close()
+
     seq, load = statistics.median(seq_times), statistics.median(tier_times)
     print(json.dumps({
         "load_ratio": round(seq / load, 3),
         "p99_itl_ratio": round(statistics.median(on / off for on, off in zip(itl["on"], itl["off"])), 3),
         "decode_time_ratio": round(statistics.median(on / off for on, off in zip(decode["on"], decode["off"])), 3),
+        "load_beside_decodes_ratio": round(statistics.median(b / i for b, i in zip(loads["beside"], loads["idle"])),
+                                           3),
+        "load_ms_idle": [round(x, 2) for x in loads["idle"]], "load_ms_beside": [round(x, 2) for x in loads["beside"]],
+        "hit_ttft_ms_idle": [round(x, 2) for x in hit_ttft["idle"]],
+        "hit_ttft_ms_beside": [round(x, 2) for x in hit_ttft["beside"]],
         "seq_read_gbps": round(total_mb / 1e3 / seq, 3), "tier_load_gbps": round(total_mb / 1e3 / load, 3),
         "mb_per_round": round(total_mb, 1), "files": len(paths),
         "p99_itl_ms_off": [round(x, 2) for x in itl["off"]], "p99_itl_ms_on": [round(x, 2) for x in itl["on"]],
         "decode_s_off": [round(x, 3) for x in decode["off"]], "decode_s_on": [round(x, 3) for x in decode["on"]],
         "writer_counters": dataclasses.asdict(counters), "itl_tier_counters": dataclasses.asdict(written_on),
-        "preset": args.preset, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
+        "beside": args.beside, "preset": args.preset, "cpu": this_cpus_model(), "date": time.strftime("%Y-%m-%d"),
     }))
     return 0
 

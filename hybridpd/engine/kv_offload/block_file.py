@@ -44,15 +44,24 @@ def decode(data: bytes | bytearray, model_key: bytes, block_hash: bytes,
     size = header_size(len(layouts))
     if len(data) != size + sum(page_bytes for _, page_bytes in layouts):
         return None
-    magic, version, model, stored_hash, num_pages = _HEAD.unpack_from(data)
-    if (magic, version, model, stored_hash, num_pages) != (MAGIC, VERSION, model_key, block_hash, len(layouts)):
-        return None
     view, offset, payloads = memoryview(data), size, []
-    for i, (group_key, page_bytes) in enumerate(layouts):
-        key, length, digest = _PAGE.unpack_from(data, _HEAD.size + i * _PAGE.size)
-        payload = view[offset: offset + page_bytes]
-        if key != group_key or length != page_bytes or checksum(payload) != digest:
-            return None
-        payloads.append(payload)
+    for _, page_bytes in layouts:
+        payloads.append(view[offset: offset + page_bytes])
         offset += page_bytes
-    return payloads
+    return payloads if intact(view[:size], payloads, model_key, block_hash, layouts) else None
+
+
+def intact(header: bytes | memoryview, payloads: Sequence[memoryview], model_key: bytes, block_hash: bytes,
+           layouts: Sequence[tuple[bytes, int]]) -> bool:
+    """Whether a file's `header` and `payloads` (read apart: one per layout, in order) are exactly that block of those
+    groups, whole and intact."""
+    if len(header) != header_size(len(layouts)) or len(payloads) != len(layouts):
+        return False
+    magic, version, model, stored_hash, num_pages = _HEAD.unpack_from(header)
+    if (magic, version, model, stored_hash, num_pages) != (MAGIC, VERSION, model_key, block_hash, len(layouts)):
+        return False
+    for i, ((group_key, page_bytes), payload) in enumerate(zip(layouts, payloads)):
+        key, length, digest = _PAGE.unpack_from(header, _HEAD.size + i * _PAGE.size)
+        if key != group_key or length != page_bytes or payload.nbytes != page_bytes or checksum(payload) != digest:
+            return False
+    return True

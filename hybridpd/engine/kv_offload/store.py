@@ -8,7 +8,7 @@ Layout: `ROOT/<model key>/<layout key>/<hash[:2]>/<hash>.<groups>.kv` (hex; the 
 One file for all the groups of a block position, not one per group: a file's create, write and rename cost more
 than its bytes do at these page sizes. A write goes to a temporary file in the same folder and is renamed into
 place, so a reader sees a whole file or none, and a writer killed mid-write leaves only a temporary file (removed by
-the next full listing that finds it older than a minute). A read that finds a file it cannot use (block_file.decode
+the next full listing that finds it older than a minute). A read that finds a file it cannot use (block_file.intact
 says no) removes it and reports a miss. Reading a file refreshes its modification time: the eviction order is least
 recently written or read.
 
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hybridpd.engine.kv_offload import block_file
+from hybridpd.engine.kv_offload.file_reader import ReadOutcome, read_into
 from hybridpd.engine.kv_offload.file_writer import BlockFileWriter, Written
 from hybridpd.engine.kv_offload.journal import Change, JournalReader, JournalWriter
 from hybridpd.engine.kv_offload.layout import (
@@ -101,7 +102,7 @@ class OffloadStore:
     def path(self, group: int, block_hash: bytes) -> Path:
         """The file that holds `group`'s page of the block as far as this store knows, else the one that would hold
         that page alone."""
-        files = self._covering(block_hash, 1 << group)
+        files = self.covering(block_hash, 1 << group)
         return Path(self._name(block_hash, files[0] if files else 1 << group))
 
     def _name(self, block_hash: bytes, groups: int) -> str:
@@ -241,7 +242,7 @@ class OffloadStore:
         that cover them); None if one is missing, gone or bad (a bad file is removed)."""
         want = mask(groups)
         pages: dict[int, memoryview] = {}
-        for file_groups in self._covering(block_hash, want):
+        for file_groups in self.covering(block_hash, want):
             payloads = self._read_file(block_hash, file_groups)
             if payloads is None:
                 return None
@@ -250,22 +251,7 @@ class OffloadStore:
             want &= ~file_groups
         return None if want else pages
 
-    def prefetch(self, block_hash: bytes, groups: Iterable[int]) -> None:
-        """Ask the kernel to start reading the files `read_many` would read (POSIX_FADV_WILLNEED), so the disk (or an
-        NFS server) works while the reader checks and copies the files before them; errors are the read's to find."""
-        for file_groups in self._covering(block_hash, mask(groups)):
-            try:
-                fd = os.open(self._name(block_hash, file_groups), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    def _covering(self, block_hash: bytes, want: int) -> list[int]:
+    def covering(self, block_hash: bytes, want: int) -> list[int]:
         """The files (by their groups) that hold the groups of `want`, the largest first, each adding some."""
         with self._lock:
             files = sorted(self._files.get(block_hash, ()), key=lambda groups: -groups.bit_count())
@@ -277,29 +263,24 @@ class OffloadStore:
         return chosen
 
     def _read_file(self, block_hash: bytes, groups: int) -> list[memoryview] | None:
-        path = self._name(block_hash, groups)
-        data = bytearray(self.file_bytes(groups) + 1)   # one byte more: a longer file is not this block either
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:   # gone (removed by hand, or by a writer whose journal is not read yet), or unreadable
-            self._changed(False, block_hash, groups, journal=False)   # not counted on again until seen again
+        pages = [memoryview(bytearray(self.groups[group].page_bytes)) for group in members(groups)]
+        outcome = read_into(self._name(block_hash, groups), self.model_key, block_hash, self.layouts(groups), pages)
+        if outcome is not ReadOutcome.READ:
+            self.read_failed(block_hash, groups, outcome)
             return None
-        try:
-            size = os.readv(fd, [data])
-            os.utime(fd)   # the eviction order: least recently written or read
-        except OSError:
-            self._changed(False, block_hash, groups, journal=False)
-            return None
-        finally:
-            os.close(fd)
-        del data[size:]
-        payloads = block_file.decode(data, self.model_key, block_hash,
-                                     [(self.groups[g].key, self.groups[g].page_bytes) for g in members(groups)])
-        if payloads is None:
-            removed = self._remove(Path(path))
-            self._changed(False, block_hash, groups, journal=removed)
+        return pages
+
+    def layouts(self, groups: int) -> list[tuple[bytes, int]]:
+        """(group key, page bytes) of each group of `groups`, in order: what a file of those groups holds."""
+        return [(self.groups[group].key, self.groups[group].page_bytes) for group in members(groups)]
+
+    def read_failed(self, block_hash: bytes, groups: int, outcome: ReadOutcome) -> None:
+        """A read of the block's file of `groups` found it missing (gone: removed by hand, or by a writer whose journal
+        is not read yet; or unreadable) or bad (removed here): not counted on again until seen again."""
+        removed = outcome is ReadOutcome.BAD and self._remove(Path(self._name(block_hash, groups)))
+        self._changed(False, block_hash, groups, journal=removed)
+        if removed:
             self._flush_journal()
-        return payloads
 
     def scan(self, full: bool | None = None, *, paced: bool = False) -> tuple[set[bytes], ...]:
         """Learn what changed on disk: the others' journals read since the last scan, or (`full`, and by default

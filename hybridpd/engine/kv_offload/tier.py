@@ -5,15 +5,17 @@ pages (`offer`: a copy into the staging ring, or a counted drop) and collects fi
 The write-behind: `offer` copies the pages into a staging ring of shared memory (ring.py) on the engine's thread; a
 thread sends each batch to the writer process (writer_process.py: the files are created, written and renamed there,
 one per block hash with the pages of every group offered for it, so the engine's GIL is not handed back and forth
-around their system calls) and records its answer in the store. Threads besides: a loader (files into the blocks a
-request was given), and a scanner that asks the store every `rescan_s` what changed (the other nodes' journals; now
-and then a listing of the whole directory: store.py), so blocks other nodes wrote become hits here too.
+around their system calls) and records its answer in the store. Likewise the loads: a thread sends a request's files
+to the reader process (reader_process.py: read and checked there, into a buffer both processes map) and copies each
+group's pages from the buffer into the blocks the request was given, one call a group. Besides, a scanner asks the
+store every `rescan_s` what changed (the other nodes' journals; now and then a listing of the whole directory:
+store.py), so blocks other nodes wrote become hits here too.
 
 A directory that hangs (an NFS server gone) must not hang the requests that read from it: the engine gives up on a
 load older than its timeout (`abandon_overdue`). From then on the loader copies nothing more into that request's
 blocks (each copy checks, under the lock the abandonment takes, that its load still stands), so the engine may
 hand them to anyone; and the tier offers no hits (`has` is False) until the loader comes back from the read it is
-stuck in, so that no other request queues behind it.
+stuck in (its reader process's), so that no other request queues behind it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ import numpy as np
 import torch
 
 from hybridpd.engine.histogram import HistogramCounts, HistogramSnapshot
+from hybridpd.engine.kv_offload.file_reader import ReadOutcome
+from hybridpd.engine.kv_offload.helper_process import HelperGone
+from hybridpd.engine.kv_offload.layout import mask, members
+from hybridpd.engine.kv_offload.reader_process import FileToRead, ReadBatch, ReaderProcess, ReaderSetup
 from hybridpd.engine.kv_offload.ring import ByteRing
 from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterProcess, WriterSetup
@@ -41,7 +47,7 @@ log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20   # the staging ring: page bytes waiting to be written at most; more are dropped (and counted)
 RESCAN_S = 5.0      # how often the store is asked what other nodes wrote (or removed)
-PREFETCH = 8        # files a load asks the kernel to read ahead of the one it checks and copies
+READ_BYTES = 16 << 20   # the reads' buffer: the pages a batch of reads brings in at most (at least one whole file)
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class TierCounters:
 
 class OffloadTier:
     def __init__(self, store: OffloadStore, pages: Sequence[torch.Tensor], *, queue_bytes: int = QUEUE_BYTES,
-                 rescan_s: float = RESCAN_S) -> None:
+                 read_bytes: int = READ_BYTES, rescan_s: float = RESCAN_S) -> None:
         """`pages`: each group's block tensor ([num_blocks, page_bytes] int8), loads are copied into."""
         self.store = store
         self.pages = tuple(pages)
@@ -92,16 +98,20 @@ class OffloadTier:
         self.counters = TierCounters()
         store.scan()   # the first lists the whole directory: every block on it is a change to report
         self._writes: queue.Queue = queue.Queue()
-        ring_fd = os.memfd_create("hybridpd-kv-offload-ring", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(ring_fd, queue_bytes)
-            self._ring_map = mmap.mmap(ring_fd, queue_bytes)
-        except BaseException:
-            os.close(ring_fd)
-            raise
-        self._ring_fd = ring_fd
+        self._ring_fd, self._ring_map = _shared_buffer("hybridpd-kv-offload-ring", queue_bytes)
         self._staging = np.frombuffer(self._ring_map, dtype=np.int8)
-        self._writer = WriterProcess(WriterSetup(str(store.folder), store.model_key, store.groups, queue_bytes), ring_fd)
+        self._writer = WriterProcess(WriterSetup(str(store.folder), store.model_key, store.groups, queue_bytes),
+                                     self._ring_fd)
+        self._page_bytes = tuple(p.shape[1] for p in self.pages)
+        self._read_bytes = max(read_bytes, sum(self._page_bytes))   # a file of every group fits
+        self._read_fd, self._read_map = _shared_buffer("hybridpd-kv-offload-reads", self._read_bytes)
+        self._read_array = np.frombuffer(self._read_map, dtype=np.int8)
+        self._reader = ReaderProcess(ReaderSetup(str(store.folder), store.model_key, store.groups, self._read_bytes),
+                                     self._read_fd)
+        try:
+            self._reader.start()   # now: the first hit does not wait for a process to start
+        except HelperGone as exc:
+            log.warning("%s; the first load tries again", exc)
         # The ring's ranges, one per queued batch: the engine thread takes, the writer thread gives back, both under
         # the lock.
         self._ring = ByteRing(queue_bytes)
@@ -133,6 +143,11 @@ class OffloadTier:
     def writer_pid(self) -> int | None:
         """The writer process's, while one runs."""
         return self._writer.pid
+
+    @property
+    def reader_pid(self) -> int | None:
+        """The reader process's, while one runs."""
+        return self._reader.pid
 
     def offer(self, blocks: Sequence[tuple[int, bytes, int]]) -> None:
         """Write blocks (group, hash, block id) behind: one copy of their pages into the staging ring, as many as it
@@ -244,13 +259,20 @@ class OffloadTier:
         return True
 
     def close(self, flush_s: float = 5.0) -> None:
-        """Stop the threads and the writer process; queued writes get up to `flush_s` to reach the disk."""
+        """Stop the threads and the helper processes; queued writes get up to `flush_s` to reach the disk."""
         self._writes.put(None)
         self._threads[0].join(flush_s)
         self._stop.set()
         self._loads.put(None)
-        for thread in self._threads[1:]:
-            thread.join(1.0)
+        loader = self._threads[1]
+        loader.join(1.0)
+        if loader.is_alive():   # waiting on a read of a directory that hangs
+            self._reader.kill()
+            loader.join(1.0)
+        self._threads[2].join(1.0)
+        if not loader.is_alive():
+            self._reader.close(1.0)
+            os.close(self._read_fd)
         if not self._threads[0].is_alive():   # else its writes may still journal
             self._writer.close(1.0)
             self.store.close()
@@ -291,36 +313,16 @@ class OffloadTier:
             load = self._loads.get()
             if load is None:
                 return
-            ok = True
             try:
-                by_hash: dict[bytes, list[LoadItem]] = {}   # a file holds every group's page of its hash
-                for item in load.items:
-                    by_hash.setdefault(item.block_hash, []).append(item)
-                order = list(by_hash.items())
-                for block_hash, items in order[:PREFETCH]:
-                    self.store.prefetch(block_hash, [item.group for item in items])
-                for i, (block_hash, items) in enumerate(order):
-                    if load.abandoned:
-                        break
-                    if i + PREFETCH < len(order):   # keep the disk PREFETCH files ahead of the checks and copies
-                        ahead_hash, ahead = order[i + PREFETCH]
-                        self.store.prefetch(ahead_hash, [item.group for item in ahead])
-                    pages = self.store.read_many(block_hash, [item.group for item in items])
-                    if pages is None:   # gone, torn or foreign: the store counts on it no more until rewritten
-                        self.counters.load_misses += 1
-                        ok = False
-                        break
-                    with self._pending_lock:
-                        if load.abandoned:   # its blocks may be another request's by now
-                            break
-                        for item in items:
-                            self._page_arrays[item.group][item.block_id] = np.frombuffer(pages[item.group],
-                                                                                         dtype=np.int8)
-                    self.counters.loaded_blocks += len(items)
+                ok = self._load(load)
+            except HelperGone as exc:   # the next load starts another reader
+                if not self._stop.is_set():
+                    log.warning("kv offload: load of %s failed (%s)", load.request_id, exc)
+                ok = False
             except Exception:  # noqa: BLE001 - any failure is a miss: the request is recomputed, never served wrong
                 log.exception("kv offload: load of %s failed", load.request_id)
                 ok = False
-            self.counters.loader_cpu_s = time.thread_time()
+            self.counters.loader_cpu_s = self._reader.cpu_s + time.thread_time()
             with self._pending_lock:
                 self._stalled = False   # back from whatever it waited for
                 if not load.abandoned:   # finished before it leaves `_inflight`: `loading` (read unlocked) sees one
@@ -330,6 +332,72 @@ class OffloadTier:
                         self._load_seconds.observe(time.monotonic() - load.started)
                 self._pending_lock.notify_all()
 
+    def _load(self, load: _Load) -> bool:
+        """Read a load's pages through the reader process, a buffer's worth of files at a time, each batch copied
+        into the load's blocks (one call a group) unless the load was abandoned meanwhile. False if a page is in no
+        file this store knows of, or its file is missing or bad (the store learns which)."""
+        by_hash: dict[bytes, list[LoadItem]] = {}
+        for item in load.items:
+            by_hash.setdefault(item.block_hash, []).append(item)
+        batches: list[list[tuple[FileToRead, list[tuple[int, int]]]]] = [[]]   # (file, its pages: (group, block))
+        size = 0   # the bytes of the last batch's pages
+        for block_hash, items in by_hash.items():
+            want = mask(item.group for item in items)
+            if want.bit_count() != len(items):
+                raise ValueError(f"a load asks for a page of block {block_hash.hex()} twice")
+            for file_groups in self.store.covering(block_hash, want):
+                taken = [(item.group, item.block_id) for item in items if (want & file_groups) >> item.group & 1]
+                want &= ~file_groups
+                file_bytes = sum(self._page_bytes[group] for group, _ in taken)
+                if batches[-1] and size + file_bytes > self._read_bytes:
+                    batches.append([])
+                    size = 0
+                size += file_bytes
+                batches[-1].append((FileToRead(block_hash, file_groups, ()), taken))
+            if want:   # a page no file holds as far as the store knows (a scan took it away)
+                self.counters.load_misses += 1
+                return False
+        for batch in batches:
+            if load.abandoned or not self._read_batch(load, batch):
+                return False
+        return True
+
+    def _read_batch(self, load: _Load, files: list[tuple[FileToRead, list[tuple[int, int]]]]) -> bool:
+        """One batch: its pages laid out a group at a time in the buffer, read there, copied into their blocks."""
+        counts: dict[int, int] = {}
+        for _, pages in files:
+            for group, _ in pages:
+                counts[group] = counts.get(group, 0) + 1
+        base, at = {}, 0
+        for group, count in sorted(counts.items()):
+            base[group] = at
+            at += count * self._page_bytes[group]
+        ids: dict[int, list[int]] = {group: [] for group in counts}
+        batch = []
+        for file, pages in files:
+            offsets = dict.fromkeys(members(file.groups))
+            for group, block_id in pages:
+                offsets[group] = base[group] + len(ids[group]) * self._page_bytes[group]
+                ids[group].append(block_id)
+            batch.append(replace(file, offsets=tuple(offsets.values())))
+        outcomes = self._reader.read(ReadBatch(tuple(batch))).outcomes
+        for file, outcome in zip(batch, outcomes):
+            if outcome is not ReadOutcome.READ:
+                self.store.read_failed(file.block_hash, file.groups, outcome)
+                self.counters.load_misses += 1
+                return False
+        if len(outcomes) != len(batch):
+            raise RuntimeError(f"the reader answered {len(outcomes)} of {len(batch)} files")
+        with self._pending_lock:
+            if load.abandoned:   # its blocks may be another request's by now
+                return False
+            for group, block_ids in ids.items():
+                rows, page_bytes = len(block_ids), self._page_bytes[group]
+                self._page_arrays[group][block_ids] = self._read_array[base[group]: base[group] + rows * page_bytes
+                                                                       ].reshape(rows, page_bytes)
+        self.counters.loaded_blocks += sum(counts.values())
+        return True
+
     def _scan_loop(self) -> None:
         while not self._stop.wait(self._rescan_s):
             try:
@@ -338,3 +406,16 @@ class OffloadTier:
                 log.warning("kv offload: scan failed (%s)", exc)
             finally:
                 self.counters.scanner_cpu_s = time.thread_time()
+
+
+def _shared_buffer(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of `size` bytes (a helper process maps it too) and this process's map of it, its memory taken now:
+    the first pass through a buffer would otherwise fault its pages in one at a time, on the step (the staging ring)
+    or on a request's read (~17 ms for 16 MiB here)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -6,7 +6,8 @@ with two KV-head counts, two sliding windows), so every hit crosses all."""
 
 from __future__ import annotations
 
-import threading
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from hybridpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridpd.engine.engine import LLMEngine
 from hybridpd.engine.kv_cache.events import BlockRemoved, BlockStored, Medium
 from hybridpd.engine.kv_offload import block_file
-from hybridpd.engine.kv_offload.store import OffloadStore
 from hybridpd.engine.scheduler import SchedulerPlan
 from hybridpd.kv_events.groups import GroupInfo
 from hybridpd.kv_events.wire import to_wire
@@ -189,28 +189,22 @@ def test_the_tier_reports_what_it_holds_as_kv_events_of_its_own_medium(tiny_dir,
     assert quiet.offload.counters.written > 0 and quiet.offload.store.take_changes() == []
 
 
-def test_a_read_that_hangs_is_given_up_and_the_prompt_computed(tiny_dir, tmp_path, reference, monkeypatch):
+def test_a_read_that_hangs_is_given_up_and_the_prompt_computed(tiny_dir, tmp_path, reference):
     tokens, _, _ = reference
     root = written_dir(tiny_dir, tmp_path)
-    release = threading.Event()
-    real_read = OffloadStore.read_many
-
-    def hanging_read(self, block_hash, groups):
-        release.wait(30)   # the directory hangs until the test ends
-        return real_read(self, block_hash, groups)
-
-    monkeypatch.setattr(OffloadStore, "read_many", hanging_read)
     cold = LLMEngine(EngineConfig(
         model_dir=tiny_dir, cache=CacheConfig(block_size=4, num_blocks=400, kv_offload_dir=root,
                                               kv_offload_read_timeout=0.2),
         scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
     ))
+    pid = cold.offload.reader_pid
+    os.kill(pid, signal.SIGSTOP)   # the directory hangs until the test ends
     try:
         out, cached = drive(cold, SECOND)
         assert out["c"] == tokens and cached["c"] == 0
         assert cold.offload.counters.load_timeouts == 1 and cold.offload.counters.loaded_blocks == 0
         assert all_free(cold)
     finally:
-        release.set()
+        os.kill(pid, signal.SIGCONT)
         cold.close()
     assert cold.offload.counters.loaded_blocks == 0   # the read came back after: nothing was copied

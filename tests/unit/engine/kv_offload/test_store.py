@@ -158,23 +158,6 @@ def test_a_write_finds_the_groups_another_writer_has_just_written(tmp_path):
     assert s.take_changes() == [(True, 0, h), (True, 1, h), (True, 1, h2), (True, 0, h2)]
 
 
-def test_prefetch_asks_the_kernel_for_the_files_a_read_would_read(tmp_path, monkeypatch):
-    s = store(tmp_path)
-    (h, p), (h2, q) = block(1), block(2)
-    s.write_many([(h, [(0, p), (1, p)])])
-    s.write(0, h2, q)
-    s.write(1, h2, q)
-    advised = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append(
-        (os.readlink(f"/proc/self/fd/{fd}"), advice)))
-    s.prefetch(h, [1])
-    s.prefetch(h2, [0, 1])
-    s.path(0, h2).unlink()                                # gone: nothing to ask for, and no error
-    s.prefetch(h2, [0])
-    assert advised == [(str(s.path(1, h)), os.POSIX_FADV_WILLNEED), (str(s.path(0, h2)), os.POSIX_FADV_WILLNEED),
-                       (str(s.path(1, h2)), os.POSIX_FADV_WILLNEED)]
-
-
 def test_another_model_never_sees_the_files(tmp_path):
     h, payload = block(1)
     store(tmp_path).write(0, h, payload)

@@ -1,14 +1,15 @@
 """The tier's queues: a write-behind that is full drops (and counts) rather than waits, and a writer process that
 dies costs the batch it had and no more; a load copies whole pages
 into the blocks it was given, and one missing file fails the load and is forgotten (so the next hit search no
-longer counts on it); a load whose read hangs is abandoned, offers no hits meanwhile, and copies nothing once the
-read returns."""
+longer counts on it), one larger than the read buffer goes in batches, and a bad file fails it and goes; a load whose
+read hangs (its reader process stopped) is abandoned, offers no hits meanwhile, and copies nothing once the read
+returns; closing the tier ends a reader that hangs."""
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
+import time
 from contextlib import contextmanager, suppress
 
 import pytest
@@ -33,6 +34,15 @@ def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
         tier.wait_for_load(0.1)
         done = tier.take_finished()
     return done
+
+
+def retried(call):
+    """`call()`, again every 10 ms while it fails with OSError (a FIFO without a reader yet)."""
+    while True:
+        try:
+            return call()
+        except OSError:
+            time.sleep(0.01)
 
 
 @contextmanager
@@ -124,37 +134,71 @@ def test_the_pages_a_step_offers_for_one_hash_share_a_file_and_load_into_each_gr
     reader.close()
 
 
-def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(tmp_path, monkeypatch):
-    store, pages, tier = make(tmp_path)
+def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(tmp_path):
+    store, _, tier = make(tmp_path)
     tier.offer([(0, b"a" * 32, 1), (0, b"b" * 32, 2)])
     tier.close()
+    path = store.path(0, b"a" * 32)
+    data = path.read_bytes()
+    path.unlink()
+    os.mkfifo(path)   # its read waits for a writer, then for the bytes: an NFS server gone, until it comes back
 
-    entered, release = threading.Event(), threading.Event()
-    real_read = OffloadStore.read_many
-
-    def hanging_read(self, block_hash, groups):
-        if block_hash == b"a" * 32 and not release.is_set():
-            entered.set()
-            release.wait(10)   # an NFS server gone, until it comes back
-        return real_read(self, block_hash, groups)
-
-    monkeypatch.setattr(OffloadStore, "read_many", hanging_read)
     _, pages, reader = make(tmp_path)
     pages.fill_(7)
     reader.start_load("stuck", [LoadItem(0, 0, b"a" * 32), LoadItem(0, 3, b"b" * 32)])
     reader.start_load("queued", [LoadItem(0, 2, b"b" * 32)])
-    assert entered.wait(10)
-    assert reader.abandon_overdue(3600) == []   # not overdue yet
-    assert reader.has(0, b"b" * 32)
-    assert sorted(reader.abandon_overdue(0)) == ["queued", "stuck"]
-    assert not reader.loading and reader.counters.load_timeouts == 2
-    assert not reader.has(0, b"b" * 32)   # no hit is offered while the loader is stuck
-    release.set()   # the read returns: nothing may land in blocks the engine has taken back
+    fifo = retried(lambda: os.open(path, os.O_WRONLY | os.O_NONBLOCK))   # once the reader process opened it
+    try:
+        assert reader.abandon_overdue(3600) == []   # not overdue yet
+        assert reader.has(0, b"b" * 32)
+        assert sorted(reader.abandon_overdue(0)) == ["queued", "stuck"]
+        assert not reader.loading and reader.counters.load_timeouts == 2
+        assert not reader.has(0, b"b" * 32)   # no hit is offered while the loader is stuck
+    finally:
+        # The read returns the file whole (retried until the read, not the prefetch before it, has the pipe open):
+        # nothing may land in the blocks the engine took back.
+        retried(lambda: os.write(fifo, data))
+        os.close(fifo)
     reader.start_load("after", [LoadItem(0, 1, b"b" * 32)])
     assert wait_loaded(reader) == [("after", True)]
     assert (pages[0] == 7).all() and (pages[2] == 7).all() and (pages[3] == 7).all()
     assert not (pages[1] == 7).all()
     assert reader.has(0, b"b" * 32)   # the loader is back: hits again
+    reader.close()
+
+
+def test_closing_a_tier_whose_reader_hangs_ends_it(tmp_path):
+    _, _, tier = make(tmp_path)
+    tier.offer([(0, b"a" * 32, 1)])
+    assert tier.wait_written(30)
+    pid = tier.reader_pid
+    os.kill(pid, signal.SIGSTOP)
+    tier.start_load("stuck", [LoadItem(0, 0, b"a" * 32)])
+    tier.close()
+    with pytest.raises(ProcessLookupError):   # killed and reaped
+        os.kill(pid, 0)
+
+
+def test_a_load_larger_than_the_read_buffer_goes_in_batches_and_a_bad_file_fails_it(tmp_path):
+    store = OffloadStore(tmp_path, b"m" * 32, (GroupLayout(b"g" * 16, PAGE),), 1 << 20)
+    pages = torch.arange(8 * PAGE).remainder(101).to(torch.int8).view(8, PAGE)
+    original = pages.clone()
+    writer = OffloadTier(store, [pages], rescan_s=3600)
+    writer.offer([(0, bytes([i]) * 32, i) for i in range(8)])
+    writer.close()
+
+    store = OffloadStore(tmp_path, b"m" * 32, (GroupLayout(b"g" * 16, PAGE),), 1 << 20)
+    pages = torch.zeros(8, PAGE, dtype=torch.int8)
+    reader = OffloadTier(store, [pages], read_bytes=3 * PAGE, rescan_s=3600)   # three pages a batch
+    reader.start_load("r", [LoadItem(0, 7 - i, bytes([i]) * 32) for i in range(8)])
+    assert wait_loaded(reader) == [("r", True)] and reader.counters.loaded_blocks == 8
+    assert torch.equal(pages, original.flip(0))
+
+    bad = store.path(0, bytes([5]) * 32)
+    bad.write_bytes(bad.read_bytes()[:-1] + b"x")   # corrupted: a miss, and the file goes
+    reader.start_load("r2", [LoadItem(0, i, bytes([i]) * 32) for i in range(8)])
+    assert wait_loaded(reader) == [("r2", False)] and reader.counters.load_misses == 1
+    assert not bad.exists() and not reader.has(0, bytes([5]) * 32) and reader.has(0, bytes([4]) * 32)
     reader.close()
 
 
