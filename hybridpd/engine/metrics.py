@@ -166,8 +166,8 @@ def _offload_metrics(counters: TierCounters) -> Iterator[Metric]:
     loads.add_metric([], counters.load_seconds.cumulative(), counters.load_seconds.total)
     yield loads
     cpu = CounterMetricFamily("hybridpd:kv_offload_thread_cpu_seconds", "CPU time of the storage tier's threads: the "
-                              "writer (its process and the thread that feeds it), the loader and the scanner (not the "
-                              "engine thread's offers and hit searches)",
+                              "writer and the loader (each its process and the thread that talks to it) and the scanner (not "
+                              "the engine thread's offers and hit searches)",
                               labels=["thread"])
     cpu.add_metric(["writer"], counters.writer_cpu_s)
     cpu.add_metric(["loader"], counters.loader_cpu_s)

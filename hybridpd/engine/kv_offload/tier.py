@@ -79,7 +79,7 @@ class TierCounters:
     hits: int = 0              # requests that took a storage hit
     hit_tokens: int = 0        # tokens those hits covered beyond the memory hit
     # CPU seconds each of the tier's threads has used (the engine thread's share, its offers and hit searches, is not
-    # in them); the writer's: its processes' and the thread that talks to them
+    # in them); the writer's and the loader's: their processes' and the threads that talk to them
     writer_cpu_s: float = 0.0
     loader_cpu_s: float = 0.0
     scanner_cpu_s: float = 0.0
