@@ -174,16 +174,20 @@ class LLMEngine:
         """The storage tier's changes as KV events (medium DISK): what a request here could now load, or no more."""
         if self.offload is None or not self.config.cache.enable_kv_cache_events:
             return []
-        runs: list[tuple[bool, int, list[bytes]]] = []   # consecutive changes of one kind and group: one event
+        # Per group, its changes in order, each run of one kind one event. The groups' events may go in any order
+        # (each applies to its own group), and a file holds several groups' pages: taken in the order they came, a
+        # file's groups would alternate and make an event of every page.
+        runs: dict[int, list[tuple[bool, list[bytes]]]] = {}
         for held, group, block_hash in self.offload.take_changes():
-            if runs and runs[-1][:2] == (held, group):
-                runs[-1][2].append(block_hash)
+            group_runs = runs.setdefault(group, [])
+            if group_runs and group_runs[-1][0] == held:
+                group_runs[-1][1].append(block_hash)
             else:
-                runs.append((held, group, [block_hash]))
+                group_runs.append((held, [block_hash]))
         return [BlockStored(group_idx=group, block_hashes=tuple(hashes), parent_block_hash=None, token_ids=(),
                             block_size=self.groups[group].spec.block_size, medium=Medium.STORAGE) if held
                 else BlockRemoved(group_idx=group, block_hashes=tuple(hashes), medium=Medium.STORAGE)
-                for held, group, hashes in runs]
+                for group, group_runs in runs.items() for held, hashes in group_runs]
 
     def close(self) -> None:
         """Stop the storage tier's threads (its queued writes get a few seconds to reach the disk) and the KV pool's
