@@ -19,8 +19,8 @@ Last line: JSON with `hit_rate_over_ideal` (the tier's decode-side hit rate over
 cache's; goal >= 0.9), `mean_ttft_ratio` (tier / round robin; goal <= 0.6), `outputs_identical`, the raw figures
 per setup and round, the tier's counters (summed over the nodes, per label: the CPU of each of its threads among
 them), each role's CPU over the slice (`cpu_s`) and by thread (`cpu_s_by_thread`: "decode/engine" is the decode
-nodes' engine threads, "prefill/kv-writer" their write-behind processes, "decode/python" their fronts), the CPU model
-and the date.
+nodes' engine threads, "prefill/kv-writer" and "prefill/kv-reader" their storage tier's processes, "decode/python"
+their fronts), the CPU model and the date.
 
 With `--restart-at S` it runs the tier setup alone and SIGKILLs every node S seconds into the replay (the
 supervisor restarts them, as `hybridpd up` does); requests that fail meanwhile are counted, not retried. Last line:
@@ -141,7 +141,7 @@ def sessions_cpu_s(sessions: set[int]) -> float:
 
 def threads_cpu_s(roles: dict[str, set[int]]) -> dict[str, float]:
     """CPU seconds used so far by the live threads of each role's sessions, by role and thread name ("decode/engine",
-    "prefill/kv-offload-scan", "prefill/kv-writer": the names the nodes give their threads and the writer process,
+    "prefill/kv-offload-scan", "prefill/kv-writer": the names the nodes give their threads and the tier's processes,
     the kernel's first 15 bytes), summed over the role's nodes."""
     role_of = {session: role for role, sessions in roles.items() for session in sessions}
     tick = os.sysconf("SC_CLK_TCK")
