@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +64,33 @@ class HelperProcess:
 
     def call(self, request: object) -> Any:
         """Send `request`, wait for the answer; HelperGone if the process is not there to answer."""
+        self.send(request)
+        return self.receive()
+
+    def send(self, request: object) -> None:
+        """Send `request` without waiting: its answer is the next `receive`'s (answers come in the order sent)."""
         try:
             if self._process is None:
                 self._start()
-            assert self._to is not None and self._from is not None
+            assert self._to is not None
             self._to.send(request)
+        except (OSError, EOFError) as exc:
+            self._gone(exc)
+
+    def receive(self) -> Any:
+        """The answer to the oldest request not yet answered; HelperGone if the process is not there to answer."""
+        try:
+            if self._from is None:
+                raise EOFError("no process")
             answer = self._from.recv()
         except (OSError, EOFError) as exc:
-            self._stop(kill=True)
-            raise HelperGone(f"the kv offload {self._what} process is gone ({exc or type(exc).__name__})") from exc
+            self._gone(exc)
         self._cpu = answer.cpu_s
         return answer
+
+    def _gone(self, exc: BaseException) -> NoReturn:
+        self._stop(kill=True)
+        raise HelperGone(f"the kv offload {self._what} process is gone ({exc or type(exc).__name__})") from exc
 
     def close(self, timeout: float) -> None:
         """Let the process finish what it was sent (up to `timeout` seconds) and exit."""

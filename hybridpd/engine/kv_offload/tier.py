@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20   # the staging ring: page bytes waiting to be written at most; more are dropped (and counted)
 RESCAN_S = 5.0      # how often the store is asked what other nodes wrote (or removed)
-READ_BYTES = 16 << 20   # the reads' buffer: the pages a batch of reads brings in at most (at least one whole file)
+READ_BYTES = 16 << 20   # the reads' buffer: two batches of reads, each of half of it (at least one whole file)
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,12 @@ class LoadItem:
     group: int
     block_id: int
     block_hash: bytes
+
+
+@dataclass(frozen=True)
+class _Batch:
+    request: ReadBatch
+    rows: dict[int, tuple[int, list[int]]]   # per group: where its pages start in the buffer, the blocks they go to
 
 
 @dataclass
@@ -103,7 +109,7 @@ class OffloadTier:
         self._writer = WriterProcess(WriterSetup(str(store.folder), store.model_key, store.groups, queue_bytes),
                                      self._ring_fd)
         self._page_bytes = tuple(p.shape[1] for p in self.pages)
-        self._read_bytes = max(read_bytes, sum(self._page_bytes))   # a file of every group fits
+        self._read_bytes = max(read_bytes, 2 * sum(self._page_bytes))   # a file of every group fits a half
         self._read_fd, self._read_map = _shared_buffer("hybridpd-kv-offload-reads", self._read_bytes)
         self._read_array = np.frombuffer(self._read_map, dtype=np.int8)
         self._reader = ReaderProcess(ReaderSetup(str(store.folder), store.model_key, store.groups, self._read_bytes),
@@ -333,14 +339,42 @@ class OffloadTier:
                 self._pending_lock.notify_all()
 
     def _load(self, load: _Load) -> bool:
-        """Read a load's pages through the reader process, a buffer's worth of files at a time, each batch copied
-        into the load's blocks (one call a group) unless the load was abandoned meanwhile. False if a page is in no
-        file this store knows of, or its file is missing or bad (the store learns which)."""
+        """Read a load's pages through the reader process, half the buffer's worth of files at a time: while the
+        process reads one half, the pages it read into the other are copied into the load's blocks (one call a
+        group), unless the load was abandoned meanwhile. False if a page is in no file this store knows of, or its
+        file is missing or bad (the store learns which)."""
+        plan = self._plan(load)
+        if plan is None:   # a page no file holds as far as the store knows (a scan took it away)
+            self.counters.load_misses += 1
+            return False
+        sent: deque[_Batch] = deque()
+        ok = True
+        try:
+            for k, files in enumerate(plan):
+                if load.abandoned:
+                    ok = False
+                    break
+                batch = self._lay_out(files, (k % 2) * (self._read_bytes // 2))
+                self._reader.send(batch.request)
+                sent.append(batch)
+                if len(sent) == 2 and not self._finish(load, sent.popleft()):
+                    ok = False
+                    break
+            while ok and sent:
+                ok = self._finish(load, sent.popleft())
+        finally:
+            while sent:   # answers still owed: taken, so that the next load's come in order
+                self._finish(load, sent.popleft(), copy=False)
+        return ok
+
+    def _plan(self, load: _Load) -> list[list[tuple[FileToRead, list[tuple[int, int]]]]] | None:
+        """The load's files, each with the pages wanted from it ((group, block id)), in batches of at most half the
+        buffer; None if a page is in no file the store knows of."""
         by_hash: dict[bytes, list[LoadItem]] = {}
         for item in load.items:
             by_hash.setdefault(item.block_hash, []).append(item)
-        batches: list[list[tuple[FileToRead, list[tuple[int, int]]]]] = [[]]   # (file, its pages: (group, block))
-        size = 0   # the bytes of the last batch's pages
+        batches: list[list[tuple[FileToRead, list[tuple[int, int]]]]] = [[]]
+        size, budget = 0, self._read_bytes // 2   # `size`: the bytes of the last batch's pages
         for block_hash, items in by_hash.items():
             want = mask(item.group for item in items)
             if want.bit_count() != len(items):
@@ -349,53 +383,56 @@ class OffloadTier:
                 taken = [(item.group, item.block_id) for item in items if (want & file_groups) >> item.group & 1]
                 want &= ~file_groups
                 file_bytes = sum(self._page_bytes[group] for group, _ in taken)
-                if batches[-1] and size + file_bytes > self._read_bytes:
+                if batches[-1] and size + file_bytes > budget:
                     batches.append([])
                     size = 0
                 size += file_bytes
                 batches[-1].append((FileToRead(block_hash, file_groups, ()), taken))
-            if want:   # a page no file holds as far as the store knows (a scan took it away)
-                self.counters.load_misses += 1
-                return False
-        for batch in batches:
-            if load.abandoned or not self._read_batch(load, batch):
-                return False
-        return True
+            if want:
+                return None
+        return batches
 
-    def _read_batch(self, load: _Load, files: list[tuple[FileToRead, list[tuple[int, int]]]]) -> bool:
-        """One batch: its pages laid out a group at a time in the buffer, read there, copied into their blocks."""
+    def _lay_out(self, files: list[tuple[FileToRead, list[tuple[int, int]]]], start: int) -> _Batch:
+        """A batch's pages in the buffer from `start`, a group at a time (each group's rows contiguous)."""
         counts: dict[int, int] = {}
         for _, pages in files:
             for group, _ in pages:
                 counts[group] = counts.get(group, 0) + 1
-        base, at = {}, 0
+        base, at = {}, start
         for group, count in sorted(counts.items()):
             base[group] = at
             at += count * self._page_bytes[group]
         ids: dict[int, list[int]] = {group: [] for group in counts}
-        batch = []
+        request = []
         for file, pages in files:
             offsets = dict.fromkeys(members(file.groups))
             for group, block_id in pages:
                 offsets[group] = base[group] + len(ids[group]) * self._page_bytes[group]
                 ids[group].append(block_id)
-            batch.append(replace(file, offsets=tuple(offsets.values())))
-        outcomes = self._reader.read(ReadBatch(tuple(batch))).outcomes
-        for file, outcome in zip(batch, outcomes):
+            request.append(replace(file, offsets=tuple(offsets.values())))
+        return _Batch(ReadBatch(tuple(request)), {group: (base[group], block_ids) for group, block_ids in ids.items()})
+
+    def _finish(self, load: _Load, batch: _Batch, copy: bool = True) -> bool:
+        """The reader's answer to `batch`: a file it could not use is the store's to forget (False); else its pages
+        are copied into their blocks (`copy`), unless the load was abandoned meanwhile."""
+        outcomes = self._reader.receive().outcomes
+        for file, outcome in zip(batch.request.files, outcomes):
             if outcome is not ReadOutcome.READ:
                 self.store.read_failed(file.block_hash, file.groups, outcome)
                 self.counters.load_misses += 1
                 return False
-        if len(outcomes) != len(batch):
-            raise RuntimeError(f"the reader answered {len(outcomes)} of {len(batch)} files")
+        if len(outcomes) != len(batch.request.files):
+            raise RuntimeError(f"the reader answered {len(outcomes)} of {len(batch.request.files)} files")
+        if not copy:
+            return False
         with self._pending_lock:
             if load.abandoned:   # its blocks may be another request's by now
                 return False
-            for group, block_ids in ids.items():
+            for group, (start, block_ids) in batch.rows.items():
                 rows, page_bytes = len(block_ids), self._page_bytes[group]
-                self._page_arrays[group][block_ids] = self._read_array[base[group]: base[group] + rows * page_bytes
+                self._page_arrays[group][block_ids] = self._read_array[start: start + rows * page_bytes
                                                                        ].reshape(rows, page_bytes)
-        self.counters.loaded_blocks += sum(counts.values())
+        self.counters.loaded_blocks += sum(len(block_ids) for _, block_ids in batch.rows.values())
         return True
 
     def _scan_loop(self) -> None:

@@ -179,7 +179,7 @@ def test_closing_a_tier_whose_reader_hangs_ends_it(tmp_path):
         os.kill(pid, 0)
 
 
-def test_a_load_larger_than_the_read_buffer_goes_in_batches_and_a_bad_file_fails_it(tmp_path):
+def test_a_load_larger_than_the_read_buffer_goes_in_batches_and_a_bad_file_fails_it_in_order(tmp_path):
     store = OffloadStore(tmp_path, b"m" * 32, (GroupLayout(b"g" * 16, PAGE),), 1 << 20)
     pages = torch.arange(8 * PAGE).remainder(101).to(torch.int8).view(8, PAGE)
     original = pages.clone()
@@ -189,16 +189,20 @@ def test_a_load_larger_than_the_read_buffer_goes_in_batches_and_a_bad_file_fails
 
     store = OffloadStore(tmp_path, b"m" * 32, (GroupLayout(b"g" * 16, PAGE),), 1 << 20)
     pages = torch.zeros(8, PAGE, dtype=torch.int8)
-    reader = OffloadTier(store, [pages], read_bytes=3 * PAGE, rescan_s=3600)   # three pages a batch
+    reader = OffloadTier(store, [pages], read_bytes=4 * PAGE, rescan_s=3600)   # two pages a batch, two batches out
     reader.start_load("r", [LoadItem(0, 7 - i, bytes([i]) * 32) for i in range(8)])
     assert wait_loaded(reader) == [("r", True)] and reader.counters.loaded_blocks == 8
     assert torch.equal(pages, original.flip(0))
 
-    bad = store.path(0, bytes([5]) * 32)
+    bad = store.path(0, bytes([3]) * 32)
     bad.write_bytes(bad.read_bytes()[:-1] + b"x")   # corrupted: a miss, and the file goes
-    reader.start_load("r2", [LoadItem(0, i, bytes([i]) * 32) for i in range(8)])
+    reader.start_load("r2", [LoadItem(0, i, bytes([i]) * 32) for i in range(8)])   # fails with the next batch out
     assert wait_loaded(reader) == [("r2", False)] and reader.counters.load_misses == 1
-    assert not bad.exists() and not reader.has(0, bytes([5]) * 32) and reader.has(0, bytes([4]) * 32)
+    assert not bad.exists() and not reader.has(0, bytes([3]) * 32) and reader.has(0, bytes([4]) * 32)
+    pages.zero_()
+    reader.start_load("r3", [LoadItem(0, i, bytes([i]) * 32) for i in (7, 6, 5, 4)])   # the answers still in order
+    assert wait_loaded(reader) == [("r3", True)]
+    assert torch.equal(pages[4:], original[4:]) and not pages[:4].any()
     reader.close()
 
 
