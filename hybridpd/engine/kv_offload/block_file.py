@@ -2,7 +2,7 @@
 hold it (one or more: the groups whose blocks at that hash were written behind together).
 
 The header names the model (its identity digest), the block hash, and per page the group (its layout digest), the
-payload's length and its checksum (SHA-256); `decode` accepts a file only if every one of them matches what the
+payload's length and its checksum (SHA-256); `intact` accepts a file only if every one of them matches what the
 reader expects for the groups the file's name lists, so a torn, truncated, foreign or corrupted file reads as a
 miss, never as another block's bytes.
 """
@@ -35,20 +35,6 @@ def encode_header(model_key: bytes, block_hash: bytes, pages: Sequence[tuple[byt
     """The header of a file holding `pages` ((group key, payload), in the order they follow it)."""
     return _HEAD.pack(MAGIC, VERSION, model_key, block_hash, len(pages)) + b"".join(
         _PAGE.pack(group_key, len(payload), checksum(payload)) for group_key, payload in pages)
-
-
-def decode(data: bytes | bytearray, model_key: bytes, block_hash: bytes,
-           layouts: Sequence[tuple[bytes, int]]) -> list[memoryview] | None:
-    """The payloads of `data`, one per (group key, page bytes) of `layouts` in that order, if it is exactly that block
-    of those groups, whole and intact; else None."""
-    size = header_size(len(layouts))
-    if len(data) != size + sum(page_bytes for _, page_bytes in layouts):
-        return None
-    view, offset, payloads = memoryview(data), size, []
-    for _, page_bytes in layouts:
-        payloads.append(view[offset: offset + page_bytes])
-        offset += page_bytes
-    return payloads if intact(view[:size], payloads, model_key, block_hash, layouts) else None
 
 
 def intact(header: bytes | memoryview, payloads: Sequence[memoryview], model_key: bytes, block_hash: bytes,

@@ -15,6 +15,7 @@ import pytest
 
 from hybridpd.engine.kv_offload import block_file
 from hybridpd.engine.kv_offload import store as store_module
+from hybridpd.engine.kv_offload.file_reader import ReadOutcome, read_into
 from hybridpd.engine.kv_offload.layout import GroupLayout
 from hybridpd.engine.kv_offload.store import LISTING_PAUSE_S, OffloadStore
 
@@ -56,14 +57,16 @@ LAYOUTS = [(GROUP, PAGE), (OTHER_GROUP, PAGE2)]
     (lambda data: data, LAYOUTS[:1], False),                                    # fewer groups than it holds
     (lambda data: data, [(GROUP, PAGE), (OTHER_GROUP, PAGE)], False),           # a page of another size
 ])
-def test_a_block_file_is_accepted_only_whole_and_as_what_it_names(change, layouts, accepted):
+def test_a_block_file_is_accepted_only_whole_and_as_what_it_names(tmp_path, change, layouts, accepted):
     h = block(3)[0]
     payloads = [bytes(range(PAGE)), bytes(range(100, 100 + PAGE2))]
-    data = change(block_file.encode_header(MODEL, h, list(zip((GROUP, OTHER_GROUP), payloads))) + b"".join(payloads))
-    got = block_file.decode(data, MODEL, h, layouts)
-    assert (got is not None) == accepted
+    path = tmp_path / "block.kv"
+    path.write_bytes(change(block_file.encode_header(MODEL, h, list(zip((GROUP, OTHER_GROUP), payloads)))
+                            + b"".join(payloads)))
+    pages = [memoryview(bytearray(size)) for _, size in layouts]
+    assert read_into(str(path), MODEL, h, layouts, pages) == (ReadOutcome.READ if accepted else ReadOutcome.BAD)
     if accepted:
-        assert [bytes(page) for page in got] == payloads
+        assert [bytes(page) for page in pages] == payloads
 
 
 def test_a_store_without_a_feed_keeps_no_changes(tmp_path):
