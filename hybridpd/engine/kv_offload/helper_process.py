@@ -16,12 +16,28 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
+from hybridpd.engine.kv_offload.layout import GroupLayout
+from hybridpd.named_thread import name_native_thread
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HelperSetup:
+    """A helper's first message: the store's folder, whose blocks it holds, and the shared buffer's size."""
+
+    folder: str
+    model_key: bytes
+    groups: tuple[GroupLayout, ...]
+    buffer_bytes: int
 
 
 class HelperGone(Exception):
@@ -34,7 +50,7 @@ class HelperProcess:
     `command`: the `python -c` program (its `main` reads the shared buffer's descriptor and the two pipes' from its
     arguments); `setup`: the first message it gets."""
 
-    def __init__(self, command: str, setup: object, shared_fd: int, *, what: str) -> None:
+    def __init__(self, command: str, setup: HelperSetup, shared_fd: int, *, what: str) -> None:
         self._command = command
         self._setup = setup
         self._shared_fd = shared_fd
@@ -139,6 +155,15 @@ class HelperProcess:
         self._cpu = 0.0
 
 
-def helper_connections(receive_fd: int, answer_fd: int) -> tuple[Connection, Connection]:
-    """The helper's ends of its two pipes (in its own process)."""
-    return Connection(receive_fd, writable=False), Connection(answer_fd, readable=False)
+def helper_main(argv: list[str], *, name: str, serve: Callable[[int, Connection, Connection], None],
+                niceness: int = 0) -> int:
+    """A helper process's `main`: `argv` holds the shared buffer's descriptor and its two pipes' ends; it takes
+    `name` (what top and ps show), `niceness` over the node's, and serves until the tier's pipe closes."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C reaches the node too: it closes the pipe, this ends
+    name_native_thread(name)
+    if niceness:
+        os.nice(niceness)
+    buffer_fd, receive_fd, answer_fd = (int(arg) for arg in argv)
+    serve(buffer_fd, Connection(receive_fd, writable=False), Connection(answer_fd, readable=False))
+    return 0

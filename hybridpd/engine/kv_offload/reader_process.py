@@ -3,7 +3,7 @@
 one call. Measured in-process on the small preset (benchmarks/README.md): a 1,536-token hit read by a thread of the
 engine's process took ~36 ms beside 8 running decodes, against ~15 ms with the engine idle.
 
-The messages: the tier sends a `ReaderSetup`, then `ReadBatch`es; the process answers each with a `BatchRead`. A
+The messages: the tier sends a `HelperSetup`, then `ReadBatch`es; the process answers each with a `BatchRead`. A
 batch names, per file, where in the buffer each page it wants goes; the process reads them there (one `readv` a
 file, the kernel asked to read `PREFETCH` files ahead) and checks them, stopping at the first file it cannot use.
 It runs at the node's priority: a request waits for its reads.
@@ -11,30 +11,19 @@ It runs at the node's priority: a request waits for its reads.
 
 from __future__ import annotations
 
-import logging
 import mmap
-import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from hybridpd.engine.kv_offload.file_reader import ReadOutcome, prefetch, read_into
-from hybridpd.engine.kv_offload.helper_process import HelperProcess, helper_connections
-from hybridpd.engine.kv_offload.layout import GroupLayout, block_path, members
-from hybridpd.named_thread import name_native_thread
+from hybridpd.engine.kv_offload.helper_process import HelperProcess, HelperSetup, helper_main
+from hybridpd.engine.kv_offload.layout import block_path, members
 
 PREFETCH = 8   # files the process asks the kernel to read ahead of the one it reads and checks
 
 # Started as `python -c`, not `-m`: the messages' classes must be this module's, not `__main__`'s, on both ends.
 COMMAND = "import sys; from hybridpd.engine.kv_offload.reader_process import main; sys.exit(main(sys.argv[1:]))"
-
-
-@dataclass(frozen=True)
-class ReaderSetup:
-    folder: str
-    model_key: bytes
-    groups: tuple[GroupLayout, ...]
-    buffer_bytes: int
 
 
 @dataclass(frozen=True)
@@ -58,7 +47,7 @@ class BatchRead:
 class ReaderProcess(HelperProcess):
     """The tier's handle on its reader process (started with the tier, again after one died)."""
 
-    def __init__(self, setup: ReaderSetup, buffer_fd: int) -> None:
+    def __init__(self, setup: HelperSetup, buffer_fd: int) -> None:
         super().__init__(COMMAND, setup, buffer_fd, what="reader")
 
     def read(self, batch: ReadBatch) -> BatchRead:
@@ -66,7 +55,7 @@ class ReaderProcess(HelperProcess):
         return self.call(batch)
 
 
-def read_batch(setup: ReaderSetup, batch: ReadBatch, buffer: memoryview) -> tuple[ReadOutcome, ...]:
+def read_batch(setup: HelperSetup, batch: ReadBatch, buffer: memoryview) -> tuple[ReadOutcome, ...]:
     """Read `batch`'s files into `buffer` (the pages not wanted into scratch memory), in order, up to the first file
     that is not READ."""
     groups = setup.groups
@@ -92,7 +81,7 @@ def read_batch(setup: ReaderSetup, batch: ReadBatch, buffer: memoryview) -> tupl
 
 def serve(buffer_fd: int, receive: Connection, answer: Connection) -> None:
     """The process's loop: batches in, pages into the buffer, one answer a batch, until the tier's pipe closes."""
-    setup: ReaderSetup = receive.recv()
+    setup: HelperSetup = receive.recv()
     buffer = memoryview(mmap.mmap(buffer_fd, setup.buffer_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
     while True:
         try:
@@ -106,9 +95,4 @@ def serve(buffer_fd: int, receive: Connection, answer: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s kv-offload-reader: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C reaches the node too: it closes the pipe, this exits
-    name_native_thread("kv-reader")   # what top and ps show for this process
-    buffer_fd, receive_fd, answer_fd = (int(arg) for arg in argv)
-    serve(buffer_fd, *helper_connections(receive_fd, answer_fd))
-    return 0
+    return helper_main(argv, name="kv-reader", serve=serve)

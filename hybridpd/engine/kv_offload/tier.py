@@ -35,12 +35,12 @@ import torch
 
 from hybridpd.engine.histogram import HistogramCounts, HistogramSnapshot
 from hybridpd.engine.kv_offload.file_reader import ReadOutcome
-from hybridpd.engine.kv_offload.helper_process import HelperGone
+from hybridpd.engine.kv_offload.helper_process import HelperGone, HelperSetup
 from hybridpd.engine.kv_offload.layout import mask, members
-from hybridpd.engine.kv_offload.reader_process import FileToRead, ReadBatch, ReaderProcess, ReaderSetup
+from hybridpd.engine.kv_offload.reader_process import FileToRead, ReadBatch, ReaderProcess
 from hybridpd.engine.kv_offload.ring import ByteRing
 from hybridpd.engine.kv_offload.store import OffloadStore
-from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterProcess, WriterSetup
+from hybridpd.engine.kv_offload.writer_process import WriteBatch, WriterProcess
 from hybridpd.named_thread import NamedThread
 
 log = logging.getLogger(__name__)
@@ -106,13 +106,13 @@ class OffloadTier:
         self._writes: queue.Queue = queue.Queue()
         self._ring_fd, self._ring_map = _shared_buffer("hybridpd-kv-offload-ring", queue_bytes)
         self._staging = np.frombuffer(self._ring_map, dtype=np.int8)
-        self._writer = WriterProcess(WriterSetup(str(store.folder), store.model_key, store.groups, queue_bytes),
+        self._writer = WriterProcess(HelperSetup(str(store.folder), store.model_key, store.groups, queue_bytes),
                                      self._ring_fd)
         self._page_bytes = tuple(p.shape[1] for p in self.pages)
         self._read_bytes = max(read_bytes, 2 * sum(self._page_bytes))   # a file of every group fits a half
         self._read_fd, self._read_map = _shared_buffer("hybridpd-kv-offload-reads", self._read_bytes)
         self._read_array = np.frombuffer(self._read_map, dtype=np.int8)
-        self._reader = ReaderProcess(ReaderSetup(str(store.folder), store.model_key, store.groups, self._read_bytes),
+        self._reader = ReaderProcess(HelperSetup(str(store.folder), store.model_key, store.groups, self._read_bytes),
                                      self._read_fd)
         try:
             self._reader.start()   # now: the first hit does not wait for a process to start

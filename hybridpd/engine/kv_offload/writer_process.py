@@ -3,7 +3,7 @@
 tier: the engine's steps took 9-21% longer with a writer thread, 6-16% with this process (less in each run that had
 both).
 
-The messages: the tier sends a `WriterSetup`, then `WriteBatch`es; the process answers each with a `BatchWritten`.
+The messages: the tier sends a `HelperSetup`, then `WriteBatch`es; the process answers each with a `BatchWritten`.
 The pages themselves are in a memfd the tier maps too (the staging ring, ring.py); a batch names them by offset.
 The process exits when the tier closes its pipe, or dies with it: the pipe's end is then closed, and what it had been
 sent is written first.
@@ -11,18 +11,13 @@ sent is written first.
 
 from __future__ import annotations
 
-import logging
 import mmap
-import os
-import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from hybridpd.engine.kv_offload.file_writer import BlockFileWriter, Written
-from hybridpd.engine.kv_offload.helper_process import HelperProcess, helper_connections
-from hybridpd.engine.kv_offload.layout import GroupLayout
-from hybridpd.named_thread import name_native_thread
+from hybridpd.engine.kv_offload.helper_process import HelperProcess, HelperSetup, helper_main
 
 # The process's niceness over the node's: the write-behind is background work. Where the cores are all busy (a node's
 # engine steps beside other nodes on the same machine), the scheduler gives the steps the CPU first, and a writer
@@ -32,14 +27,6 @@ NICENESS = 10
 
 # Started as `python -c`, not `-m`: the messages' classes must be this module's, not `__main__`'s, on both ends.
 COMMAND = "import sys; from hybridpd.engine.kv_offload.writer_process import main; sys.exit(main(sys.argv[1:]))"
-
-
-@dataclass(frozen=True)
-class WriterSetup:
-    folder: str
-    model_key: bytes
-    groups: tuple[GroupLayout, ...]
-    ring_bytes: int
 
 
 @dataclass(frozen=True)
@@ -57,7 +44,7 @@ class BatchWritten:
 class WriterProcess(HelperProcess):
     """The tier's handle on its writer process, started at the first batch (and again after one died)."""
 
-    def __init__(self, setup: WriterSetup, ring_fd: int) -> None:
+    def __init__(self, setup: HelperSetup, ring_fd: int) -> None:
         super().__init__(COMMAND, setup, ring_fd, what="writer")
 
     def write(self, batch: WriteBatch) -> BatchWritten:
@@ -67,8 +54,8 @@ class WriterProcess(HelperProcess):
 
 def serve(ring_fd: int, receive: Connection, answer: Connection) -> None:
     """The process's loop: batches in, files out, one answer a batch, until the tier's pipe closes."""
-    setup: WriterSetup = receive.recv()
-    ring = mmap.mmap(ring_fd, setup.ring_bytes, prot=mmap.PROT_READ)
+    setup: HelperSetup = receive.recv()
+    ring = mmap.mmap(ring_fd, setup.buffer_bytes, prot=mmap.PROT_READ)
     view = memoryview(ring)
     writer = BlockFileWriter(setup.folder, setup.model_key, setup.groups)
     sizes = [group.page_bytes for group in setup.groups]
@@ -91,10 +78,4 @@ def serve(ring_fd: int, receive: Connection, answer: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s kv-offload-writer: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C reaches the node too: it closes the pipe, this finishes
-    name_native_thread("kv-writer")   # what top and ps show for this process
-    os.nice(NICENESS)
-    ring_fd, receive_fd, answer_fd = (int(arg) for arg in argv)
-    serve(ring_fd, *helper_connections(receive_fd, answer_fd))
-    return 0
+    return helper_main(argv, name="kv-writer", serve=serve, niceness=NICENESS)

@@ -6,46 +6,44 @@ closed and is replaced when it died."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 
 import pytest
 
 from hybridpd.engine.kv_offload.file_reader import ReadOutcome
-from hybridpd.engine.kv_offload.helper_process import HelperGone
+from hybridpd.engine.kv_offload.helper_process import HelperGone, HelperSetup
 from hybridpd.engine.kv_offload.layout import GroupLayout
 from hybridpd.engine.kv_offload.reader_process import (
     PREFETCH,
     FileToRead,
     ReadBatch,
     ReaderProcess,
-    ReaderSetup,
     read_batch,
 )
 from hybridpd.engine.kv_offload.store import OffloadStore
+from tests.unit.engine.kv_offload.conftest import SHARED_BYTES
 
 GROUPS = (GroupLayout(b"g" * 16, 64), GroupLayout(b"h" * 16, 128))
-BUFFER = 4096
 
 
-def written(tmp_path, blocks: int = 2) -> tuple[OffloadStore, ReaderSetup]:
+def written(tmp_path, blocks: int = 2) -> tuple[OffloadStore, HelperSetup]:
     """Block i (hash bytes([i]) * 32): a file of both groups, pages of byte i and i + 100."""
     store = OffloadStore(tmp_path, b"m" * 32, GROUPS, 1 << 20)
     store.write_many([(bytes([i]) * 32, [(0, memoryview(bytes([i]) * 64)), (1, memoryview(bytes([i + 100]) * 128))])
                       for i in range(blocks)])
-    return store, ReaderSetup(str(store.folder), store.model_key, GROUPS, BUFFER)
+    return store, HelperSetup(str(store.folder), store.model_key, GROUPS, SHARED_BYTES)
 
 
 def test_the_wanted_pages_land_at_their_offsets_and_a_read_refreshes_the_files_time(tmp_path):
     store, setup = written(tmp_path)
     path = store.path(0, b"\0" * 32)
     os.utime(path, (1_000_000, 1_000_000))
-    buffer = memoryview(bytearray(BUFFER))
+    buffer = memoryview(bytearray(SHARED_BYTES))
     batch = ReadBatch((FileToRead(b"\0" * 32, 0b11, (0, 64)), FileToRead(b"\1" * 32, 0b11, (None, 192))))
     assert read_batch(setup, batch, buffer) == (ReadOutcome.READ, ReadOutcome.READ)
     assert bytes(buffer[:64]) == b"\0" * 64 and bytes(buffer[64:192]) == bytes([100]) * 128
-    assert bytes(buffer[192:320]) == bytes([101]) * 128 and bytes(buffer[320:]) == bytes(BUFFER - 320)
+    assert bytes(buffer[192:320]) == bytes([101]) * 128 and bytes(buffer[320:]) == bytes(SHARED_BYTES - 320)
     assert path.stat().st_mtime > 1_000_000
 
 
@@ -71,7 +69,7 @@ def test_a_batch_stops_at_the_first_file_it_cannot_use(tmp_path, damage, outcome
     else:
         path.write_bytes(data[:8 + 4] + b"o" * 32 + data[8 + 4 + 32:])
     files = tuple(FileToRead(bytes([i]) * 32, 0b11, (i * 192, i * 192 + 64)) for i in range(3))
-    assert read_batch(setup, ReadBatch(files), memoryview(bytearray(BUFFER))) == (ReadOutcome.READ, outcome)
+    assert read_batch(setup, ReadBatch(files), memoryview(bytearray(SHARED_BYTES))) == (ReadOutcome.READ, outcome)
     assert path.exists() == (damage != "remove")   # a bad file is the store's to remove
 
 
@@ -89,25 +87,16 @@ def test_the_kernel_is_asked_for_files_ahead_in_order_each_once(tmp_path, monkey
 
     monkeypatch.setattr(os, "readv", readv)
     files = tuple(FileToRead(bytes([i]) * 32, 0b11, (None, None)) for i in range(count))
-    assert read_batch(setup, ReadBatch(files), memoryview(bytearray(BUFFER))) == (ReadOutcome.READ,) * count
+    assert read_batch(setup, ReadBatch(files), memoryview(bytearray(SHARED_BYTES))) == (ReadOutcome.READ,) * count
     paths = [str(store.path(0, bytes([i]) * 32)) for i in range(count)]
     assert advised == [(path, os.POSIX_FADV_WILLNEED) for path in paths]
     # file i is read once the kernel was asked for the PREFETCH files after it (or all there are)
     assert read == [(path, min(count, i + 1 + PREFETCH)) for i, path in enumerate(paths)]
 
 
-@pytest.fixture
-def shared():
-    fd = os.memfd_create("test-reads", os.MFD_CLOEXEC)
-    os.ftruncate(fd, BUFFER)
-    memory = mmap.mmap(fd, BUFFER)
-    yield fd, memory
-    os.close(fd)
-
-
-def test_the_process_reads_into_the_shared_buffer_at_the_nodes_priority_and_is_replaced_when_it_died(tmp_path,
-                                                                                                   shared):
-    fd, memory = shared
+def test_the_process_reads_into_the_shared_buffer_at_the_nodes_priority_and_is_replaced_when_it_died(
+        tmp_path, shared_buffer):
+    fd, memory = shared_buffer
     _, setup = written(tmp_path)
     reader = ReaderProcess(setup, fd)
     reader.start()

@@ -5,7 +5,6 @@ below the node's priority."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 
@@ -14,29 +13,20 @@ import pytest
 from hybridpd.engine.kv_offload.file_writer import Written
 from hybridpd.engine.kv_offload.layout import GroupLayout
 from hybridpd.engine.kv_offload.store import OffloadStore
-from hybridpd.engine.kv_offload.helper_process import HelperGone
-from hybridpd.engine.kv_offload.writer_process import NICENESS, WriteBatch, WriterProcess, WriterSetup
+from tests.unit.engine.kv_offload.conftest import SHARED_BYTES
+from hybridpd.engine.kv_offload.helper_process import HelperGone, HelperSetup
+from hybridpd.engine.kv_offload.writer_process import NICENESS, WriteBatch, WriterProcess
 
 GROUPS = (GroupLayout(b"g" * 16, 64), GroupLayout(b"h" * 16, 128))
-RING = 4096
 
 
-@pytest.fixture
-def ring():
-    fd = os.memfd_create("test-ring", os.MFD_CLOEXEC)
-    os.ftruncate(fd, RING)
-    memory = mmap.mmap(fd, RING)
-    yield fd, memory
-    os.close(fd)
-
-
-def setup_for(tmp_path) -> tuple[OffloadStore, WriterSetup]:
+def setup_for(tmp_path) -> tuple[OffloadStore, HelperSetup]:
     store = OffloadStore(tmp_path, b"m" * 32, GROUPS, 1 << 20)
-    return store, WriterSetup(str(store.folder), store.model_key, GROUPS, RING)
+    return store, HelperSetup(str(store.folder), store.model_key, GROUPS, SHARED_BYTES)
 
 
-def test_a_batch_is_written_where_a_store_reads_it(tmp_path, ring):
-    fd, memory = ring
+def test_a_batch_is_written_where_a_store_reads_it(tmp_path, shared_buffer):
+    fd, memory = shared_buffer
     memory[0:64] = b"a" * 64
     memory[64:192] = b"b" * 128
     memory[192:256] = b"c" * 64
@@ -53,8 +43,8 @@ def test_a_batch_is_written_where_a_store_reads_it(tmp_path, ring):
     assert bytes(store.read(0, b"2" * 32)) == b"c" * 64
 
 
-def test_one_block_that_cannot_be_written_is_its_own_error_and_files_found_are_not_written_again(tmp_path, ring):
-    fd, memory = ring
+def test_one_block_that_cannot_be_written_is_its_own_error_and_files_found_are_not_written_again(tmp_path, shared_buffer):
+    fd, memory = shared_buffer
     memory[0:64] = b"a" * 64
     store, setup = setup_for(tmp_path)
     store.write(0, b"2" * 32, memoryview(b"a" * 64))       # another writer's file
@@ -69,8 +59,8 @@ def test_one_block_that_cannot_be_written_is_its_own_error_and_files_found_are_n
     assert isinstance(failed, str) and "Error" in failed
 
 
-def test_the_process_exits_when_closed_and_a_dead_one_is_replaced(tmp_path, ring):
-    fd, memory = ring
+def test_the_process_exits_when_closed_and_a_dead_one_is_replaced(tmp_path, shared_buffer):
+    fd, memory = shared_buffer
     memory[0:64] = b"a" * 64
     _, setup = setup_for(tmp_path)
     writer = WriterProcess(setup, fd)
@@ -90,8 +80,8 @@ def test_the_process_exits_when_closed_and_a_dead_one_is_replaced(tmp_path, ring
         os.kill(second, 0)
 
 
-def test_the_process_runs_below_the_nodes_priority_under_a_name_of_its_own(tmp_path, ring):
-    fd, memory = ring
+def test_the_process_runs_below_the_nodes_priority_under_a_name_of_its_own(tmp_path, shared_buffer):
+    fd, memory = shared_buffer
     _, setup = setup_for(tmp_path)
     writer = WriterProcess(setup, fd)
     try:
