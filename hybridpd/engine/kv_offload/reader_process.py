@@ -45,14 +45,11 @@ class BatchRead:
 
 
 class ReaderProcess(HelperProcess):
-    """The tier's handle on its reader process (started with the tier, again after one died)."""
+    """The tier's handle on its reader process (started with the tier, again after one died): `send` a `ReadBatch`,
+    `receive` its `BatchRead` (the tier keeps two batches out)."""
 
     def __init__(self, setup: HelperSetup, buffer_fd: int) -> None:
         super().__init__(COMMAND, setup, buffer_fd, what="reader")
-
-    def read(self, batch: ReadBatch) -> BatchRead:
-        """Have the process read a batch and wait for its answer; HelperGone if it is not there to."""
-        return self.call(batch)
 
 
 def read_batch(setup: HelperSetup, batch: ReadBatch, buffer: memoryview) -> tuple[ReadOutcome, ...]:

@@ -102,7 +102,7 @@ def test_the_process_reads_into_the_shared_buffer_at_the_nodes_priority_and_is_r
     reader.start()
     first = reader.pid
     try:
-        answer = reader.read(ReadBatch((FileToRead(b"\1" * 32, 0b11, (128, 0)),)))
+        answer = reader.call(ReadBatch((FileToRead(b"\1" * 32, 0b11, (128, 0)),)))
         assert answer.outcomes == (ReadOutcome.READ,) and answer.cpu_s > 0
         assert os.getpriority(os.PRIO_PROCESS, first) == os.getpriority(os.PRIO_PROCESS, 0)
         with open(f"/proc/{first}/comm") as comm:   # what top and ps show for it
@@ -110,9 +110,9 @@ def test_the_process_reads_into_the_shared_buffer_at_the_nodes_priority_and_is_r
         assert memory[128:192] == b"\1" * 64 and memory[0:128] == bytes([101]) * 128
         os.kill(first, signal.SIGKILL)
         with pytest.raises(HelperGone):
-            reader.read(ReadBatch((FileToRead(b"\0" * 32, 0b11, (0, None)),)))
+            reader.call(ReadBatch((FileToRead(b"\0" * 32, 0b11, (0, None)),)))
         assert reader.pid is None
-        assert reader.read(ReadBatch((FileToRead(b"\0" * 32, 0b11, (0, None)),))).outcomes == (ReadOutcome.READ,)
+        assert reader.call(ReadBatch((FileToRead(b"\0" * 32, 0b11, (0, None)),))).outcomes == (ReadOutcome.READ,)
         second = reader.pid
         assert second not in (None, first) and memory[0:64] == b"\0" * 64
     finally:
