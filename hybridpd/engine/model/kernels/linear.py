@@ -5,7 +5,7 @@ bfloat16 units, see `bf16_linear`; on one with them, every product goes through 
 large weight: there, and for float32 wherever MKL runs generic code, that goes through the one-row kernel
 (few_rows.py), which reads the weight faster (on the EPYC with AVX-512 and bfloat16 units: 34-35 against the packed
 product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in float32), but in bfloat16 on a CPU with AMX
-(`own_loops_pay`).
+(`own_loops_pay`) and, by a weight that streams from memory, on Intel's (ONE_ROW_MAX_WEIGHT_BF16_INTEL).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -56,6 +56,11 @@ FEW_ROWS_MIN_WEIGHT = 2**20
 # MKL's: 256 x 128 5.6 against 6.0 us, 512 x 128 6.6 against 7.4, with the weight's array kept: bf16_bits.held_array).
 ONE_ROW_MIN_WEIGHT = 2**17
 ONE_ROW_MIN_WEIGHT_BF16 = 2**15
+# ... and in bfloat16 on an Intel CPU, to a weight of fewer elements than this: a larger one the packed product reads
+# from memory faster there (Xeon with AVX512-BF16 and no AMX, one row by weights streamed from memory, us a call,
+# packed against the loop: 768 x 768 115 / 157, 768 x 1,536 233 / 340, 4,096 x 768 540-700 / 850; 256 x 768 60 / 60,
+# 580 x 128 31 / 28), where on the EPYC with AVX512-BF16 the loop read it faster.
+ONE_ROW_MAX_WEIGHT_BF16_INTEL = 2**18
 # bfloat16 where products pack (not on a CPU with AMX, where it was not measured): a few rows by a small weight
 # through the bfloat16 few-rows kernel. One engine, decode steps alternated with the packed and small-product paths
 # (EPYC with AVX512-BF16): small-vllm 0.78 / 0.63 / 0.86 / 0.92 of the step at 2 / 4 / 8 / 12 rows, 0.98 at 16.
@@ -96,6 +101,7 @@ _f32_packing = float32_packs_pay(_vendor, _cpu_flags) and packing_works(torch.fl
 _f32_own_loops = mkl_runs_generic(_vendor)   # one float32 row by a large weight: the one-row kernel
 _tiny_work = {dtype: tiny_work(dtype, _vendor) for dtype in (torch.float32, torch.bfloat16)}
 _amx = "amx_bf16" in _cpu_flags
+_intel = not mkl_runs_generic(_vendor)
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,9 +204,11 @@ def own_loops_pay(dtype: torch.dtype) -> bool:
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    bf16 = x.dtype == torch.bfloat16
     return (x.dim() == 2 and x.shape[0] == 1 and own_loops_pay(x.dtype) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.is_contiguous()
-            and weight.numel() >= (ONE_ROW_MIN_WEIGHT_BF16 if x.dtype == torch.bfloat16 else ONE_ROW_MIN_WEIGHT)
+            and weight.numel() >= (ONE_ROW_MIN_WEIGHT_BF16 if bf16 else ONE_ROW_MIN_WEIGHT)
+            and not (bf16 and _intel and weight.numel() >= ONE_ROW_MAX_WEIGHT_BF16_INTEL)
             and (bias is None or bias.dtype == x.dtype))
 
 

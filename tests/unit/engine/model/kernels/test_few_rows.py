@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, one_row_linear
-from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT,
-                                                  ONE_ROW_MIN_WEIGHT_BF16, SMALL_BF16_ROWS_MAX,
+from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MAX_WEIGHT_BF16_INTEL,
+                                                  ONE_ROW_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT_BF16, SMALL_BF16_ROWS_MAX,
                                                   SMALL_BF16_WEIGHT_BELOW, linear, plain_linear)
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
@@ -111,11 +111,28 @@ def test_linear_sends_the_kernel_only_what_it_is_for(monkeypatch, kernel_calls, 
     monkeypatch.setattr(linear_module, "_bf16_packing", packs)
     monkeypatch.setattr(linear_module, "_bf16_units", packs or linear_module._bf16_units)
     monkeypatch.setattr(linear_module, "_amx", False)
+    monkeypatch.setattr(linear_module, "_intel", cpu is INTEL)
     weight = (torch.randn(*weight_shape) / 8).to(dtype)
     x = (torch.randn(rows, 128)[:, :64] if not contiguous else torch.randn(rows, 64)).to(dtype)
     out = linear(x, weight)
     assert kernel_calls == ([(taken, rows)] if taken else [])
     torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("elements, intel, taken", [
+    (ONE_ROW_MAX_WEIGHT_BF16_INTEL, False, [("one", 1)]),
+    (ONE_ROW_MAX_WEIGHT_BF16_INTEL, True, []),                 # Intel's: the packed product streams a large weight
+    (ONE_ROW_MAX_WEIGHT_BF16_INTEL // 2, True, [("one", 1)]),  # ... and the loop a small one
+])
+def test_one_row_of_bfloat16_by_a_large_weight_stays_packed_on_intel(monkeypatch, kernel_calls, elements, intel,
+                                                                     taken):
+    for flag in ("_f32_packing", "_f32_own_loops", "_bf16_packing", "_bf16_units"):
+        monkeypatch.setattr(linear_module, flag, True)
+    monkeypatch.setattr(linear_module, "_amx", False)
+    monkeypatch.setattr(linear_module, "_intel", intel)
+    weight, x = (torch.randn(elements // 64, 64) / 8).to(BF16), torch.randn(1, 64).to(BF16)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+    assert kernel_calls == taken
 
 
 @pytest.mark.parametrize("dtype, amx, taken", [
@@ -127,6 +144,7 @@ def test_one_row_of_bfloat16_stays_packed_where_the_cpu_has_amx(monkeypatch, ker
     for flag in ("_f32_packing", "_f32_own_loops", "_bf16_packing", "_bf16_units"):
         monkeypatch.setattr(linear_module, flag, True)
     monkeypatch.setattr(linear_module, "_amx", amx)
+    monkeypatch.setattr(linear_module, "_intel", False)
     weight, x = (torch.randn(*LARGE) / 8).to(dtype), torch.randn(1, LARGE[1]).to(dtype)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
     assert kernel_calls == taken
