@@ -5,7 +5,9 @@ bfloat16 units, see `bf16_linear`; on one with them, every product goes through 
 large weight: there, and for float32 wherever MKL runs generic code, that goes through the one-row kernel
 (few_rows.py), which reads the weight faster (on the EPYC with AVX-512 and bfloat16 units: 34-35 against the packed
 product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in float32), but in bfloat16 on a CPU with AMX
-(`own_loops_pay`) and, by a weight that streams from memory, on Intel's (ONE_ROW_MAX_WEIGHT_BF16_INTEL).
+(`own_loops_pay`) and, by a weight that streams from memory, on Intel's (ONE_ROW_MAX_WEIGHT_BF16_INTEL). On an Intel
+CPU with AVX512-BF16 and no AMX, a bfloat16 product of many rows (a prefill's, a large decode step's) is widened to
+float32 for MKL instead, whose float32 kernels there outrun oneDNN's bfloat16 ones (WIDEN_ROWS_MIN).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -70,6 +72,14 @@ SMALL_BF16_WEIGHT_BELOW = 2**17
 BF16_FEW_ROWS_MAX = 32
 BF16_FEW_ROWS_MAX_SMALL_WEIGHT = 16
 WIDEN_ELEMENTS = 1 << 21   # weight elements widened to float32 at a time (8 MiB)
+# bfloat16 on an Intel CPU with AVX512-BF16 and no AMX: products of at least this many rows are widened to float32
+# for MKL (`widened_linear`), from WIDEN_ROWS_MIN_SMALL_WEIGHT by a weight of fewer than ONE_ROW_MIN_WEIGHT elements.
+# oneDNN's bfloat16 products run there at ~85-90 GFLOP/s (granite-350m's projections, 256 and 2,048 rows), MKL's
+# float32 ones at 145-170 and widened ones at 133-157. Those shapes' weights streamed from memory, one thread, the
+# widened product's time over the packed one's: 1.28 at 32 rows, 0.93 at 64, 0.75 at 128, 0.65 at 256; small-vllm's
+# (cached): 1.01 at 8, 0.81 at 16, 0.72 at 256.
+WIDEN_ROWS_MIN = 64
+WIDEN_ROWS_MIN_SMALL_WEIGHT = 16
 
 
 def _find_onednn() -> Callable[..., torch.Tensor] | None:
@@ -102,6 +112,7 @@ _f32_own_loops = mkl_runs_generic(_vendor)   # one float32 row by a large weight
 _tiny_work = {dtype: tiny_work(dtype, _vendor) for dtype in (torch.float32, torch.bfloat16)}
 _amx = "amx_bf16" in _cpu_flags
 _intel = not mkl_runs_generic(_vendor)
+_bf16_widens = _bf16_packing and _intel and not _amx   # many-row bfloat16 products: `_widens`
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +159,8 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return one_row_linear(x, weight, bias)
     if _small_bf16_rows(x, weight):
         return few_rows_linear_bf16(x, weight, bias)
+    if _widens(x, weight):
+        return widened_linear(x, weight, bias)
     if _packs(x, weight):
         return packed_linear(x, weight, bias, _tiny_work[x.dtype])
     return F.linear(x, weight, bias)
@@ -156,6 +169,13 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _emulated_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (not _bf16_units and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] > 0)
+
+
+def _widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 product of this many rows computes faster widened to float32 here (WIDEN_ROWS_MIN)."""
+    return (_bf16_widens and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
+            and weight.dim() == 2
+            and x.shape[0] >= (WIDEN_ROWS_MIN if weight.numel() >= ONE_ROW_MIN_WEIGHT else WIDEN_ROWS_MIN_SMALL_WEIGHT))
 
 
 def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -182,6 +202,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return few_rows_linear(x, weight, bias)
     if _small_bf16_rows(x, weight):
         return few_rows_linear_bf16(x, weight, bias)
+    if _widens(x, weight):
+        return widened_linear(x, weight, bias)
     if _packs(x, weight):
         return packed_linear(x, weight, bias, _tiny_work[x.dtype])
     if (x.shape[0] % ONEDNN_ROWS or not x.shape[0] or _onednn is None or x.dim() != 2 or x.dtype != torch.float32

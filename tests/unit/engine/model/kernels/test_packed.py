@@ -212,11 +212,41 @@ def packed_rows(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
 @pytest.mark.parametrize("rows", [1, linear_module.SMALL_BF16_ROWS_MAX + 1, 64, 65, 300])
 def test_bfloat16_products_take_the_pack(monkeypatch, packed_rows, product, rows):
-    """But one row by a large weight and a few rows by a small one (test_few_rows.py)."""
+    """But one row by a large weight and a few rows by a small one (test_few_rows.py), and many rows where they
+    are widened (below)."""
     monkeypatch.setattr(linear_module, "_bf16_units", True)
+    monkeypatch.setattr(linear_module, "_bf16_widens", False)
     weight, x = _weight(48, 32), torch.randn(rows, 32).to(BF16)
     _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
     assert packed_rows == [rows]
+
+
+LARGE_WEIGHT = (linear_module.ONE_ROW_MIN_WEIGHT // 64, 64)
+SMALL_WEIGHT = (48, 32)
+
+
+@needs_packing
+@pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
+@pytest.mark.parametrize("shape, rows, widened", [
+    (LARGE_WEIGHT, linear_module.WIDEN_ROWS_MIN, True),
+    (LARGE_WEIGHT, linear_module.WIDEN_ROWS_MIN - 1, False),
+    (LARGE_WEIGHT, 300, True),
+    (SMALL_WEIGHT, linear_module.WIDEN_ROWS_MIN_SMALL_WEIGHT, True),   # a small weight from fewer rows
+    (SMALL_WEIGHT, linear_module.WIDEN_ROWS_MIN_SMALL_WEIGHT - 1, False),
+])
+def test_many_rows_of_bfloat16_are_widened_on_intels_cpus_without_amx(monkeypatch, packed_rows, product, shape,
+                                                                      rows, widened):
+    """There MKL's float32 products outrun oneDNN's bfloat16 ones (linear.py); the result is rounded once, as the
+    pack's."""
+    monkeypatch.setattr(linear_module, "_bf16_units", True)
+    monkeypatch.setattr(linear_module, "_bf16_widens", True)
+    monkeypatch.setattr(linear_module, "_amx", False)
+    widened_rows = []
+    monkeypatch.setattr(linear_module, "widened_linear",
+                        lambda x, w, b=None: widened_rows.append(x.shape[0]) or F.linear(x.float(), w.float()).to(BF16))
+    weight, x = _weight(*shape), torch.randn(rows, shape[1]).to(BF16)
+    _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
+    assert (widened_rows, packed_rows) == (([rows], []) if widened else ([], [rows]))
 
 
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
