@@ -7,7 +7,8 @@ large weight: there, and for float32 wherever MKL runs generic code, that goes t
 product's 32-33 GB/s in bfloat16, 35-39 against 32-35 in float32), but in bfloat16 on a CPU with AMX
 (`own_loops_pay`) and, by a weight that streams from memory, on Intel's (ONE_ROW_MAX_WEIGHT_BF16_INTEL). On an Intel
 CPU with AVX512-BF16 and no AMX, a bfloat16 product of many rows (a prefill's, a large decode step's) is widened to
-float32 for MKL instead, whose float32 kernels there outrun oneDNN's bfloat16 ones (WIDEN_ROWS_MIN).
+float32 for MKL instead, whose float32 kernels there outrun oneDNN's bfloat16 ones (WIDEN_ROWS_MIN; a small weight
+through a float32 copy kept beside it).
 
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from hybridpd.engine.dtype_choice import BF16_FLAGS, this_cpus_flags, this_cpus_vendor
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, few_rows_linear_bf16, one_row_linear
 from hybridpd.engine.model.kernels.packed import (
-    float32_packs_pay, mkl_runs_generic, packed_linear, packing_works, tiny_work,
+    float32_packs_pay, kept_wide_linear, mkl_runs_generic, packed_linear, packing_works, tiny_work,
 )
 
 # Steps of a multiple of this many rows go to oneDNN.
@@ -160,7 +161,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if _small_bf16_rows(x, weight):
         return few_rows_linear_bf16(x, weight, bias)
     if _widens(x, weight):
-        return widened_linear(x, weight, bias)
+        return _widened(x, weight, bias)
     if _packs(x, weight):
         return packed_linear(x, weight, bias, _tiny_work[x.dtype])
     return F.linear(x, weight, bias)
@@ -169,6 +170,15 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _emulated_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (not _bf16_units and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] > 0)
+
+
+def _widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A product `_widens` takes: by a weight of fewer than ONE_ROW_MIN_WEIGHT elements through its float32 copy, kept
+    (no conversion a call: small-vllm's decode steps at 16 / 32 rows 0.88 / 0.90 of the time, its prefill alike); by a
+    larger one widened a piece at a time, call by call (a kept copy would double its bytes)."""
+    if weight.numel() < ONE_ROW_MIN_WEIGHT:
+        return kept_wide_linear(x, weight, bias)
+    return widened_linear(x, weight, bias)
 
 
 def _widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -203,7 +213,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _small_bf16_rows(x, weight):
         return few_rows_linear_bf16(x, weight, bias)
     if _widens(x, weight):
-        return widened_linear(x, weight, bias)
+        return _widened(x, weight, bias)
     if _packs(x, weight):
         return packed_linear(x, weight, bias, _tiny_work[x.dtype])
     if (x.shape[0] % ONEDNN_ROWS or not x.shape[0] or _onednn is None or x.dim() != 2 or x.dtype != torch.float32

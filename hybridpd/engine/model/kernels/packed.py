@@ -158,10 +158,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     result), or a product of at most `tiny` rows x weight elements through MKL (a bfloat16 weight's float32 copy)."""
     rows = x.shape[0]
     if rows * weight.numel() <= tiny:
-        if x.dtype == torch.float32:
-            return F.linear(x, weight, bias)
-        return F.linear(x.float(), _pack_of(weight, widened=True),
-                        None if bias is None else bias.float()).to(torch.bfloat16)
+        return F.linear(x, weight, bias) if x.dtype == torch.float32 else kept_wide_linear(x, weight, bias)
     pack = _pack_of(weight, widened=False)
     if rows <= CHUNK_ROWS and not _pads_too_much(rows, weight.numel()):   # a decode step's products: one call
         return _bucketed(x, pack, bias)
@@ -170,6 +167,12 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     for start, end in pieces:
         out[start:end] = _bucketed(x[start:end], pack, bias)
     return out
+
+
+def kept_wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of bfloat16 tensors through the weight's float32 copy, kept beside it (made at the first call):
+    MKL's float32 kernels, the result rounded once to bfloat16, as oneDNN's."""
+    return F.linear(x.float(), _pack_of(weight, widened=True), None if bias is None else bias.float()).to(torch.bfloat16)
 
 
 def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:

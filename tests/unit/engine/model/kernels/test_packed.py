@@ -227,26 +227,28 @@ SMALL_WEIGHT = (48, 32)
 
 @needs_packing
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
-@pytest.mark.parametrize("shape, rows, widened", [
-    (LARGE_WEIGHT, linear_module.WIDEN_ROWS_MIN, True),
-    (LARGE_WEIGHT, linear_module.WIDEN_ROWS_MIN - 1, False),
-    (LARGE_WEIGHT, 300, True),
-    (SMALL_WEIGHT, linear_module.WIDEN_ROWS_MIN_SMALL_WEIGHT, True),   # a small weight from fewer rows
-    (SMALL_WEIGHT, linear_module.WIDEN_ROWS_MIN_SMALL_WEIGHT - 1, False),
+@pytest.mark.parametrize("shape, rows, taken", [
+    (LARGE_WEIGHT, linear_module.WIDEN_ROWS_MIN, "widened"),   # widened a piece at a time
+    (LARGE_WEIGHT, linear_module.WIDEN_ROWS_MIN - 1, "packed"),
+    (LARGE_WEIGHT, 300, "widened"),
+    (SMALL_WEIGHT, linear_module.WIDEN_ROWS_MIN_SMALL_WEIGHT, "kept"),   # from fewer rows, through a kept copy
+    (SMALL_WEIGHT, linear_module.WIDEN_ROWS_MIN_SMALL_WEIGHT - 1, "packed"),
 ])
 def test_many_rows_of_bfloat16_are_widened_on_intels_cpus_without_amx(monkeypatch, packed_rows, product, shape,
-                                                                      rows, widened):
+                                                                      rows, taken):
     """There MKL's float32 products outrun oneDNN's bfloat16 ones (linear.py); the result is rounded once, as the
     pack's."""
     monkeypatch.setattr(linear_module, "_bf16_units", True)
     monkeypatch.setattr(linear_module, "_bf16_widens", True)
     monkeypatch.setattr(linear_module, "_amx", False)
-    widened_rows = []
-    monkeypatch.setattr(linear_module, "widened_linear",
-                        lambda x, w, b=None: widened_rows.append(x.shape[0]) or F.linear(x.float(), w.float()).to(BF16))
+    calls = []
+    for name, kind in (("widened_linear", "widened"), ("kept_wide_linear", "kept")):
+        monkeypatch.setattr(linear_module, name, lambda x, w, b=None, real=getattr(linear_module, name), kind=kind:
+                            calls.append((kind, x.shape[0])) or real(x, w, b))
     weight, x = _weight(*shape), torch.randn(rows, shape[1]).to(BF16)
     _assert_rounds_alike(product(x, weight), _reference(x, weight, None))
-    assert (widened_rows, packed_rows) == (([rows], []) if widened else ([], [rows]))
+    calls += [("packed", n) for n in packed_rows]
+    assert calls == [(taken, rows)]
 
 
 @pytest.mark.parametrize("product", [linear_module.linear, linear_module.plain_linear])
