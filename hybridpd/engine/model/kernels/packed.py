@@ -172,7 +172,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def kept_wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of bfloat16 tensors through the weight's float32 copy, kept beside it (made at the first call):
     MKL's float32 kernels, the result rounded once to bfloat16, as oneDNN's."""
-    return F.linear(x.float(), _pack_of(weight, widened=True), None if bias is None else bias.float()).to(torch.bfloat16)
+    wide = _pack_of(weight, widened=True)
+    return F.linear(x.float(), wide, None if bias is None else bias.float()).to(torch.bfloat16)
 
 
 def row_pieces(rows: int, weight_elements: int) -> list[tuple[int, int]]:
