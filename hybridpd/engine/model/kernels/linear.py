@@ -199,6 +199,11 @@ def packs_products(dtype: torch.dtype) -> bool:
     return (_bf16_packing and dtype == torch.bfloat16) or (_f32_packing and dtype == torch.float32)
 
 
+def products_on_tiles(dtype: torch.dtype) -> bool:
+    """Whether products of `dtype` run packed on this CPU's matrix tiles (bfloat16 with AMX)."""
+    return dtype == torch.bfloat16 and _bf16_packing and _amx
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: bfloat16 on a CPU without bfloat16 units through `bf16_linear`;
     one row by a large weight where `own_loops_pay` through the one-row kernel; elsewhere a float32

@@ -12,22 +12,26 @@ few rows (a decode step; how few depends on the size of the experts, `kernels/fu
 or bfloat16, is routed and runs its experts in one compiled call instead: there the dozen operations per expert cost
 more than their arithmetic.
 
-Every expert at once (`every_expert`): in bfloat16 on a CPU with bfloat16 units, a layer whose experts stay in cache
-(`fused_moe.RESIDENT_BYTES`) runs a step of EVERY_EXPERT_MIN_ROWS rows or more as two products over all of its experts
-side by side, the routing weights of the experts a row did not choose zero: E / k times the arithmetic of the chosen
-experts, in two packed products on the bfloat16 units instead of the compiled kernel's float32 loops or a dozen small
+Every expert at once (`every_expert`): in bfloat16 on a CPU with AMX (`linear.products_on_tiles`), a layer whose experts
+stay in cache (`fused_moe.RESIDENT_BYTES`) runs a step of EVERY_EXPERT_MIN_ROWS rows or more as two products over all of
+its experts side by side, the routing weights of the experts a row did not choose zero: E / k times the arithmetic of
+the chosen experts, in two packed products on the tiles instead of the compiled kernel's float32 loops or a dozen small
 operations per expert; between them one compiled pass (`silu_times_weighted`) computes the chosen experts' weighted
 activations and zeros the others' (granite-moe served 1.05x the tokens a second with it than with torch's three
-operations over strided views, EPYC with AVX512-BF16). Measured on the Xeon with AMX (benchmarks/README.md), one
-thread, the granite-moe preset's layer (16 experts of 128 x 64, top-4), ms at 24 / 32 / 48 / 256 / 1,024 / 2,048 rows:
-0.42 / 0.47 / 0.57 / 1.4 / 3.9 / 7.3 against the compiled kernel's 0.49 / 0.60 / 0.87 / 4.7 (to 256 rows) and the
-grouped dispatch's 7.7 / 11.0 / 13.4 (from 256); at 16 rows the two were even (0.34), at 8 the kernel ahead (0.20
-against 0.27). With 32 experts of that size (8 x the chosen arithmetic) still ahead from 256 rows (2.9 against 3.8 and
-10.4; 15.7 against 21.2 at 2,048). A layer whose experts stream from memory reads them once per step either way, but
-its arithmetic grows faster than the reads save (64 experts of 256 x 128, top-6: 55 against 16 ms at 1,024 rows), so
-it keeps the grouped dispatch. In float32, MKL's products gave no such margin (2.5 against 3.1 and 2.5 ms at 256 rows,
-slower from 1,024), nor did packed float32 products on the EPYC with AVX-512 (packed.py): there an engine on the
-preset served 0.91x the tokens a second with every expert at once allowed from 24 rows (`moe_paths.py`).
+operations over strided views, EPYC with AVX512-BF16). Measured on the Xeon with AMX (benchmarks/README.md), one thread,
+the granite-moe preset's layer (16 experts of 128 x 64, top-4), ms at 24 / 32 / 48 / 256 / 1,024 / 2,048 rows: 0.42 /
+0.47 / 0.57 / 1.4 / 3.9 / 7.3 against the compiled kernel's 0.49 / 0.60 / 0.87 / 4.7 (to 256 rows) and the grouped
+dispatch's 7.7 / 11.0 / 13.4 (from 256); at 16 rows the two were even (0.34), at 8 the kernel ahead (0.20 against 0.27).
+With 32 experts of that size (8 x the chosen arithmetic) still ahead from 256 rows (2.9 against 3.8 and 10.4; 15.7
+against 21.2 at 2,048). A layer whose experts stream from memory reads them once per step either way, but its arithmetic
+grows faster than the reads save (64 experts of 256 x 128, top-6: 55 against 16 ms at 1,024 rows), so it keeps the
+grouped dispatch. In float32, MKL's products gave no such margin (2.5 against 3.1 and 2.5 ms at 256 rows, slower from
+1,024), nor did packed float32 products on the EPYC with AVX-512 (packed.py): there an engine on the preset served 0.91x
+the tokens a second with every expert at once allowed from 24 rows (`moe_paths.py`). The AMX figures above are against
+the compiled kernel that read an expert's weights once per row; against the one that reads them once per eight rows, on
+the Xeon with AVX512-BF16 and no AMX, bfloat16, the preset's engine served 0.89x the tokens a second with every expert
+at once allowed (`moe_paths.py --rounds 4`; one layer, every expert 0.40 / 0.52 / 2.6 ms at 16 / 24 / 256 rows, the
+kernel 0.18 / 0.25 / 2.0), so there the kernel keeps its rows.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from torch import nn
 from hybridpd.engine.model.kernels.bf16_bits import KERNEL_DTYPES
 from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, routed_moe_rows, rows_worth_fusing
 from hybridpd.engine.model.kernels.fused_router import top_k_route
-from hybridpd.engine.model.kernels.linear import packs_products, plain_linear
+from hybridpd.engine.model.kernels.linear import packs_products, plain_linear, products_on_tiles
 from hybridpd.engine.model.kernels.silu import silu_times_weighted
 
 FUSED_DTYPES = KERNEL_DTYPES   # what the compiled experts take (bfloat16 as its bits)
@@ -115,10 +119,10 @@ class GraniteMoE(nn.Module):
         self.output_linear = _StackedLinear(num_experts, hidden_size, intermediate_size, dtype)
         # Up to this many rows a layer runs its experts in one compiled call (fused_moe.py).
         expert_elements = 3 * hidden_size * intermediate_size * num_experts
-        self.fused_max_rows = rows_worth_fusing(num_experts, top_k, expert_elements * dtype.itemsize)
+        self.fused_max_rows = rows_worth_fusing(expert_elements * dtype.itemsize)
         # From this many bfloat16 rows on packed products every expert at once (`every_expert`; None: never).
         resident = expert_elements * torch.bfloat16.itemsize <= RESIDENT_BYTES
-        self.every_expert_min_rows = EVERY_EXPERT_MIN_ROWS if resident else None
+        self.every_expert_min_rows = EVERY_EXPERT_MIN_ROWS if resident and products_on_tiles(torch.bfloat16) else None
         self._side_by_side_of: tuple[torch.Tensor, int] | None = None
         self._side_by_side: torch.Tensor | None = None
 

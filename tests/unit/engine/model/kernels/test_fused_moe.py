@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpd.engine.model.kernels.fused_moe import (RESIDENT_BYTES, RESIDENT_MAX_ROWS, routed_moe_rows,
-                                                     rows_worth_fusing)
+from hybridpd.engine.model.kernels.fused_moe import (RESIDENT_BYTES, RESIDENT_MAX_ROWS, STREAMED_MAX_ROWS,
+                                                     routed_moe_rows, rows_worth_fusing)
 from hybridpd.engine.model.layers import moe as moe_module
 from hybridpd.engine.model.layers.moe import GraniteMoE, grouped_experts
 
@@ -29,6 +29,9 @@ def _routed(layer: GraniteMoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows, hidden, inter, experts, top_k", [
     (1, 16, 8, 4, 1), (5, 32, 24, 6, 2), (16, 128, 64, 16, 4), (3, 40, 12, 3, 3), (64, 24, 16, 8, 2),
+    (29, 24, 16, 1, 1),       # one expert: rows by eight, then four and one
+    (7, 24, 16, 1, 1), (6, 24, 16, 1, 1), (2, 24, 16, 1, 1),
+    (23, 256, 128, 16, 4),    # streamed from memory (6 MiB): the last rows padded to eight
 ])
 def test_agrees_with_the_grouped_dispatch(rows, hidden, inter, experts, top_k):
     layer = _layer(hidden, inter, experts, top_k, seed=rows + hidden)
@@ -40,7 +43,7 @@ def test_agrees_with_the_grouped_dispatch(rows, hidden, inter, experts, top_k):
 
 
 @pytest.mark.parametrize("rows, hidden, inter, experts, top_k", [
-    (1, 16, 8, 4, 1), (5, 32, 24, 6, 2), (16, 128, 64, 16, 4),
+    (1, 16, 8, 4, 1), (5, 32, 24, 6, 2), (16, 128, 64, 16, 4), (27, 24, 16, 1, 1),
 ])
 def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows, hidden, inter, experts, top_k):
     layer = _layer(hidden, inter, experts, top_k, seed=rows + hidden).to(torch.bfloat16)
@@ -53,15 +56,14 @@ def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows, hidden, i
     torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-6)   # one bfloat16 step
 
 
-@pytest.mark.parametrize("experts, top_k, expert_bytes, rows", [
-    (16, 4, 3 * 128 * 64 * 16 * 4, RESIDENT_MAX_ROWS),   # the granite-moe preset: its experts stay in cache
-    (16, 4, RESIDENT_BYTES, RESIDENT_MAX_ROWS),
-    (16, 4, RESIDENT_BYTES + 1, 16),                     # streamed: a few rows only
-    (64, 6, 3 * 1536 * 512 * 64 * 4, 26),               # Granite-4.0-H-Tiny: rows x 6 <= 2.5 x 64
-    (128, 8, 3 * 2048 * 768 * 128 * 4, 40),
+@pytest.mark.parametrize("expert_bytes, rows", [
+    (3 * 128 * 64 * 16 * 4, RESIDENT_MAX_ROWS),   # the granite-moe preset: its experts stay in cache
+    (RESIDENT_BYTES, RESIDENT_MAX_ROWS),
+    (RESIDENT_BYTES + 1, STREAMED_MAX_ROWS),       # streamed from memory: fewer rows
+    (3 * 1536 * 512 * 64 * 4, STREAMED_MAX_ROWS),  # Granite-4.0-H-Tiny
 ])
-def test_rows_worth_fusing_follow_the_size_of_the_experts(experts, top_k, expert_bytes, rows):
-    assert rows_worth_fusing(experts, top_k, expert_bytes) == rows
+def test_rows_worth_fusing_follow_the_size_of_the_experts(expert_bytes, rows):
+    assert rows_worth_fusing(expert_bytes) == rows
 
 
 @pytest.mark.parametrize("rows, dtype, fused", [

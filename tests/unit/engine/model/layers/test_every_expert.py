@@ -1,5 +1,5 @@
 """Every expert at once (layers/moe.py's `every_expert`) agrees with the grouped dispatch, and a layer takes that path
-only for bfloat16 steps of enough rows on packed products and only when its experts stay in cache."""
+only for bfloat16 steps of enough rows on packed products on AMX and only when its experts stay in cache."""
 
 from __future__ import annotations
 
@@ -53,12 +53,13 @@ def test_agrees_with_float32_to_bfloat16_rounding(rows):
     (EVERY_EXPERT_MIN_ROWS, torch.bfloat16, True, 16, True),
     (300, torch.bfloat16, True, 16, True),                  # past the compiled kernel's rows too
     (EVERY_EXPERT_MIN_ROWS - 1, torch.bfloat16, True, 16, False),   # a decode step: the compiled kernel
-    (EVERY_EXPERT_MIN_ROWS, torch.bfloat16, False, 16, False),  # no bfloat16 units: no packed products
+    (EVERY_EXPERT_MIN_ROWS, torch.bfloat16, False, 16, False),  # no AMX: the compiled kernel or the grouped dispatch
     (EVERY_EXPERT_MIN_ROWS, torch.float32, True, 16, False),
     (EVERY_EXPERT_MIN_ROWS, torch.bfloat16, True, 1024, False),  # 1,024 experts: past RESIDENT_BYTES
 ])
 def test_the_layer_takes_every_expert_only_where_it_pays(monkeypatch, rows, dtype, packs, experts, every):
-    monkeypatch.setattr(moe_module, "packs_products", lambda d: packs and d == torch.bfloat16)
+    for cpu_has in ("packs_products", "products_on_tiles"):
+        monkeypatch.setattr(moe_module, cpu_has, lambda d: packs and d == torch.bfloat16)
     calls = []
     monkeypatch.setattr(moe_module, "every_expert", lambda *a: calls.append(1) or every_expert(*a))
     assert (3 * 32 * 16 * 1024 * 2 > RESIDENT_BYTES) and (3 * 32 * 16 * 16 * 2 <= RESIDENT_BYTES)
@@ -71,7 +72,8 @@ def test_the_layer_takes_every_expert_only_where_it_pays(monkeypatch, rows, dtyp
 
 
 def test_a_reloaded_down_projection_is_taken_again(monkeypatch):
-    monkeypatch.setattr(moe_module, "packs_products", lambda d: True)
+    for cpu_has in ("packs_products", "products_on_tiles"):
+        monkeypatch.setattr(moe_module, cpu_has, lambda d: True)
     calls = []
     monkeypatch.setattr(moe_module, "every_expert", lambda *a: calls.append(1) or every_expert(*a))
     layer = _layer(32, 16, 8, 2, seed=3, dtype=torch.bfloat16)
