@@ -13,18 +13,18 @@ Sums run in another order than torch's: results agree with the grouped dispatch 
 Where the grouped dispatch wins: MKL's products on many rows per expert beat these loops, so past some rows the
 dozen operations per expert are worth their overhead (`rows_worth_fusing`). Measured one layer at a time on the Xeon
 with AVX512-BF16 (benchmarks/README.md), one thread, the compiled pass over the grouped dispatch (each with its
-routing) at rows 16 / 64 / 128 / 256 (runs at other times differed by up to 0.15):
+routing) at rows 16 / 64 / 128 / 256 (`benchmarks/moe_paths.py --layer H I E K`; other runs differed by up to 0.15):
 
 | experts per layer (H x I, E, top-k) | float32 | bfloat16 |
 |---|---|---|
-| 128 x 64, 16, 4 (the granite-moe preset: 1.5 MiB) | 0.19 / 0.45 / 0.70 / 1.01 | 0.10 / 0.32 / 0.54 / 0.81 |
-| 256 x 128, 16, 4 (6 MiB) | 0.44 / 0.92 / 1.22 / 1.58 | 0.28 / 0.54 / 1.07 / 1.30 |
-| 384 x 192, 32, 4 (27 MiB) | 0.61 / 0.75 / 1.00 / 1.35 | 0.32 / 0.48 / 0.68 / 1.09 |
-| 1,536 x 512, 64, 6 (Granite-4.0-H-Tiny: 604 MiB) | 0.96 / 0.72 / 1.12 / 1.53 | 0.76 / 0.90 / 1.14 / 1.29 |
+| 128 x 64, 16, 4 (the granite-moe preset: 1.5 MiB) | 0.16 / 0.44 / 0.69 / 1.10 | 0.14 / 0.24 / 0.52 / 0.82 |
+| 256 x 128, 16, 4 (6 MiB) | 0.39 / 0.78 / 1.17 / 1.44 | 0.29 / 0.60 / 1.09 / 1.43 |
+| 384 x 192, 32, 4 (27 MiB) | 0.44 / 0.78 / 0.79 / 1.59 | 0.26 / 0.41 / 0.53 / 0.74 |
+| 1,536 x 512, 64, 6 (Granite-4.0-H-Tiny: 576 MiB) | 0.91 / 0.81 / 0.92 / 1.46 | 0.72 / 1.00 / 1.16 / 1.36 |
 
-Against the kernel that ran each (row, slot) pair alone, reading the expert's weights once per pair: 0.72-0.78 of
-its time on granite-moe's layer at 64-256 rows (0.59-0.65 bfloat16), 1.0-1.1 at 1-4 rows; on Tiny's 0.60 / 0.28 at 16
-/ 64 rows (float32; bfloat16 0.62 / 0.29).
+Against the kernel that ran each (row, slot) pair alone, reading the expert's weights once per pair: 0.74-0.82 of
+its time on granite-moe's layer at 64-256 rows (0.63-0.68 bfloat16), 1.0-1.17 at 1-4 rows; on Tiny's 0.60 / 0.28 at
+16 / 64 rows (float32; bfloat16 0.62 / 0.29).
 """
 
 from __future__ import annotations
