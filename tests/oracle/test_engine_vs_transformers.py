@@ -114,6 +114,7 @@ def test_eight_concurrent_requests_of_different_lengths(tiny, monkeypatch, kerne
     calls = []
     if kernel is not None:
         monkeypatch.setattr(linear_module, "FEW_ROWS_MIN_WEIGHT", 0)
+        monkeypatch.setattr(linear_module, "FEW_ROWS_MIN_INTEL", 2)
         monkeypatch.setattr(linear_module, "ONE_ROW_MIN_WEIGHT", 0)
         monkeypatch.setattr(linear_module, "ONE_ROW_MIN_WEIGHT_BF16", 0)
         monkeypatch.setattr(linear_module, "_f32_packing", kernel == "one_row_linear")

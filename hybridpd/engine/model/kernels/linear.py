@@ -13,8 +13,10 @@ through a float32 copy kept beside it).
 The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at least FEW_ROWS_MIN_WEIGHT elements:
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
 costs ~15 us more than MKL's, which on the small presets' weights (128-1,024 wide) is more than it saves; at 16 rows
-the two are even, from 32 MKL is ahead. The bounds were measured on that AVX2 guest only: a CPU whose MKL does
-better on a few rows may want them lower (benchmarks/README.md).
+the two are even, from 32 MKL is ahead. Where MKL runs Intel's own kernels it does better on a few rows: on the
+Xeon with AVX512-BF16 (benchmarks/README.md), granite-350m's decode steps took 1.44-1.54x as long through the kernel
+at 2 rows, 1.03-1.11 at 5-6, 1.00 at 7 and 0.81-0.93 at 8 (`decode_kernels.py`), so there it takes FEW_ROWS_MIN_INTEL
+rows and up only.
 
 Measured on an x86 CPU with AVX-512, one thread (benchmarks/README.md names the machines): MKL, which `F.linear` calls, runs the model's projections
 (128-256 inputs, 128-580 outputs) at 75-85 GFLOP/s over 2,048-4,096 rows, where oneDNN's matmul
@@ -52,6 +54,7 @@ from hybridpd.engine.model.kernels.packed import (
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
 FEW_ROWS_MAX = 8
+FEW_ROWS_MIN_INTEL = 8   # where MKL runs Intel's own kernels: from this many rows (below, MKL reads as fast)
 FEW_ROWS_MIN_WEIGHT = 2**20
 # One row by a weight of at least this many elements goes through the one-row kernel where products pack (below,
 # MKL's product costs less: on the EPYC with AVX512-BF16, float32 384 x 128 3.9 against 4.8 us, 768 x 128 6.2 against
@@ -207,7 +210,8 @@ def products_on_tiles(dtype: torch.dtype) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a [T, K] `x`: bfloat16 on a CPU without bfloat16 units through `bf16_linear`;
     one row by a large weight where `own_loops_pay` through the one-row kernel; elsewhere a float32
-    product of 2..FEW_ROWS_MAX rows by a large weight through the few-rows kernel; a product whose dtype packs here
+    product of 2..FEW_ROWS_MAX rows (on Intel's MKL from FEW_ROWS_MIN_INTEL) by a large weight through the
+    few-rows kernel; a product whose dtype packs here
     through the packed weight; a float32 one of a multiple of ONEDNN_ROWS rows through oneDNN; else MKL."""
     if _emulated_bf16(x, weight):
         return bf16_linear(x, weight, bias)
@@ -256,7 +260,8 @@ def _small_bf16_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (not _f32_packing and 2 <= x.shape[0] <= FEW_ROWS_MAX and x.dim() == 2
+    fewest = 2 if _f32_own_loops else FEW_ROWS_MIN_INTEL
+    return (not _f32_packing and fewest <= x.shape[0] <= FEW_ROWS_MAX and x.dim() == 2
             and weight.numel() >= FEW_ROWS_MIN_WEIGHT
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_contiguous()
             and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, one_row_linear
-from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_WEIGHT, ONE_ROW_MAX_WEIGHT_BF16_INTEL,
-                                                  ONE_ROW_MIN_WEIGHT, ONE_ROW_MIN_WEIGHT_BF16, SMALL_BF16_ROWS_MAX,
-                                                  SMALL_BF16_WEIGHT_BELOW, linear, plain_linear)
+from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_INTEL, FEW_ROWS_MIN_WEIGHT,
+                                                  ONE_ROW_MAX_WEIGHT_BF16_INTEL, ONE_ROW_MIN_WEIGHT,
+                                                  ONE_ROW_MIN_WEIGHT_BF16,
+                                                  SMALL_BF16_ROWS_MAX, SMALL_BF16_WEIGHT_BELOW, linear, plain_linear)
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
@@ -82,13 +83,14 @@ SMALL_BF16 = (ONE_ROW_MIN_WEIGHT_BF16 // 128, 64)
 
 
 @pytest.mark.parametrize("rows, weight_shape, dtype, contiguous, cpu, taken", [
-    (2, LARGE, torch.float32, True, INTEL, "few"),
+    (FEW_ROWS_MIN_INTEL - 1, LARGE, torch.float32, True, INTEL, None),   # Intel's MKL reads a few rows as fast
+    (FEW_ROWS_MIN_INTEL, LARGE, torch.float32, True, INTEL, "few"),
     (FEW_ROWS_MAX, LARGE, torch.float32, True, INTEL, "few"),
     (1, LARGE, torch.float32, True, INTEL, None),                 # one row: MKL is as fast
     (FEW_ROWS_MAX + 1, LARGE, torch.float32, True, INTEL, None),  # MKL catches up
-    (4, (LARGE[0] // 2, 64), torch.float32, True, INTEL, None),   # a small weight: the call costs more than it saves
-    (4, LARGE, torch.float64, True, INTEL, None),
-    (4, LARGE, torch.float32, False, INTEL, None),                # strided rows
+    (4, (LARGE[0] // 2, 64), torch.float32, True, AVX2, None),    # a small weight: the call costs more than it saves
+    (4, LARGE, torch.float64, True, AVX2, None),
+    (4, LARGE, torch.float32, False, AVX2, None),                 # strided rows
     (1, LARGE, torch.float32, True, AVX2, "one"),      # MKL's generic code without packs: the one-row kernel
     (2, LARGE, torch.float32, True, AVX2, "few"),
     (1, SMALL, torch.float32, True, AVX2, None),
