@@ -34,7 +34,7 @@ import torch
 
 from hybridpd.engine.dtype_choice import this_cpus_model
 from hybridpd.engine.host_memory import keep_freed_memory
-from hybridpd.engine.model.kernels.fused_moe import RESIDENT_BYTES, routed_moe_rows
+from hybridpd.engine.model.kernels.fused_moe import routed_moe_rows
 from hybridpd.engine.model.layers.moe import EVERY_EXPERT_MIN_ROWS, GraniteMoE, every_expert, grouped_experts
 from hybridpd.engine.request import EngineRequest
 from hybridpd.engine.sampling_params import SamplingParams
@@ -44,12 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import engine_for  # noqa: E402  (the roofline script's engine)
 
 
-def resident(layer: GraniteMoE) -> bool:
-    """Whether the layer's experts, in bfloat16, stay in cache (the layer's own rule for every expert at once)."""
-    elements = layer.input_linear.weight.numel() + layer.output_linear.weight.numel()
-    return elements * torch.bfloat16.itemsize <= RESIDENT_BYTES
-
-
 def layer_paths(layer: GraniteMoE, rows: int, dtype: torch.dtype, generator: torch.Generator,
                 every_row_count: bool = False) -> dict:
     """The paths a layer may take for `rows` rows, each a call on the same inputs, its routing included (with
@@ -57,7 +51,7 @@ def layer_paths(layer: GraniteMoE, rows: int, dtype: torch.dtype, generator: tor
     x = torch.randn(rows, layer.input_linear.weight.shape[2], generator=generator).to(dtype)
     w_in, w_out = layer.input_linear.weight, layer.output_linear.weight
     paths = {"grouped": lambda: grouped_experts(x, *layer.router.forward(x), layer._expert, layer.num_experts)}
-    if resident(layer) or not every_row_count:
+    if layer.resident or not every_row_count:
         paths["every_expert"] = lambda: every_expert(x, *layer.router.forward(x), w_in, layer._w_out_side_by_side())
     if rows <= layer.fused_max_rows or every_row_count:
         paths["compiled"] = lambda: routed_moe_rows(x, layer.router.layer.weight, layer.router.top_k, w_in, w_out)
@@ -146,7 +140,7 @@ def main() -> None:
         moe_layers = [m for m in engine.model.modules() if isinstance(m, GraniteMoE)]
         if not moe_layers:
             parser.error(f"--preset {args.preset} has no MoE layers")
-        allowed = [EVERY_EXPERT_MIN_ROWS if resident(m) else None for m in moe_layers]
+        allowed = [EVERY_EXPERT_MIN_ROWS if m.resident else None for m in moe_layers]
         layer = moe_layers[0]
         layer_ms: dict[str, dict[int, list[float]]] = {}
         rates: dict[bool, list[float]] = {True: [], False: []}

@@ -121,8 +121,9 @@ class GraniteMoE(nn.Module):
         expert_elements = 3 * hidden_size * intermediate_size * num_experts
         self.fused_max_rows = rows_worth_fusing(expert_elements * dtype.itemsize)
         # From this many bfloat16 rows on packed products every expert at once (`every_expert`; None: never).
-        resident = expert_elements * torch.bfloat16.itemsize <= RESIDENT_BYTES
-        self.every_expert_min_rows = EVERY_EXPERT_MIN_ROWS if resident and products_on_tiles(torch.bfloat16) else None
+        self.resident = expert_elements * torch.bfloat16.itemsize <= RESIDENT_BYTES   # its bfloat16 experts in cache
+        self.every_expert_min_rows = (EVERY_EXPERT_MIN_ROWS if self.resident and products_on_tiles(torch.bfloat16)
+                                      else None)
         self._side_by_side_of: tuple[torch.Tensor, int] | None = None
         self._side_by_side: torch.Tensor | None = None
 
