@@ -28,9 +28,14 @@ def make(tmp_path, queue_pages=8):
     return store, pages, OffloadTier(store, [pages], queue_bytes=queue_pages * PAGE, rescan_s=3600)
 
 
+HANG_S = 120.0   # a wait longer than this is a hang: the test fails with what it waited for, never stalls the suite
+
+
 def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
     done = []
+    deadline = time.monotonic() + HANG_S
     while not done:
+        assert time.monotonic() < deadline, "no load finished"
         tier.wait_for_load(0.1)
         done = tier.take_finished()
     return done
@@ -38,10 +43,12 @@ def wait_loaded(tier: OffloadTier) -> list[tuple[str, bool]]:
 
 def retried(call):
     """`call()`, again every 10 ms while it fails with OSError (a FIFO without a reader yet)."""
+    deadline = time.monotonic() + HANG_S
     while True:
         try:
             return call()
         except OSError:
+            assert time.monotonic() < deadline, "the FIFO never had a reader"
             time.sleep(0.01)
 
 
@@ -149,18 +156,21 @@ def test_a_read_that_hangs_is_abandoned_and_never_writes_into_the_blocks_after(t
     reader.start_load("queued", [LoadItem(0, 2, b"b" * 32)])
     fifo = retried(lambda: os.open(path, os.O_WRONLY | os.O_NONBLOCK))   # once the reader process opened it
     try:
-        assert reader.abandon_overdue(3600) == []   # not overdue yet
-        assert reader.has(0, b"b" * 32)
-        assert sorted(reader.abandon_overdue(0)) == ["queued", "stuck"]
-        assert not reader.loading and reader.counters.load_timeouts == 2
-        assert not reader.has(0, b"b" * 32)   # no hit is offered while the loader is stuck
+        try:
+            assert reader.abandon_overdue(3600) == []   # not overdue yet
+            assert reader.has(0, b"b" * 32)
+            assert sorted(reader.abandon_overdue(0)) == ["queued", "stuck"]
+            assert not reader.loading and reader.counters.load_timeouts == 2
+            assert not reader.has(0, b"b" * 32)   # no hit is offered while the loader is stuck
+        finally:
+            # The read returns the file whole: nothing may land in the blocks the engine took back. The bytes stay
+            # in the pipe while its write end is open, whether the prefetch (which opens and closes the FIFO before
+            # the read opens it) or the read has it open; a write while neither has fails, and is tried again.
+            retried(lambda: os.write(fifo, data))
+        reader.start_load("after", [LoadItem(0, 1, b"b" * 32)])
+        assert wait_loaded(reader) == [("after", True)]
     finally:
-        # The read returns the file whole (retried until the read, not the prefetch before it, has the pipe open):
-        # nothing may land in the blocks the engine took back.
-        retried(lambda: os.write(fifo, data))
-        os.close(fifo)
-    reader.start_load("after", [LoadItem(0, 1, b"b" * 32)])
-    assert wait_loaded(reader) == [("after", True)]
+        os.close(fifo)   # only now: closed before the read opened the FIFO, the bytes would go and the read would wait
     assert (pages[0] == 7).all() and (pages[2] == 7).all() and (pages[3] == 7).all()
     assert not (pages[1] == 7).all()
     assert reader.has(0, b"b" * 32)   # the loader is back: hits again
