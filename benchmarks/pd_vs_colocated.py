@@ -287,7 +287,8 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(SHAPES),
-                        help="the checkpoint both nodes serve (default: %(default)s)")
+                        help="the checkpoint both nodes serve (default: %(default)s); it sets the defaults of the "
+                             "flags below that show none (WORKLOAD, WORKLOADS)")
     parser.add_argument("--num-prompts", type=int, help="mixed workload size per setup, all rounds")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds of the mixed workload")
     parser.add_argument("--request-rate", type=float,
