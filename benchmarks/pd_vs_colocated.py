@@ -29,7 +29,7 @@ What the ratio measures depends on the model. On the default preset a decode ste
 call (Python and ~45 small products), which two cores shared by both nodes, their fronts, the proxy and the client
 stretch to a p99 of 3-4x its median, while the prefill cap while decoding (192 tokens) keeps a colocated stall at
 ~2.5-3 steps: the ratio there is this guest's scheduling spread against the cap. On `--preset granite-350m` (its
-own workload below, `WORKLOADS`) a decode step is its weights' read (~0.1-0.2 s) and a 192-token chunk ~1.1 s of
+own workload below, `WORKLOADS`) a decode step is its weights' read (~0.1-0.2 s) and a 192-token chunk ~1.1-1.2 s of
 products, as on the models people disaggregate: there the ratio measures what the decode node is spared.
 
 What isolation is measured on: every gap after a request's second token. Its first gap (first token -> second)
