@@ -14,8 +14,9 @@ The few-rows kernel takes 2 to FEW_ROWS_MAX rows against a float32 weight of at 
 there it runs the projections in 0.4-0.7 of MKL's time on the EPYC guest (few_rows.py); below that size its call
 costs ~15 us more than MKL's, which on the small presets' weights (128-1,024 wide) is more than it saves; at 16 rows
 the two are even, from 32 MKL is ahead. Where MKL runs Intel's own kernels it does better on a few rows: on the
-Xeon with AVX512-BF16 (benchmarks/README.md), granite-350m's decode steps took 1.44-1.54x as long through the kernel
-at 2 rows, 1.03-1.11 at 5-6, 1.00 at 7 and 0.81-0.93 at 8 (`decode_kernels.py`), so there it takes FEW_ROWS_MIN_INTEL
+Xeon with AVX512-BF16 (benchmarks/README.md), granite-350m's decode steps took 0.88-0.99x as long through the kernel
+at 2 rows, 0.92-0.97 at 3, and 0.84 at 4, 6 and 8 (`decode_kernels.py`, the kernel taking four columns at a time;
+one column at a time it had taken 1.44-1.54x at 2 rows and 0.81-0.93 at 8), so there it takes FEW_ROWS_MIN_INTEL
 rows and up only.
 
 Measured on an x86 CPU with AVX-512, one thread (benchmarks/README.md names the machines): MKL, which `F.linear` calls, runs the model's projections
@@ -54,7 +55,7 @@ from hybridpd.engine.model.kernels.packed import (
 # Steps of a multiple of this many rows go to oneDNN.
 ONEDNN_ROWS = 1024
 FEW_ROWS_MAX = 8
-FEW_ROWS_MIN_INTEL = 8   # where MKL runs Intel's own kernels: from this many rows (below, MKL reads as fast)
+FEW_ROWS_MIN_INTEL = 4   # where MKL runs Intel's own kernels: from this many rows (below, MKL is as fast)
 FEW_ROWS_MIN_WEIGHT = 2**20
 # One row by a weight of at least this many elements goes through the one-row kernel where products pack (below,
 # MKL's product costs less: on the EPYC with AVX512-BF16, float32 384 x 128 3.9 against 4.8 us, 768 x 128 6.2 against

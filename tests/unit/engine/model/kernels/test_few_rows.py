@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridpd.engine.model.kernels import few_rows as few_rows_module
 from hybridpd.engine.model.kernels import linear as linear_module
 from hybridpd.engine.model.kernels.few_rows import few_rows_linear, one_row_linear
 from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_INTEL, FEW_ROWS_MIN_WEIGHT,
@@ -18,11 +19,17 @@ from hybridpd.engine.model.kernels.linear import (FEW_ROWS_MAX, FEW_ROWS_MIN_INT
 from tests.unit.engine.model.kernels.linear_cases import check_agrees_with_f_linear
 
 
+@pytest.fixture(params=[True, False], ids=["four-columns", "one-column"])
+def column_loop(request, monkeypatch):
+    """Either loop a float32 weight may take (four columns at a time with AVX-512, one without), on any CPU."""
+    monkeypatch.setattr(few_rows_module, "_FOUR_COLUMNS", request.param)
+
+
 @pytest.mark.parametrize("rows, inputs, outputs, with_bias", [
     (1, 64, 40, False), (2, 64, 40, True), (3, 7, 5, False), (4, 128, 33, True), (5, 256, 64, False),
-    (8, 768, 130, True), (13, 96, 17, False),
+    (8, 768, 130, True), (13, 96, 17, False), (6, 40, 3, True),
 ])
-def test_agrees_with_f_linear(rows, inputs, outputs, with_bias):
+def test_agrees_with_f_linear(column_loop, rows, inputs, outputs, with_bias):
     check_agrees_with_f_linear(few_rows_linear, rows, inputs, outputs, with_bias)
 
 
@@ -38,10 +45,10 @@ def test_the_one_row_kernel_takes_one_row_of_the_weights_dtype():
         one_row_linear(torch.zeros(1, 8), torch.zeros(3, 8, dtype=torch.bfloat16))
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(column_loop):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(8, 200, generator=gen)
-    weight = torch.randn(24, 200, generator=gen)
+    weight = torch.randn(26, 200, generator=gen)   # six blocks of four columns and two columns alone
     alone = torch.cat([few_rows_linear(x[i : i + 1].contiguous(), weight) for i in range(8)])
     for rows in range(2, 9):
         for start in range(0, 8 - rows + 1):
