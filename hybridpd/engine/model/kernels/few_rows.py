@@ -34,7 +34,7 @@ _U16_2D = numba.uint16[:, ::1]
 
 
 @numba.njit(inline="always", fastmath=True, boundscheck=False)
-def _rows_by_weight(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
+def _rows_by_four_columns(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
     """float32 rows `x` by a float32 `weight` into `out`: four output columns at a time (`_four_columns`), the last
     columns short of four one at a time (`_one_column`)."""
     columns = weight.shape[0]
@@ -115,16 +115,16 @@ def _four_columns(x, weight, bias, has_bias, out, j):  # pragma: no cover - comp
 
 @numba.njit(inline="always", fastmath=True, boundscheck=False)
 def _store_four(out, m, j, s0, s1, s2, s3, bias, has_bias):  # pragma: no cover - compiled
-    if has_bias:
-        out[m, j] = s0 + np.float32(bias[j])
-        out[m, j + 1] = s1 + np.float32(bias[j + 1])
-        out[m, j + 2] = s2 + np.float32(bias[j + 2])
-        out[m, j + 3] = s3 + np.float32(bias[j + 3])
-    else:
-        out[m, j] = s0
-        out[m, j + 1] = s1
-        out[m, j + 2] = s2
-        out[m, j + 3] = s3
+    out[m, j] = s0 + _bias_at(bias, has_bias, j)
+    out[m, j + 1] = s1 + _bias_at(bias, has_bias, j + 1)
+    out[m, j + 2] = s2 + _bias_at(bias, has_bias, j + 2)
+    out[m, j + 3] = s3 + _bias_at(bias, has_bias, j + 3)
+
+
+@numba.njit(inline="always", fastmath=True, boundscheck=False)
+def _bias_at(bias, has_bias, j):  # pragma: no cover - compiled
+    """What column j's sums start from: its bias, or zero."""
+    return np.float32(bias[j]) if has_bias else np.float32(0.0)
 
 
 @numba.njit(inline="always", fastmath=True, boundscheck=False)
@@ -133,7 +133,7 @@ def _one_column(x, weight, bias, has_bias, out, j):  # pragma: no cover - compil
     rows, width = x.shape
     last = rows - 1
     w = weight[j]
-    start = np.float32(bias[j]) if has_bias else np.float32(0.0)
+    start = _bias_at(bias, has_bias, j)
     for m in range(0, rows, 4):
         x0, x1, x2, x3 = x[m], x[min(m + 1, last)], x[min(m + 2, last)], x[min(m + 3, last)]
         s0 = np.float32(0.0)
@@ -159,7 +159,7 @@ def _one_column(x, weight, bias, has_bias, out, j):  # pragma: no cover - compil
             boundscheck=False)
 def _few_rows(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
     """float32 rows by a float32 weight into float32 results, four columns at a time."""
-    _rows_by_weight(x, weight, bias, has_bias, out)
+    _rows_by_four_columns(x, weight, bias, has_bias, out)
 
 
 @numba.njit([numba.void(_F32_2D, weights, _F32_1D, numba.boolean, _F32_2D) for weights in (_F32_2D, _U16_2D)],
@@ -199,7 +199,7 @@ def _one_row(x, weight, bias, has_bias, out):  # pragma: no cover - compiled
         s = np.float32(0.0)
         for k in range(x.shape[0]):
             s += widen(x[k]) * widen(w[k])
-        out[j] = narrow(s + (np.float32(bias[j]) if has_bias else np.float32(0.0)), out)
+        out[j] = narrow(s + _bias_at(bias, has_bias, j), out)
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
